@@ -1,0 +1,781 @@
+"""The typed, validated configuration tree of a nereus_jax job.
+
+One frozen dataclass per concern (model, cluster, plan, rollout, algorithm, trainer, task, controller,
+checkpoint, logging), read from YAML and changed from the command line with dotted `key.sub=value`
+overrides whose values are parsed as YAML (`5` is an int, `3e-6` a float, `[1, 2]` a list, `null` None):
+
+    python -m nereus_jax.train configs/default.yaml trainer.steps=5 algorithm.name=grpo \\
+        rollout.samples_per_prompt=4 model=qwen2.5-0.5b model.num_layers=2 \\
+        plan.stages.actor-gen.tp=2 'cluster.schedule=[{step: 3, leave: [7]}]'
+
+`model` is a preset name from `configs/models/` (`model: llama3.1-8b`) or a mapping; a mapping's `preset`
+key picks the base preset and its other keys change it. `model=NAME` and `model.preset=NAME` overrides are
+applied before the other overrides, so `model.num_layers=2` changes whichever preset was chosen.
+A bare config name (`default`) means `configs/default.yaml`.
+
+Unknown keys, wrong types and impossible combinations raise `ConfigError`, whose message names the full
+dotted key and what to change. Pure Python + PyYAML: no JAX, so the planner, the simulator and `--help`
+work on machines without accelerators. `describe()` prints every key with its type and default.
+"""
+
+import copy
+import dataclasses
+import difflib
+import json
+import os
+import re
+import types
+import typing
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+STAGE_NAMES = (
+    "actor-gen",
+    "actor-infer",
+    "actor-train",
+    "critic-infer",
+    "critic-train",
+    "ref-infer",
+    "reward-infer",
+)
+_PRESET_KEYS = ("model", "model.preset")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the dotted key and what to change."""
+
+
+def _field(default: Any, help: str) -> Any:
+    """A dataclass field with a one-line explanation that `describe()` prints."""
+    return field(default=default, metadata={"help": help})
+
+
+class _Node:
+    """Behaviour shared by every section of the tree."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dicts, lists and scalars (YAML/JSON-safe); `config_from_dict` reads it back."""
+        return _to_plain(self)
+
+
+# ----------------------------------------------------------------------------------------------- sections
+@dataclass(frozen=True)
+class RopeScalingConfig(_Node):
+    """Llama 3 style RoPE frequency scaling for long contexts."""
+
+    rope_type: Literal["llama3"] = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        names = ("factor", "low_freq_factor", "original_max_position_embeddings")
+        _check_positive("model.rope_scaling", self, *names)
+        _require(
+            self.high_freq_factor > self.low_freq_factor,
+            f"model.rope_scaling.high_freq_factor ({self.high_freq_factor}) must exceed "
+            f"model.rope_scaling.low_freq_factor ({self.low_freq_factor}): llama3 scaling "
+            "interpolates between the two wavelength bounds",
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Node):
+    """Decoder architecture (Llama / Qwen2 family) and its dtypes; presets live in configs/models/."""
+
+    name: str = "tiny"
+    family: Literal["llama", "qwen2"] = "llama"
+    vocab_size: int = 128
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int | None = _field(None, "null -> hidden_size // num_heads (derived once, at construction)")
+    intermediate_size: int = 256
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScalingConfig | None = None
+    rms_norm_eps: float = 1e-5
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    param_dtype: Literal["float32", "bfloat16"] = _field("float32", "master weights and optimizer state")
+    compute_dtype: Literal["float32", "bfloat16"] = _field("float32", "generation/inference compute, weights")
+    remat: bool = _field(False, "rematerialise activations in training (time for memory)")
+
+    def __post_init__(self) -> None:
+        _check_positive(
+            "model",
+            self,
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+            "rope_theta",
+            "rms_norm_eps",
+        )
+        _require(
+            self.num_heads % self.num_kv_heads == 0,
+            f"model.num_heads ({self.num_heads}) must be divisible by model.num_kv_heads "
+            f"({self.num_kv_heads}): grouped-query attention shares each kv head among "
+            "num_heads / num_kv_heads query heads",
+        )
+        if self.head_dim is None:
+            _require(
+                self.hidden_size % self.num_heads == 0,
+                f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_heads "
+                f"({self.num_heads}) when model.head_dim is not set: set model.head_dim explicitly",
+            )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        _check_positive("model", self, "head_dim")
+
+
+@dataclass(frozen=True)
+class PoolChange(_Node):
+    """Devices that leave or join the pool at the start of `step` (a preemptible cluster's schedule)."""
+
+    step: int
+    leave: tuple[int, ...] = ()
+    join: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ClusterConfig(_Node):
+    """The devices the job runs on and how the pool changes over time."""
+
+    platform: Literal["cpu", "gpu", "tpu"] = "cpu"
+    num_devices: int = 8
+    device_memory_bytes: int | None = _field(None, "per-device memory-ledger cap; null = the hardware's")
+    hardware: str = _field("cpu", "cost-model hardware table entry: cpu, h100, h200, a100, mi250x")
+    schedule: tuple[PoolChange, ...] = _field((), "device-pool changes, in step order")
+
+    def __post_init__(self) -> None:
+        _check_positive("cluster", self, "num_devices")
+        if self.device_memory_bytes is not None:
+            _check_positive("cluster", self, "device_memory_bytes")
+        _check_schedule(self.schedule, self.num_devices)
+
+
+@dataclass(frozen=True)
+class StageLayoutConfig(_Node):
+    """One model-stage's parallel layout: tensor and pipeline degree, and number of data-parallel replicas."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int | None = _field(None, "replica count; null = fill the devices the plan gives this stage")
+
+    def devices_needed(self) -> int:
+        """The fewest devices this layout occupies (dp unset counts one replica)."""
+        return self.tp * self.pp * (self.dp or 1)
+
+
+@dataclass(frozen=True)
+class PlanConfig(_Node):
+    """The initial execution plan: per model-stage layouts, colocated on all devices or split."""
+
+    colocate: bool = _field(True, "all model-stages share all devices (true) or get split device sets")
+    default: StageLayoutConfig = field(default_factory=StageLayoutConfig)
+    stages: dict[str, StageLayoutConfig] = field(
+        default_factory=dict, metadata={"help": "per-stage layouts overriding plan.default"}
+    )
+
+    def __post_init__(self) -> None:
+        for name in self.stages:
+            if name not in STAGE_NAMES:
+                raise _unknown_name_error("stage", f"plan.stages.{name}", name, STAGE_NAMES, "plan.stages")
+        for key, layout in self.named_layouts():
+            _check_at_least(key, layout, 1, "tp", "pp")
+            if layout.dp is not None:
+                _check_at_least(key, layout, 1, "dp")
+
+    def layout_for(self, stage: str) -> StageLayoutConfig:
+        """The layout of `stage` (one of STAGE_NAMES): its own entry, else `default`."""
+        assert stage in STAGE_NAMES, f"unknown stage {stage!r}"
+        return self.stages.get(stage, self.default)
+
+    def named_layouts(self) -> list[tuple[str, StageLayoutConfig]]:
+        """(dotted key, layout) for `default` and every configured stage."""
+        return [("plan.default", self.default)] + [(f"plan.stages.{n}", s) for n, s in self.stages.items()]
+
+
+@dataclass(frozen=True)
+class RolloutConfig(_Node):
+    """Generation: lengths, samples per prompt and sampling parameters."""
+
+    max_prompt_length: int = 32
+    max_response_length: int = 32
+    samples_per_prompt: int = 1
+    temperature: float = _field(1.0, "0 = greedy")
+    top_k: int = _field(0, "0 = off")
+    top_p: float = _field(1.0, "1.0 = off")
+    max_concurrent_decodes: int = _field(32, "decode slots per engine replica")
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_positive(
+            "rollout",
+            self,
+            "max_prompt_length",
+            "max_response_length",
+            "samples_per_prompt",
+            "max_concurrent_decodes",
+        )
+        _check_at_least("rollout", self, 0, "temperature", "top_k")
+        _require(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig(_Node):
+    """The RL algorithm: advantage estimator, clipping and KL regularisation."""
+
+    name: Literal["ppo", "grpo", "remax", "rloo"] = "ppo"
+    gamma: float = 1.0
+    lam: float = _field(0.95, "GAE lambda (ppo)")
+    clip_ratio: float = 0.2
+    value_clip: float = _field(0.2, "critic value clipping (ppo)")
+    kl_coef: float = 0.01
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    kl_in_reward: bool = _field(True, "KL penalty folded into the reward (true) or added to the loss")
+    entropy_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("gamma", "lam"):
+            value = getattr(self, name)
+            _require(0 <= value <= 1, f"algorithm.{name} must be in [0, 1], got {value}")
+        _check_positive("algorithm", self, "clip_ratio")
+        _check_at_least("algorithm", self, 0, "value_clip", "kl_coef")
+
+
+@dataclass(frozen=True)
+class TrainerConfig(_Node):
+    """The training loop: steps, batch, learning rates, sync or async rollouts."""
+
+    steps: int = 20
+    prompts_per_step: int = 32
+    micro_batch_tokens: int = _field(4096, "token budget per forward/backward micro-batch")
+    actor_lr: float = 1e-5
+    critic_lr: float = 1e-5
+    mode: Literal["sync", "async"] = "sync"
+    max_staleness: int = _field(1, "async: how many policy versions a rollout may lag")
+    seed: int = 0
+    warmup_sft_steps: int = _field(0, "supervised steps before RL")
+
+    def __post_init__(self) -> None:
+        _check_positive("trainer", self, "prompts_per_step", "micro_batch_tokens")
+        names = ("steps", "actor_lr", "critic_lr", "max_staleness", "warmup_sft_steps")
+        _check_at_least("trainer", self, 0, *names)
+
+
+@dataclass(frozen=True)
+class TaskConfig(_Node):
+    """The prompts and their verifiable reward."""
+
+    name: Literal["addition", "sorting", "countdown", "file"] = "addition"
+    prompt_file: str | None = _field(None, "prompts for task.name=file")
+    tokenizer_path: str | None = None
+    eval_size: int = 256
+    num_digits: int = 2
+
+    def __post_init__(self) -> None:
+        _check_at_least("task", self, 0, "eval_size")
+        _check_positive("task", self, "num_digits")
+        _require(
+            self.name != "file" or self.prompt_file is not None,
+            "task.name is 'file' but task.prompt_file is not set: add task.prompt_file=path/to/prompts",
+        )
+
+
+@dataclass(frozen=True)
+class ControllerConfig(_Node):
+    """When the job re-plans its layout while it runs."""
+
+    enabled: bool = True
+    gamma: float = _field(0.5, "admit a transition when its cost / per-step saving <= gamma * H (Eq. 2)")
+    length_drift: float = _field(0.3, "relative sequence-length change that triggers a re-plan")
+    memory_headroom: float = _field(0.1, "fraction of device memory the planner keeps free")
+    hardware: str | None = _field(None, "cost-model hardware; null = cluster.hardware")
+
+    def __post_init__(self) -> None:
+        _check_at_least("controller", self, 0, "gamma")
+        _check_positive("controller", self, "length_drift")
+        _require(
+            0 <= self.memory_headroom < 1,
+            f"controller.memory_headroom must be in [0, 1), got {self.memory_headroom}",
+        )
+
+
+@dataclass(frozen=True)
+class CheckpointConfig(_Node):
+    """Where and how often to checkpoint, and what to resume from."""
+
+    dir: str | None = None
+    every_steps: int = 0
+    keep: int = 2
+    resume_from: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_at_least("checkpoint", self, 0, "every_steps")
+        _check_positive("checkpoint", self, "keep")
+
+
+@dataclass(frozen=True)
+class LoggingConfig(_Node):
+    """Metrics (JSONL, TensorBoard) and the progress display."""
+
+    run_dir: str | None = None
+    tensorboard: bool = True
+    progress: bool = True
+    log_every: int = 1
+
+    def __post_init__(self) -> None:
+        _check_positive("logging", self, "log_every")
+
+
+@dataclass(frozen=True)
+class Config(_Node):
+    """A whole job. Each section validates itself; this checks the combinations across sections."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        _check_plan_fits(self.plan, self.cluster)
+        _check_context_fits(self.rollout, self.model)
+        _check_group_sampling(self.algorithm, self.rollout)
+
+
+# --------------------------------------------------------------------------------------------- validation
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _check_positive(section: str, obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        _require(value > 0, f"{section}.{name} must be > 0, got {value!r}")
+
+
+def _check_at_least(section: str, obj: Any, minimum: float, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        _require(value >= minimum, f"{section}.{name} must be >= {minimum}, got {value!r}")
+
+
+def _check_schedule(schedule: Sequence[PoolChange], num_devices: int) -> None:
+    previous = 0
+    for i, change in enumerate(schedule):
+        key = f"cluster.schedule[{i}]"
+        _require(
+            change.step >= previous,
+            f"{key}.step ({change.step}) must be >= 0 and not before the previous change's step "
+            f"({previous}): list pool changes in step order",
+        )
+        previous = change.step
+        for kind in ("leave", "join"):
+            for device in getattr(change, kind):
+                _require(
+                    0 <= device < num_devices,
+                    f"{key}.{kind}: device id {device} is outside [0, {num_devices}): ids index the "
+                    f"cluster.num_devices ({num_devices}) devices",
+                )
+
+
+def _check_plan_fits(plan: PlanConfig, cluster: ClusterConfig) -> None:
+    for key, layout in plan.named_layouts():
+        need = layout.devices_needed()
+        _require(
+            need <= cluster.num_devices,
+            f"{key} needs tp*pp*dp = {layout.tp}*{layout.pp}*{layout.dp or 1} = {need} devices but "
+            f"cluster.num_devices is {cluster.num_devices}: lower {key}.tp/pp/dp or raise "
+            "cluster.num_devices",
+        )
+
+
+def _check_context_fits(rollout: RolloutConfig, model: ModelConfig) -> None:
+    total = rollout.max_prompt_length + rollout.max_response_length
+    _require(
+        total <= model.max_position_embeddings,
+        f"rollout.max_prompt_length ({rollout.max_prompt_length}) + rollout.max_response_length "
+        f"({rollout.max_response_length}) = {total} exceeds model.max_position_embeddings "
+        f"({model.max_position_embeddings}): shorten the rollout or use a longer-context model",
+    )
+
+
+def _check_group_sampling(algorithm: AlgorithmConfig, rollout: RolloutConfig) -> None:
+    _require(
+        algorithm.name not in ("grpo", "rloo") or rollout.samples_per_prompt >= 2,
+        f"algorithm.name={algorithm.name} needs rollout.samples_per_prompt >= 2 (got "
+        f"{rollout.samples_per_prompt}): its baseline compares the samples of one prompt",
+    )
+
+
+def _unknown_name_error(what: str, key: str, name: str, valid: Sequence[str], parent: str) -> ConfigError:
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f" — did you mean '{_join(parent, close[0])}'?" if close else ""
+    where = f"in '{parent}'" if parent else "at the top level"
+    return ConfigError(f"unknown {what} '{key}'{hint} (valid {what}s {where}: {', '.join(valid)})")
+
+
+# ------------------------------------------------------------------------------------------------- loader
+@cache
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "null"
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _from_dict(cls: type, data: Any, prefix: str) -> Any:
+    """Build dataclass `cls` from a mapping, converting and checking every field; keys named from `prefix`."""
+    if not isinstance(data, Mapping):
+        where = prefix or "config"
+        raise ConfigError(f"{where}: expected a mapping of {cls.__name__} keys, got {_show(data)}")
+    types_ = _field_types(cls)
+    kwargs = {}
+    for name, value in data.items():
+        key = _join(prefix, str(name))
+        if name not in types_:
+            raise _unknown_name_error("key", key, str(name), list(types_), prefix)
+        kwargs[name] = _convert(types_[name], value, key)
+    _check_required(cls, kwargs, prefix)
+    return cls(**kwargs)
+
+
+def _check_required(cls: type, kwargs: Mapping[str, Any], prefix: str) -> None:
+    for f in dataclasses.fields(cls):
+        missing = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        _require(not missing or f.name in kwargs, f"{_join(prefix, f.name)} is required")
+
+
+def _convert(tp: Any, value: Any, key: str) -> Any:
+    """Check `value` against type hint `tp`; convert it (list -> tuple, int -> float, dict -> dataclass)."""
+    if dataclasses.is_dataclass(tp):
+        return _from_dict(tp, value, key)
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return _convert_union(tp, value, key)
+    if origin is Literal:
+        return _convert_literal(tp, value, key)
+    if origin in (tuple, list):
+        return _convert_sequence(tp, value, key)
+    if origin is dict:
+        return _convert_mapping(tp, value, key)
+    return _convert_scalar(tp, value, key)
+
+
+def _convert_union(tp: Any, value: Any, key: str) -> Any:
+    options = [a for a in typing.get_args(tp) if a is not type(None)]
+    if value is None and len(options) < len(typing.get_args(tp)):
+        return None
+    errors = []
+    for option in options:
+        try:
+            return _convert(option, value, key)
+        except ConfigError as error:
+            errors.append(error)
+    if len(options) == 1:
+        raise errors[0]
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {_show(value)}")
+
+
+def _convert_literal(tp: Any, value: Any, key: str) -> Any:
+    allowed = typing.get_args(tp)
+    if any(value == a and type(value) is type(a) for a in allowed):
+        return value
+    raise ConfigError(f"{key}: expected one of {', '.join(map(repr, allowed))}, got {_show(value)}")
+
+
+def _convert_sequence(tp: Any, value: Any, key: str) -> Any:
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{key}: expected a list, got {_show(value)}")
+    args = typing.get_args(tp)
+    assert typing.get_origin(tp) is list or args[1:] == (Ellipsis,), f"{key}: use tuple[X, ...], not {tp}"
+    items = [_convert(args[0], item, f"{key}[{i}]") for i, item in enumerate(value)]
+    return tuple(items) if typing.get_origin(tp) is tuple else items
+
+
+def _convert_mapping(tp: Any, value: Any, key: str) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{key}: expected a mapping, got {_show(value)}")
+    value_tp = typing.get_args(tp)[1]
+    for name in value:
+        _require(isinstance(name, str), f"{key}: keys must be strings, got {_show(name)}")
+    return {name: _convert(value_tp, item, f"{key}.{name}") for name, item in value.items()}
+
+
+_ACCEPTED = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}
+
+
+def _convert_scalar(tp: Any, value: Any, key: str) -> Any:
+    assert tp in _ACCEPTED, f"{key}: the loader does not handle type {tp!r}"
+    if not isinstance(value, _ACCEPTED[tp]) or (isinstance(value, bool) and tp is not bool):
+        raise ConfigError(f"{key}: expected {tp.__name__}, got {_show(value)}")
+    return float(value) if tp is float else value
+
+
+def _type_name(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join("None" if a is type(None) else _type_name(a) for a in args)
+    if origin is Literal:
+        return "{" + ", ".join(map(str, args)) + "}"
+    if origin in (tuple, list):
+        return f"list[{_type_name(args[0])}]"
+    if origin is dict:
+        return f"dict[{_type_name(args[0])}, {_type_name(args[1])}]"
+    return tp.__name__
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (tuple, list)):
+        return [_to_plain(item) for item in obj]
+    if isinstance(obj, Mapping):
+        return {name: _to_plain(item) for name, item in obj.items()}
+    return obj
+
+
+# ------------------------------------------------------------------------------------------ YAML and files
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader that also reads `1e-5` as a float (YAML 1.1 wants `1.0e-5`; everyone writes `1e-5`)."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _parse_yaml(text: str) -> Any:
+    loader = _YamlLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
+def _read_mapping(path: Path) -> dict[str, Any]:
+    try:
+        data = _parse_yaml(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path} is not valid YAML: {error}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: expected a mapping of keys at the top level, got {_show(data)}")
+    return dict(data)
+
+
+def config_dir() -> Path:
+    """The `configs/` directory: the installed package's copy if present, else the repository's."""
+    packaged = Path(__file__).resolve().parent / "configs"
+    return packaged if packaged.is_dir() else Path(__file__).resolve().parents[1] / "configs"
+
+
+def available_models() -> list[str]:
+    """Names of the model presets in `config_dir()/models`."""
+    return sorted(p.stem for p in (config_dir() / "models").glob("*.yaml"))
+
+
+def available_configs() -> list[str]:
+    """Names of the job configs in `config_dir()`, loadable by bare name."""
+    return sorted(p.stem for p in config_dir().glob("*.yaml"))
+
+
+def _model_path(name: str) -> Path:
+    folder = config_dir() / "models"
+    names = available_models()
+    if name not in names:
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f" — did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(
+            f"unknown model preset '{name}'{hint} (available: {', '.join(names)}); to add one, "
+            f"create {folder / (name + '.yaml')} with ModelConfig keys"
+        )
+    return folder / f"{name}.yaml"
+
+
+def _preset_data(name: str) -> dict[str, Any]:
+    """The raw keys of preset `name` (with `name` defaulting to it), checked on their own first."""
+    path = _model_path(name)
+    data = {"name": name, **_read_mapping(path)}
+    try:
+        _from_dict(ModelConfig, data, "model")
+    except ConfigError as error:
+        raise ConfigError(f"{error} [in model preset {path}]") from None
+    return data
+
+
+def resolve_model(name: str) -> ModelConfig:
+    """The ModelConfig of preset `name` (`config_dir()/models/<name>.yaml`)."""
+    return _from_dict(ModelConfig, _preset_data(name), "model")
+
+
+def _merge(base: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
+    """`base` with `changes` applied; nested mappings merge key by key."""
+    merged = dict(base)
+    for name, value in changes.items():
+        both = isinstance(value, Mapping) and isinstance(merged.get(name), Mapping)
+        merged[name] = _merge(merged[name], value) if both else value
+    return merged
+
+
+def _expand_model(data: Mapping[str, Any]) -> dict[str, Any]:
+    """Replace `model: NAME` / `model: {preset: NAME, ...}` with the preset's keys plus the changes."""
+    data = dict(data)
+    model = data.get("model")
+    if isinstance(model, str):
+        model = {"preset": model}
+    if model is not None and not isinstance(model, Mapping):
+        names = ", ".join(available_models())
+        raise ConfigError(
+            f"model: expected a preset name ({names}) or a mapping of ModelConfig keys, got {_show(model)}"
+        )
+    if isinstance(model, Mapping) and "preset" in model:
+        name = model["preset"]
+        _require(
+            isinstance(name, str),
+            f"model.preset: expected str (a file stem in {config_dir() / 'models'}), got {_show(name)}",
+        )
+        changes = {k: v for k, v in model.items() if k != "preset"}
+        data["model"] = _merge(_preset_data(name), changes)
+    return data
+
+
+# ---------------------------------------------------------------------------------------------- overrides
+def _parse_override(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key or "" in key.split("."):
+        example = "expected the form key.sub=value, like trainer.steps=5"
+        raise ConfigError(f"malformed override {text!r}: {example}")
+    try:
+        return key, _parse_yaml(raw)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"override {text!r}: the value is not valid YAML ({error}); quote it") from None
+
+
+def _set_key(data: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = data
+    for depth, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if depth == 0 and part == "model" and isinstance(child, str):
+            child = {"preset": child}
+        if child is None:
+            child = {}
+        if not isinstance(child, Mapping):
+            where = ".".join(parts[: depth + 1])
+            raise ConfigError(f"cannot set '{key}': '{where}' is {_show(child)}, not a section")
+        node[part] = child = dict(child)
+        node = child
+    node[parts[-1]] = value
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """A copy of `data` with each `key.sub=value` applied; `model=` and `model.preset=` go first."""
+    if isinstance(overrides, str):
+        overrides = [overrides]
+    result = copy.deepcopy(dict(data))
+    parsed = [_parse_override(text) for text in overrides]
+    for key, value in sorted(parsed, key=lambda kv: kv[0] not in _PRESET_KEYS):
+        _set_key(result, key, value)
+    return result
+
+
+# ------------------------------------------------------------------------------------------------ loading
+def config_from_dict(data: Mapping[str, Any]) -> Config:
+    """The validated Config described by plain data (the inverse of `Config.to_dict`)."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config: expected a mapping of sections, got {_show(data)}")
+    return _from_dict(Config, _expand_model(data), "")
+
+
+def _config_path(path: str | os.PathLike[str]) -> Path:
+    candidate = Path(path)
+    if candidate.is_file():
+        return candidate
+    text = os.fspath(path)
+    if not text.endswith((".yaml", ".yml")) and len(candidate.parts) == 1:
+        named = config_dir() / f"{text}.yaml"
+        if named.is_file():
+            return named
+    raise ConfigError(
+        f"config file '{text}' not found (a bare name such as 'default' is looked up in "
+        f"{config_dir()}: {', '.join(available_configs())})"
+    )
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> Config:
+    """The Config in YAML file `path` (None: defaults; a bare name: configs/<name>.yaml) plus overrides."""
+    data = _read_mapping(_config_path(path)) if path is not None else {}
+    return config_from_dict(apply_overrides(data, overrides))
+
+
+# ----------------------------------------------------------------------------------------------- describe
+def describe(cls: type = Config, prefix: str = "") -> str:
+    """Every key of the tree under `cls`, one line each: `  dotted.key: type = default  # help`."""
+    return "\n".join(_describe_lines(cls, prefix))
+
+
+def _describe_lines(cls: type, prefix: str) -> Iterator[str]:
+    for f in dataclasses.fields(cls):
+        tp, key = _field_types(cls)[f.name], _join(prefix, f.name)
+        if dataclasses.is_dataclass(tp):
+            if not prefix:
+                yield f"{key}: {(tp.__doc__ or '').strip()}"
+            yield from _describe_lines(tp, key)
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        shown = "(required)" if default is dataclasses.MISSING else _render(default)
+        help_text = f"  # {f.metadata['help']}" if "help" in f.metadata else ""
+        yield f"  {key}: {_type_name(tp)} = {shown}{help_text}"
+        yield from _describe_children(tp, key)
+
+
+def _describe_children(tp: Any, key: str) -> Iterator[str]:
+    """Keys inside an optional section, a mapping of sections or a list of sections."""
+    args = [a for a in typing.get_args(tp) if a is not type(None) and a is not Ellipsis]
+    if typing.get_origin(tp) is dict:
+        yield from _describe_lines(args[1], f"{key}.<name>")
+    elif len(args) == 1 and dataclasses.is_dataclass(args[0]):
+        suffix = "[i]" if typing.get_origin(tp) in (tuple, list) else ""
+        yield from _describe_lines(args[0], key + suffix)
+
+
+def _render(value: Any) -> str:
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    if isinstance(value, (tuple, list, dict)):
+        return json.dumps(_to_plain(value))
+    return str(value)

@@ -1,0 +1,253 @@
+"""The Llama/Qwen2-family decoder: a Flax NNX module over a pure, jit-friendly forward.
+
+Layers are stacked along a leading ``layers`` axis and run under ``lax.scan``. Every parameter carries
+its logical axis names as NNX metadata (``logical_axes``); no mesh axis name appears in this package.
+The parameter tree (``nnx.to_pure_dict(nnx.state(model, nnx.Param))``) is::
+
+    embed/embedding            [vocab, embed]
+    layers/attn_norm/scale     [layers, embed]
+    layers/attn/wq             [layers, embed, heads, head_dim]      (+ bq [layers, heads, head_dim])
+    layers/attn/wk, wv         [layers, embed, kv_heads, head_dim]   (+ bk, bv)
+    layers/attn/wo             [layers, heads, head_dim, embed]
+    layers/mlp_norm/scale      [layers, embed]
+    layers/mlp/w_gate, w_up    [layers, embed, mlp];  layers/mlp/w_down [layers, mlp, embed]
+    final_norm/scale           [embed]
+    lm_head/kernel             [embed, vocab]    (language-model head, absent when embeddings are tied)
+    value_head/kernel          [embed, labels]   (value/score head for critic and reward models)
+
+Usage::
+
+    model = Decoder(cfg, rngs=nnx.Rngs(0))                 # or head="value" for a critic
+    logits_btv = model(tokens_bt, attention_mask_bt=mask)  # or: forward(params, cfg, tokens_bt, ...)
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nereus_jax.config import ModelConfig
+from nereus_jax.models.layers import apply_rope, attention, constrain, rms_norm, rope_inv_freq, swiglu
+
+Head = Literal["lm", "value"]
+_INIT_STD = 0.02
+
+
+class KVCache(NamedTuple):
+    """Per-layer keys and values, [layers, batch, kv_heads, max_len, head_dim]; slot index == position."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple, dtype, init: str = "normal") -> nnx.Param:
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, logical_axes=axes)
+
+
+class _Norm(nnx.Module):
+    def __init__(self, shape: tuple[int, ...], axes: tuple, dtype, rngs: nnx.Rngs):
+        self.scale = _param(rngs, shape, axes, dtype, "ones")
+
+
+class _Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        n, d, h, k, e = cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.wq = _param(rngs, (n, d, h, e), ("layers", "embed", "heads", "head_dim"), dtype)
+        self.wk = _param(rngs, (n, d, k, e), ("layers", "embed", "kv_heads", "head_dim"), dtype)
+        self.wv = _param(rngs, (n, d, k, e), ("layers", "embed", "kv_heads", "head_dim"), dtype)
+        self.wo = _param(rngs, (n, h, e, d), ("layers", "heads", "head_dim", "embed"), dtype)
+        if cfg.qkv_bias:
+            self.bq = _param(rngs, (n, h, e), ("layers", "heads", "head_dim"), dtype, "zeros")
+            self.bk = _param(rngs, (n, k, e), ("layers", "kv_heads", "head_dim"), dtype, "zeros")
+            self.bv = _param(rngs, (n, k, e), ("layers", "kv_heads", "head_dim"), dtype, "zeros")
+
+
+class _Mlp(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        n, d, f = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+        self.w_gate = _param(rngs, (n, d, f), ("layers", "embed", "mlp"), dtype)
+        self.w_up = _param(rngs, (n, d, f), ("layers", "embed", "mlp"), dtype)
+        self.w_down = _param(rngs, (n, f, d), ("layers", "mlp", "embed"), dtype)
+
+
+class _Layers(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        shape, axes = (cfg.num_layers, cfg.hidden_size), ("layers", "embed")
+        self.attn_norm = _Norm(shape, axes, dtype, rngs)
+        self.attn = _Attention(cfg, dtype, rngs)
+        self.mlp_norm = _Norm(shape, axes, dtype, rngs)
+        self.mlp = _Mlp(cfg, dtype, rngs)
+
+
+class _Embed(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        self.embedding = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
+
+
+class _Dense(nnx.Module):
+    def __init__(self, shape: tuple[int, int], axes: tuple, dtype, rngs: nnx.Rngs):
+        self.kernel = _param(rngs, shape, axes, dtype)
+
+
+class Decoder(nnx.Module):
+    """Llama/Qwen2 decoder with a language-model head (``head="lm"``) or a value head (``head="value"``)."""
+
+    def __init__(self, cfg: ModelConfig, *, head: Head = "lm", num_labels: int = 1, rngs: nnx.Rngs,
+                 dtype: str | None = None):
+        if head not in ("lm", "value"):
+            raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
+        dtype = jnp.dtype(dtype or cfg.param_dtype)
+        self.cfg = cfg
+        self.embed = _Embed(cfg, dtype, rngs)
+        self.layers = _Layers(cfg, dtype, rngs)
+        self.final_norm = _Norm((cfg.hidden_size,), ("embed",), dtype, rngs)
+        if head == "lm" and not cfg.tie_embeddings:
+            self.lm_head = _Dense((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype, rngs)
+        if head == "value":
+            self.value_head = _Dense((cfg.hidden_size, num_labels), ("embed", "labels"), dtype, rngs)
+
+    def params(self) -> dict:
+        """The parameters as a plain nested dict of arrays (the tree :func:`forward` takes)."""
+        return nnx.to_pure_dict(nnx.state(self, nnx.Param))
+
+    def __call__(self, tokens_bt, positions_bt=None, attention_mask_bt=None) -> jax.Array:
+        return forward(self.params(), self.cfg, tokens_bt, positions_bt, attention_mask_bt)
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, *, head: Head = "lm", num_labels: int = 1) -> dict:
+    """Fresh random parameters as a plain dict (float32 master weights unless cfg says otherwise)."""
+    return Decoder(cfg, head=head, num_labels=num_labels, rngs=nnx.Rngs(seed)).params()
+
+
+def abstract_params(cfg: ModelConfig, *, head: Head = "lm", num_labels: int = 1) -> dict:
+    """Parameter shapes and dtypes (``jax.ShapeDtypeStruct``) without allocating anything."""
+    model = nnx.eval_shape(lambda: Decoder(cfg, head=head, num_labels=num_labels, rngs=nnx.Rngs(0)))
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def param_axes(cfg: ModelConfig, *, head: Head = "lm", num_labels: int = 1) -> dict:
+    """The logical axis names of every parameter, as a dict shaped like the parameter tree."""
+    model = nnx.eval_shape(lambda: Decoder(cfg, head=head, num_labels=num_labels, rngs=nnx.Rngs(0)))
+    state = nnx.state(model, nnx.Param)
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    return nnx.to_pure_dict(jax.tree.map(lambda v: v.get_metadata()["logical_axes"], state, is_leaf=is_var))
+
+
+def count_params(params: dict) -> int:
+    """Number of scalars in a parameter tree (arrays or ShapeDtypeStructs)."""
+    return sum(int(x.size) for x in jax.tree.leaves(params))
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, kv_heads: int | None = None) -> KVCache:
+    """An empty KV cache; ``kv_heads`` defaults to the model's (a layout may replicate kv heads)."""
+    shape = (cfg.num_layers, batch, kv_heads or cfg.num_kv_heads, max_len, cfg.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def default_positions(tokens_bt: jax.Array, attention_mask_bt: jax.Array | None) -> jax.Array:
+    """Positions counting only real tokens (left padding gets position 0), as HF generation does."""
+    if attention_mask_bt is None:
+        return jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
+    return jnp.maximum(jnp.cumsum(attention_mask_bt.astype(jnp.int32), axis=1) - 1, 0)
+
+
+def forward(params: dict, cfg: ModelConfig, tokens_bt: jax.Array, positions_bt: jax.Array | None = None,
+            attention_mask_bt: jax.Array | None = None, *, return_hidden: bool = False) -> jax.Array:
+    """Full (uncached) forward. Returns logits [b, t, vocab] (float32), or values [b, t, labels] for a
+    value-head model, or the final hidden states [b, t, embed] with ``return_hidden``.
+
+    ``attention_mask_bt`` (1 = real token) masks padding keys; attention is causal by index.
+    """
+    t = tokens_bt.shape[1]
+    if positions_bt is None:
+        positions_bt = default_positions(tokens_bt, attention_mask_bt)
+    mask_bts = jnp.tril(jnp.ones((t, t), dtype=bool))[None]
+    if attention_mask_bt is not None:
+        mask_bts = mask_bts & attention_mask_bt.astype(bool)[:, None, :]
+
+    def kv_fn(q, k_new, v_new, cache, i):
+        return attention(q, k_new.transpose(0, 2, 1, 3), v_new.transpose(0, 2, 1, 3), mask_bts), cache
+
+    x, _ = _run_layers(params, cfg, tokens_bt, positions_bt, kv_fn, None)
+    return _head(params, cfg, x, return_hidden)
+
+
+def forward_with_cache(params: dict, cfg: ModelConfig, tokens_bt: jax.Array, positions_bt: jax.Array,
+                       cache: KVCache, *, return_hidden: bool = False) -> tuple[jax.Array, KVCache]:
+    """Prefill or decode against a KV cache. Row b's tokens sit at the contiguous positions
+    ``positions_bt[b]`` (written to those cache slots); they attend to cache slots <= their position.
+    The caller keeps ``positions_bt[b, -1] < max_len``."""
+    mask_bts = jnp.arange(cache.k.shape[3])[None, None, :] <= positions_bt[:, :, None]
+    start_b = positions_bt[:, 0]
+
+    def kv_fn(q, k_new, v_new, cache, i):
+        k_layer = _write_rows(cache.k[i], k_new.transpose(0, 2, 1, 3), start_b)
+        v_layer = _write_rows(cache.v[i], v_new.transpose(0, 2, 1, 3), start_b)
+        cache = KVCache(cache.k.at[i].set(k_layer), cache.v.at[i].set(v_layer))
+        return attention(q, k_layer, v_layer, mask_bts), cache
+
+    x, cache = _run_layers(params, cfg, tokens_bt, positions_bt, kv_fn, cache)
+    return _head(params, cfg, x, return_hidden), cache
+
+
+def _write_rows(cache_bkse: jax.Array, new_bkte: jax.Array, start_b: jax.Array) -> jax.Array:
+    new_bkte = new_bkte.astype(cache_bkse.dtype)
+    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (0, s, 0)))(cache_bkse, new_bkte, start_b)
+
+
+def _run_layers(params, cfg, tokens_bt, positions_bt, kv_fn, cache):
+    embedding = params["embed"]["embedding"]
+    x = constrain(jnp.take(embedding, tokens_bt, axis=0), ("batch", "length", "embed"))
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    def body(carry, layer):
+        x, cache, i = carry
+        x, cache = _block(x, layer, cfg, positions_bt, inv_freq, lambda q, k, v, c: kv_fn(q, k, v, c, i), cache)
+        return (x, cache, i + 1), None
+
+    if cfg.remat:
+        body = jax.checkpoint(body)
+    (x, cache, _), _ = jax.lax.scan(body, (x, cache, jnp.int32(0)), params["layers"])
+    return rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps), cache
+
+
+def _block(x, lp, cfg, positions_bt, inv_freq, kv_fn, cache):
+    a = lp["attn"]
+    h = rms_norm(x, lp["attn_norm"]["scale"], cfg.rms_norm_eps)
+    q = _project(h, a["wq"], a.get("bq"))
+    k = _project(h, a["wk"], a.get("bk"))
+    v = _project(h, a["wv"], a.get("bv"))
+    q = constrain(apply_rope(q, positions_bt, inv_freq), ("batch", "length", "heads", "head_dim"))
+    k = apply_rope(k, positions_bt, inv_freq)
+    out, cache = kv_fn(q, k, v, cache)
+    x = x + jnp.einsum("bthe,hed->btd", out, a["wo"])
+    x = constrain(x, ("batch", "length", "embed"))
+    m = lp["mlp"]
+    h = rms_norm(x, lp["mlp_norm"]["scale"], cfg.rms_norm_eps)
+    return x + swiglu(h, m["w_gate"], m["w_up"], m["w_down"]), cache
+
+
+def _project(h_btd, w_dhe, b_he):
+    y = jnp.einsum("btd,dhe->bthe", h_btd, w_dhe)
+    return y if b_he is None else y + b_he
+
+
+def _head(params, cfg, x_btd, return_hidden):
+    if return_hidden:
+        return x_btd
+    if "value_head" in params:
+        return jnp.einsum("btd,dl->btl", x_btd, params["value_head"]["kernel"]).astype(jnp.float32)
+    if "lm_head" in params:
+        logits = jnp.einsum("btd,dv->btv", x_btd, params["lm_head"]["kernel"])
+    else:
+        logits = jnp.einsum("btd,vd->btv", x_btd, params["embed"]["embedding"])
+    return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))

@@ -1,0 +1,96 @@
+"""Building blocks of the Llama/Qwen2 decoder as pure functions over arrays.
+
+Shapes are spelled in names: b batch, t query length, s key length, d embed, h query heads,
+k kv heads, g query heads per kv head, e head_dim, f mlp, v vocab. No mesh names appear here; the
+only sharding hook is :func:`constrain`, which applies whatever logical-axis rules the caller set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# A hook (array, logical axis names) -> array, installed by nereus_jax.sharding while tracing under a mesh.
+_CONSTRAIN: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("nereus_constrain", default=None)
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+@contextlib.contextmanager
+def activation_constraints(fn: Callable[[jax.Array, Sequence[str | None]], jax.Array]) -> Iterator[None]:
+    """Within this context, :func:`constrain` calls ``fn(x, logical_axes)``."""
+    token = _CONSTRAIN.set(fn)
+    try:
+        yield
+    finally:
+        _CONSTRAIN.reset(token)
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """Annotates an activation with logical axis names (a no-op unless a sharding context is active)."""
+    fn = _CONSTRAIN.get()
+    return x if fn is None else fn(x, tuple(logical_axes))
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32, as Hugging Face's LlamaRMSNorm does."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (scale.astype(jnp.float32) * y.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling=None) -> np.ndarray:
+    """Inverse RoPE frequencies [head_dim // 2], with optional Llama-3 frequency scaling (float32)."""
+    exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
+    if scaling is None:
+        return inv_freq
+    return _llama3_scale(inv_freq, scaling)
+
+
+def _llama3_scale(inv_freq: np.ndarray, s) -> np.ndarray:
+    old_len = float(s.original_max_position_embeddings)
+    low_wavelen = old_len / s.low_freq_factor
+    high_wavelen = old_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x_bthe: jax.Array, positions_bt: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotary embedding in the rotate-half convention (Hugging Face Llama/Qwen2)."""
+    freqs = positions_bt.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    x32 = x_bthe.astype(jnp.float32)
+    half = x32.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x_bthe.dtype)
+
+
+def attention(q_bthe: jax.Array, k_bkse: jax.Array, v_bkse: jax.Array, mask_bts: jax.Array) -> jax.Array:
+    """Grouped-query attention; softmax in float32. Returns [b, t, h, e]."""
+    b, t, h, e = q_bthe.shape
+    k = k_bkse.shape[1]
+    q = q_bthe.reshape(b, t, k, h // k, e)
+    scores = jnp.einsum("btkge,bkse->bkgts", q, k_bkse).astype(jnp.float32) / np.float32(math.sqrt(e))
+    scores = jnp.where(mask_bts[:, None, None, :, :], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bkse.dtype)
+    out = jnp.einsum("bkgts,bkse->btkge", probs, v_bkse)
+    return out.reshape(b, t, h, e)
+
+
+def swiglu(x_btd: jax.Array, w_gate_df: jax.Array, w_up_df: jax.Array, w_down_fd: jax.Array) -> jax.Array:
+    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+    gate = jnp.einsum("btd,df->btf", x_btd, w_gate_df)
+    up = jnp.einsum("btd,df->btf", x_btd, w_up_df)
+    hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
+    return jnp.einsum("btf,fd->btd", hidden, w_down_fd)

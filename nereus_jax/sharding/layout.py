@@ -1,0 +1,224 @@
+"""Layouts, meshes from device lists, and laying a model's state out for a layout.
+
+A replica of a model-stage has a ``Layout(tp, pp)`` and lives on ``Mesh(devices.reshape(pp, tp),
+("pp", "tp"))``; ``dp`` replicas run as one SPMD program on ``Mesh(devices.reshape(dp, pp, tp),
+("dp", "pp", "tp"))``. Dimensions a layout cannot divide are rejected with :class:`LayoutError`.
+
+One explicit exception, as serving engines do: when tp exceeds the number of kv heads, each kv head is
+stored ``tp // num_kv_heads`` times (tp must be a multiple), so every tp rank holds one kv head. The
+copies are real arrays, so memory accounting counts them; :func:`gather_params` drops them again.
+
+Example::
+
+    layout = Layout(tp=2)
+    mesh = make_mesh(jax.devices()[:4], layout, dp=2)
+    sharded = shard_params(params, cfg, layout, mesh, kind="train")
+    host = gather_params(sharded, cfg)      # bit-exact numpy copy of ``params``
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from nereus_jax.config import ModelConfig
+from nereus_jax.models.decoder import abstract_params, param_axes
+from nereus_jax.models.layers import activation_constraints
+from nereus_jax.sharding.rules import MESH_AXES, rules_for
+
+_KV_PARAMS = {"wk": 2, "wv": 2, "bk": 1, "bv": 1}  # parameter name -> its kv_heads axis
+
+
+class LayoutError(ValueError):
+    """A layout that cannot hold a model (a dimension it cannot divide, or too few devices)."""
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Layout:
+    """One replica's shape: tensor-parallel degree ``tp`` times pipeline degree ``pp``."""
+
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self):
+        if self.tp < 1 or self.pp < 1:
+            raise LayoutError(f"Layout(tp={self.tp}, pp={self.pp}): degrees must be >= 1")
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.pp
+
+    def __str__(self) -> str:
+        return f"tp{self.tp}xpp{self.pp}"
+
+
+def make_mesh(devices: Sequence[jax.Device], layout: Layout, dp: int | None = None) -> Mesh:
+    """A mesh over ``devices`` (in order): ("pp", "tp") for one replica, ("dp", "pp", "tp") with ``dp``."""
+    devices = list(devices)
+    want = layout.size * (dp or 1)
+    if len(devices) != want:
+        raise LayoutError(f"{layout} x dp={dp or 1} needs {want} devices, got {len(devices)}")
+    if len(set(devices)) != len(devices):
+        raise LayoutError(f"device list has duplicates: {[d.id for d in devices]}")
+    arr = np.array(devices, dtype=object)
+    if dp is None:
+        return Mesh(arr.reshape(layout.pp, layout.tp), ("pp", "tp"))
+    return Mesh(arr.reshape(dp, layout.pp, layout.tp), MESH_AXES)
+
+
+def kv_repeat(cfg: ModelConfig, layout: Layout) -> int:
+    """How many copies of each kv head a layout stores (1 unless tp > num_kv_heads)."""
+    if layout.tp <= cfg.num_kv_heads:
+        return 1
+    if layout.tp % cfg.num_kv_heads:
+        raise LayoutError(
+            f"{layout}: tp={layout.tp} exceeds model.num_kv_heads={cfg.num_kv_heads} and is not a multiple "
+            f"of it; choose tp dividing {cfg.num_kv_heads} or a multiple of it")
+    return layout.tp // cfg.num_kv_heads
+
+
+def logical_to_spec(axes: Sequence[str | None], kind: str, mesh_axes: Sequence[str]) -> PartitionSpec:
+    """Maps logical axis names to a PartitionSpec through a stage kind's rules table."""
+    rules = rules_for(kind)
+    out = []
+    for name in axes:
+        mesh_axis = rules.get(name) if name is not None else None
+        out.append(mesh_axis if mesh_axis in mesh_axes else None)
+    return PartitionSpec(*out)
+
+
+def stored_shapes(cfg: ModelConfig, layout: Layout, *, head: str = "lm", num_labels: int = 1) -> dict:
+    """Parameter shapes as a layout stores them (kv heads repeated where tp > num_kv_heads)."""
+    rep = kv_repeat(cfg, layout)
+    shapes = jax.tree.map(lambda s: s.shape, abstract_params(cfg, head=head, num_labels=num_labels))
+    for name, axis in _KV_PARAMS.items():
+        if name in shapes["layers"]["attn"]:
+            s = list(shapes["layers"]["attn"][name])
+            s[axis] *= rep
+            shapes["layers"]["attn"][name] = tuple(s)
+    return shapes
+
+
+def check_layout(cfg: ModelConfig, layout: Layout, *, kind: str = "train", head: str = "lm",
+                 num_labels: int = 1) -> None:
+    """Raises LayoutError naming the parameter and dimension a layout cannot divide."""
+    shapes = stored_shapes(cfg, layout, head=head, num_labels=num_labels)
+    axes = param_axes(cfg, head=head, num_labels=num_labels)
+    sizes = {"tp": layout.tp, "pp": layout.pp}
+    for path, shape in _flatten(shapes):
+        spec = logical_to_spec(_lookup(axes, path), kind, ("pp", "tp"))
+        for dim, (n, mesh_axis) in enumerate(zip(shape, spec, strict=True)):
+            if mesh_axis is not None and n % sizes[mesh_axis]:
+                logical = _lookup(axes, path)[dim]
+                raise LayoutError(
+                    f"{layout} cannot split parameter {'/'.join(path)} dimension {dim} ('{logical}', size {n}) "
+                    f"over {mesh_axis}={sizes[mesh_axis]}; choose {mesh_axis} dividing {n}")
+
+
+def param_shardings(cfg: ModelConfig, layout: Layout, mesh: Mesh, *, kind: str = "train", head: str = "lm",
+                    num_labels: int = 1) -> dict:
+    """NamedShardings for every parameter of a model laid out with ``layout`` on ``mesh``."""
+    check_layout(cfg, layout, kind=kind, head=head, num_labels=num_labels)
+    axes = param_axes(cfg, head=head, num_labels=num_labels)
+    is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
+    return jax.tree.map(lambda a: NamedSharding(mesh, logical_to_spec(a, kind, mesh.axis_names)), axes,
+                        is_leaf=is_axes)
+
+
+def expand_kv(params: dict, rep: int) -> dict:
+    """Stores each kv head ``rep`` times, consecutively (query head h then uses copy h // (heads/tp))."""
+    return _map_kv(params, lambda x, axis: np.repeat(x, rep, axis=axis) if rep > 1 else x)
+
+
+def collapse_kv(params: dict, rep: int) -> dict:
+    """Inverse of :func:`expand_kv`: keeps the first copy of each kv head."""
+    return _map_kv(params, lambda x, axis: np.take(x, np.arange(0, x.shape[axis], rep), axis=axis) if rep > 1 else x)
+
+
+def shard_params(params: Mapping, cfg: ModelConfig, layout: Layout, mesh: Mesh, *, kind: str = "train") -> dict:
+    """Lays a canonical parameter tree out for ``layout`` on ``mesh`` (a device_put; inputs untouched)."""
+    head, labels = _head_of(params)
+    shardings = param_shardings(cfg, layout, mesh, kind=kind, head=head, num_labels=labels)
+    rep = kv_repeat(cfg, layout)
+    if rep > 1:
+        params = expand_kv(jax.tree.map(np.asarray, dict(params)), rep)
+    return jax.device_put(dict(params), shardings)
+
+
+def gather_params(params: Mapping, cfg: ModelConfig) -> dict:
+    """A host (numpy) copy of laid-out parameters in canonical form: bit-exact, kv copies dropped."""
+    host = jax.tree.map(np.asarray, dict(params))
+    stored_kv = host["layers"]["attn"]["wk"].shape[2]
+    return collapse_kv(host, stored_kv // cfg.num_kv_heads)
+
+
+def sync_kv_grads(grads: dict, cfg: ModelConfig) -> dict:
+    """Gradients of a layout with repeated kv heads: every copy gets the sum over its copies (the true
+    gradient of the shared head), so optimizer updates keep the copies identical. Traceable under jit."""
+    rep = grads["layers"]["attn"]["wk"].shape[2] // cfg.num_kv_heads
+    if rep == 1:
+        return grads
+
+    def fn(x, axis):
+        shape = x.shape[:axis] + (cfg.num_kv_heads, rep) + x.shape[axis + 1:]
+        summed = jnp.sum(jnp.reshape(x, shape), axis=axis + 1, keepdims=True)
+        return jnp.reshape(jnp.broadcast_to(summed, shape), x.shape)
+
+    return _map_kv(grads, fn)
+
+
+def bytes_per_device(tree) -> dict[int, int]:
+    """Bytes each device holds for a tree of sharded arrays (from shardings; replicas counted per device)."""
+    out: dict[int, int] = {}
+    for x in jax.tree.leaves(tree):
+        shard_bytes = math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+        for device in x.sharding.device_set:
+            out[device.id] = out.get(device.id, 0) + shard_bytes
+    return out
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh, kind: str = "train") -> Iterator[None]:
+    """While tracing inside this context, the model's logical activation annotations become sharding
+    constraints on ``mesh`` through ``kind``'s rules table."""
+    def fn(x, axes):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes, kind, mesh.axis_names)))
+
+    with activation_constraints(fn):
+        yield
+
+
+def _head_of(params: Mapping) -> tuple[str, int]:
+    if "value_head" in params:
+        return "value", int(params["value_head"]["kernel"].shape[1])
+    return "lm", 1
+
+
+def _map_kv(params: dict, fn) -> dict:
+    attn = dict(params["layers"]["attn"])
+    for name, axis in _KV_PARAMS.items():
+        if name in attn:
+            attn[name] = fn(attn[name], axis)
+    layers = {**params["layers"], "attn": attn}
+    return {**params, "layers": layers}
+
+
+def _flatten(tree: Mapping, prefix: tuple = ()) -> Iterator[tuple[tuple[str, ...], tuple]]:
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            yield from _flatten(value, prefix + (key,))
+        else:
+            yield prefix + (key,), value
+
+
+def _lookup(tree: Mapping, path: Sequence[str]):
+    for key in path:
+        tree = tree[key]
+    return tree
