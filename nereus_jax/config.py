@@ -23,16 +23,26 @@ import dataclasses
 import difflib
 import json
 import os
-import re
-import types
 import typing
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+from nereus_jax._typed_tree import (
+    ConfigError,
+    field_types,
+    from_dict,
+    join,
+    parse_yaml,
+    require,
+    show,
+    to_plain,
+    type_name,
+    unknown_name_error,
+)
 
 STAGE_NAMES = (
     "actor-gen",
@@ -46,10 +56,6 @@ STAGE_NAMES = (
 _PRESET_KEYS = ("model", "model.preset")
 
 
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the dotted key and what to change."""
-
-
 def _field(default: Any, help: str) -> Any:
     """A dataclass field with a one-line explanation that `describe()` prints."""
     return field(default=default, metadata={"help": help})
@@ -60,7 +66,7 @@ class _Node:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dicts, lists and scalars (YAML/JSON-safe); `config_from_dict` reads it back."""
-        return _to_plain(self)
+        return to_plain(self)
 
 
 # ----------------------------------------------------------------------------------------------- sections
@@ -77,7 +83,7 @@ class RopeScalingConfig(_Node):
     def __post_init__(self) -> None:
         names = ("factor", "low_freq_factor", "original_max_position_embeddings")
         _check_positive("model.rope_scaling", self, *names)
-        _require(
+        require(
             self.high_freq_factor > self.low_freq_factor,
             f"model.rope_scaling.high_freq_factor ({self.high_freq_factor}) must exceed "
             f"model.rope_scaling.low_freq_factor ({self.low_freq_factor}): llama3 scaling "
@@ -122,14 +128,14 @@ class ModelConfig(_Node):
             "rope_theta",
             "rms_norm_eps",
         )
-        _require(
+        require(
             self.num_heads % self.num_kv_heads == 0,
             f"model.num_heads ({self.num_heads}) must be divisible by model.num_kv_heads "
             f"({self.num_kv_heads}): grouped-query attention shares each kv head among "
             "num_heads / num_kv_heads query heads",
         )
         if self.head_dim is None:
-            _require(
+            require(
                 self.hidden_size % self.num_heads == 0,
                 f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_heads "
                 f"({self.num_heads}) when model.head_dim is not set: set model.head_dim explicitly",
@@ -190,7 +196,7 @@ class PlanConfig(_Node):
     def __post_init__(self) -> None:
         for name in self.stages:
             if name not in STAGE_NAMES:
-                raise _unknown_name_error("stage", f"plan.stages.{name}", name, STAGE_NAMES, "plan.stages")
+                raise unknown_name_error("stage", f"plan.stages.{name}", name, STAGE_NAMES, "plan.stages")
         for key, layout in self.named_layouts():
             _check_at_least(key, layout, 1, "tp", "pp")
             if layout.dp is not None:
@@ -229,7 +235,7 @@ class RolloutConfig(_Node):
             "max_concurrent_decodes",
         )
         _check_at_least("rollout", self, 0, "temperature", "top_k")
-        _require(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        require(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")
 
 
 @dataclass(frozen=True)
@@ -249,7 +255,7 @@ class AlgorithmConfig(_Node):
     def __post_init__(self) -> None:
         for name in ("gamma", "lam"):
             value = getattr(self, name)
-            _require(0 <= value <= 1, f"algorithm.{name} must be in [0, 1], got {value}")
+            require(0 <= value <= 1, f"algorithm.{name} must be in [0, 1], got {value}")
         _check_positive("algorithm", self, "clip_ratio")
         _check_at_least("algorithm", self, 0, "value_clip", "kl_coef")
 
@@ -287,7 +293,7 @@ class TaskConfig(_Node):
     def __post_init__(self) -> None:
         _check_at_least("task", self, 0, "eval_size")
         _check_positive("task", self, "num_digits")
-        _require(
+        require(
             self.name != "file" or self.prompt_file is not None,
             "task.name is 'file' but task.prompt_file is not set: add task.prompt_file=path/to/prompts",
         )
@@ -306,7 +312,7 @@ class ControllerConfig(_Node):
     def __post_init__(self) -> None:
         _check_at_least("controller", self, 0, "gamma")
         _check_positive("controller", self, "length_drift")
-        _require(
+        require(
             0 <= self.memory_headroom < 1,
             f"controller.memory_headroom must be in [0, 1), got {self.memory_headroom}",
         )
@@ -361,28 +367,23 @@ class Config(_Node):
 
 
 # --------------------------------------------------------------------------------------------- validation
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
 def _check_positive(section: str, obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
-        _require(value > 0, f"{section}.{name} must be > 0, got {value!r}")
+        require(value > 0, f"{section}.{name} must be > 0, got {value!r}")
 
 
 def _check_at_least(section: str, obj: Any, minimum: float, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
-        _require(value >= minimum, f"{section}.{name} must be >= {minimum}, got {value!r}")
+        require(value >= minimum, f"{section}.{name} must be >= {minimum}, got {value!r}")
 
 
 def _check_schedule(schedule: Sequence[PoolChange], num_devices: int) -> None:
     previous = 0
     for i, change in enumerate(schedule):
         key = f"cluster.schedule[{i}]"
-        _require(
+        require(
             change.step >= previous,
             f"{key}.step ({change.step}) must be >= 0 and not before the previous change's step "
             f"({previous}): list pool changes in step order",
@@ -390,7 +391,7 @@ def _check_schedule(schedule: Sequence[PoolChange], num_devices: int) -> None:
         previous = change.step
         for kind in ("leave", "join"):
             for device in getattr(change, kind):
-                _require(
+                require(
                     0 <= device < num_devices,
                     f"{key}.{kind}: device id {device} is outside [0, {num_devices}): ids index the "
                     f"cluster.num_devices ({num_devices}) devices",
@@ -400,7 +401,7 @@ def _check_schedule(schedule: Sequence[PoolChange], num_devices: int) -> None:
 def _check_plan_fits(plan: PlanConfig, cluster: ClusterConfig) -> None:
     for key, layout in plan.named_layouts():
         need = layout.devices_needed()
-        _require(
+        require(
             need <= cluster.num_devices,
             f"{key} needs tp*pp*dp = {layout.tp}*{layout.pp}*{layout.dp or 1} = {need} devices but "
             f"cluster.num_devices is {cluster.num_devices}: lower {key}.tp/pp/dp or raise "
@@ -410,7 +411,7 @@ def _check_plan_fits(plan: PlanConfig, cluster: ClusterConfig) -> None:
 
 def _check_context_fits(rollout: RolloutConfig, model: ModelConfig) -> None:
     total = rollout.max_prompt_length + rollout.max_response_length
-    _require(
+    require(
         total <= model.max_position_embeddings,
         f"rollout.max_prompt_length ({rollout.max_prompt_length}) + rollout.max_response_length "
         f"({rollout.max_response_length}) = {total} exceeds model.max_position_embeddings "
@@ -419,172 +420,16 @@ def _check_context_fits(rollout: RolloutConfig, model: ModelConfig) -> None:
 
 
 def _check_group_sampling(algorithm: AlgorithmConfig, rollout: RolloutConfig) -> None:
-    _require(
+    require(
         algorithm.name not in ("grpo", "rloo") or rollout.samples_per_prompt >= 2,
         f"algorithm.name={algorithm.name} needs rollout.samples_per_prompt >= 2 (got "
         f"{rollout.samples_per_prompt}): its baseline compares the samples of one prompt",
     )
 
 
-def _unknown_name_error(what: str, key: str, name: str, valid: Sequence[str], parent: str) -> ConfigError:
-    close = difflib.get_close_matches(name, valid, n=1)
-    hint = f" — did you mean '{_join(parent, close[0])}'?" if close else ""
-    where = f"in '{parent}'" if parent else "at the top level"
-    return ConfigError(f"unknown {what} '{key}'{hint} (valid {what}s {where}: {', '.join(valid)})")
-
-
-# ------------------------------------------------------------------------------------------------- loader
-@cache
-def _field_types(cls: type) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _show(value: Any) -> str:
-    if value is None:
-        return "null"
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
-
-
-def _from_dict(cls: type, data: Any, prefix: str) -> Any:
-    """Build dataclass `cls` from a mapping, converting and checking every field; keys named from `prefix`."""
-    if not isinstance(data, Mapping):
-        where = prefix or "config"
-        raise ConfigError(f"{where}: expected a mapping of {cls.__name__} keys, got {_show(data)}")
-    types_ = _field_types(cls)
-    kwargs = {}
-    for name, value in data.items():
-        key = _join(prefix, str(name))
-        if name not in types_:
-            raise _unknown_name_error("key", key, str(name), list(types_), prefix)
-        kwargs[name] = _convert(types_[name], value, key)
-    _check_required(cls, kwargs, prefix)
-    return cls(**kwargs)
-
-
-def _check_required(cls: type, kwargs: Mapping[str, Any], prefix: str) -> None:
-    for f in dataclasses.fields(cls):
-        missing = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        _require(not missing or f.name in kwargs, f"{_join(prefix, f.name)} is required")
-
-
-def _convert(tp: Any, value: Any, key: str) -> Any:
-    """Check `value` against type hint `tp`; convert it (list -> tuple, int -> float, dict -> dataclass)."""
-    if dataclasses.is_dataclass(tp):
-        return _from_dict(tp, value, key)
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return _convert_union(tp, value, key)
-    if origin is Literal:
-        return _convert_literal(tp, value, key)
-    if origin in (tuple, list):
-        return _convert_sequence(tp, value, key)
-    if origin is dict:
-        return _convert_mapping(tp, value, key)
-    return _convert_scalar(tp, value, key)
-
-
-def _convert_union(tp: Any, value: Any, key: str) -> Any:
-    options = [a for a in typing.get_args(tp) if a is not type(None)]
-    if value is None and len(options) < len(typing.get_args(tp)):
-        return None
-    errors = []
-    for option in options:
-        try:
-            return _convert(option, value, key)
-        except ConfigError as error:
-            errors.append(error)
-    if len(options) == 1:
-        raise errors[0]
-    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {_show(value)}")
-
-
-def _convert_literal(tp: Any, value: Any, key: str) -> Any:
-    allowed = typing.get_args(tp)
-    if any(value == a and type(value) is type(a) for a in allowed):
-        return value
-    raise ConfigError(f"{key}: expected one of {', '.join(map(repr, allowed))}, got {_show(value)}")
-
-
-def _convert_sequence(tp: Any, value: Any, key: str) -> Any:
-    if not isinstance(value, (list, tuple)):
-        raise ConfigError(f"{key}: expected a list, got {_show(value)}")
-    args = typing.get_args(tp)
-    assert typing.get_origin(tp) is list or args[1:] == (Ellipsis,), f"{key}: use tuple[X, ...], not {tp}"
-    items = [_convert(args[0], item, f"{key}[{i}]") for i, item in enumerate(value)]
-    return tuple(items) if typing.get_origin(tp) is tuple else items
-
-
-def _convert_mapping(tp: Any, value: Any, key: str) -> dict[str, Any]:
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{key}: expected a mapping, got {_show(value)}")
-    value_tp = typing.get_args(tp)[1]
-    for name in value:
-        _require(isinstance(name, str), f"{key}: keys must be strings, got {_show(name)}")
-    return {name: _convert(value_tp, item, f"{key}.{name}") for name, item in value.items()}
-
-
-_ACCEPTED = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}
-
-
-def _convert_scalar(tp: Any, value: Any, key: str) -> Any:
-    assert tp in _ACCEPTED, f"{key}: the loader does not handle type {tp!r}"
-    if not isinstance(value, _ACCEPTED[tp]) or (isinstance(value, bool) and tp is not bool):
-        raise ConfigError(f"{key}: expected {tp.__name__}, got {_show(value)}")
-    return float(value) if tp is float else value
-
-
-def _type_name(tp: Any) -> str:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join("None" if a is type(None) else _type_name(a) for a in args)
-    if origin is Literal:
-        return "{" + ", ".join(map(str, args)) + "}"
-    if origin in (tuple, list):
-        return f"list[{_type_name(args[0])}]"
-    if origin is dict:
-        return f"dict[{_type_name(args[0])}, {_type_name(args[1])}]"
-    return tp.__name__
-
-
-def _to_plain(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj):
-        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, (tuple, list)):
-        return [_to_plain(item) for item in obj]
-    if isinstance(obj, Mapping):
-        return {name: _to_plain(item) for name, item in obj.items()}
-    return obj
-
-
-# ------------------------------------------------------------------------------------------ YAML and files
-class _YamlLoader(yaml.SafeLoader):
-    """SafeLoader that also reads `1e-5` as a float (YAML 1.1 wants `1.0e-5`; everyone writes `1e-5`)."""
-
-
-_YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
-
-
-def _parse_yaml(text: str) -> Any:
-    loader = _YamlLoader(text)
-    try:
-        return loader.get_single_data()
-    finally:
-        loader.dispose()
-
-
 def _read_mapping(path: Path) -> dict[str, Any]:
     try:
-        data = _parse_yaml(path.read_text(encoding="utf-8"))
+        data = parse_yaml(path.read_text(encoding="utf-8"))
     except OSError as error:
         raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
     except yaml.YAMLError as error:
@@ -592,7 +437,7 @@ def _read_mapping(path: Path) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{path}: expected a mapping of keys at the top level, got {_show(data)}")
+        raise ConfigError(f"{path}: expected a mapping of keys at the top level, got {show(data)}")
     return dict(data)
 
 
@@ -630,7 +475,7 @@ def _preset_data(name: str) -> dict[str, Any]:
     path = _model_path(name)
     data = {"name": name, **_read_mapping(path)}
     try:
-        _from_dict(ModelConfig, data, "model")
+        from_dict(ModelConfig, data, "model")
     except ConfigError as error:
         raise ConfigError(f"{error} [in model preset {path}]") from None
     return data
@@ -638,7 +483,7 @@ def _preset_data(name: str) -> dict[str, Any]:
 
 def resolve_model(name: str) -> ModelConfig:
     """The ModelConfig of preset `name` (`config_dir()/models/<name>.yaml`)."""
-    return _from_dict(ModelConfig, _preset_data(name), "model")
+    return from_dict(ModelConfig, _preset_data(name), "model")
 
 
 def _merge(base: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
@@ -659,13 +504,13 @@ def _expand_model(data: Mapping[str, Any]) -> dict[str, Any]:
     if model is not None and not isinstance(model, Mapping):
         names = ", ".join(available_models())
         raise ConfigError(
-            f"model: expected a preset name ({names}) or a mapping of ModelConfig keys, got {_show(model)}"
+            f"model: expected a preset name ({names}) or a mapping of ModelConfig keys, got {show(model)}"
         )
     if isinstance(model, Mapping) and "preset" in model:
         name = model["preset"]
-        _require(
+        require(
             isinstance(name, str),
-            f"model.preset: expected str (a file stem in {config_dir() / 'models'}), got {_show(name)}",
+            f"model.preset: expected str (a file stem in {config_dir() / 'models'}), got {show(name)}",
         )
         changes = {k: v for k, v in model.items() if k != "preset"}
         data["model"] = _merge(_preset_data(name), changes)
@@ -680,7 +525,7 @@ def _parse_override(text: str) -> tuple[str, Any]:
         example = "expected the form key.sub=value, like trainer.steps=5"
         raise ConfigError(f"malformed override {text!r}: {example}")
     try:
-        return key, _parse_yaml(raw)
+        return key, parse_yaml(raw)
     except yaml.YAMLError as error:
         raise ConfigError(f"override {text!r}: the value is not valid YAML ({error}); quote it") from None
 
@@ -696,7 +541,7 @@ def _set_key(data: dict[str, Any], key: str, value: Any) -> None:
             child = {}
         if not isinstance(child, Mapping):
             where = ".".join(parts[: depth + 1])
-            raise ConfigError(f"cannot set '{key}': '{where}' is {_show(child)}, not a section")
+            raise ConfigError(f"cannot set '{key}': '{where}' is {show(child)}, not a section")
         node[part] = child = dict(child)
         node = child
     node[parts[-1]] = value
@@ -717,8 +562,8 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
 def config_from_dict(data: Mapping[str, Any]) -> Config:
     """The validated Config described by plain data (the inverse of `Config.to_dict`)."""
     if not isinstance(data, Mapping):
-        raise ConfigError(f"config: expected a mapping of sections, got {_show(data)}")
-    return _from_dict(Config, _expand_model(data), "")
+        raise ConfigError(f"config: expected a mapping of sections, got {show(data)}")
+    return from_dict(Config, _expand_model(data), "")
 
 
 def _config_path(path: str | os.PathLike[str]) -> Path:
@@ -750,7 +595,7 @@ def describe(cls: type = Config, prefix: str = "") -> str:
 
 def _describe_lines(cls: type, prefix: str) -> Iterator[str]:
     for f in dataclasses.fields(cls):
-        tp, key = _field_types(cls)[f.name], _join(prefix, f.name)
+        tp, key = field_types(cls)[f.name], join(prefix, f.name)
         if dataclasses.is_dataclass(tp):
             if not prefix:
                 yield f"{key}: {(tp.__doc__ or '').strip()}"
@@ -759,7 +604,7 @@ def _describe_lines(cls: type, prefix: str) -> Iterator[str]:
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         shown = "(required)" if default is dataclasses.MISSING else _render(default)
         help_text = f"  # {f.metadata['help']}" if "help" in f.metadata else ""
-        yield f"  {key}: {_type_name(tp)} = {shown}{help_text}"
+        yield f"  {key}: {type_name(tp)} = {shown}{help_text}"
         yield from _describe_children(tp, key)
 
 
@@ -777,5 +622,5 @@ def _render(value: Any) -> str:
     if value is None or isinstance(value, bool):
         return json.dumps(value)
     if isinstance(value, (tuple, list, dict)):
-        return json.dumps(_to_plain(value))
+        return json.dumps(to_plain(value))
     return str(value)

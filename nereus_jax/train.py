@@ -58,9 +58,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _set_platform(cfg)
     from nereus_jax.runtime.foundation import run_foundation_check
+    from nereus_jax.sharding import LayoutError
 
     start = time.perf_counter()
-    summary = run_foundation_check(cfg)
+    try:
+        summary = run_foundation_check(cfg)
+    except LayoutError as e:
+        print(f"layout error: {e}", file=sys.stderr)
+        return 2
     summary["wall_s"] = round(time.perf_counter() - start, 3)
     run_dir = args.run_dir or cfg.logging.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(run_dir, exist_ok=True)

@@ -39,6 +39,7 @@ def _write(tmp_path: Path, text: str) -> Path:
 
 
 # ------------------------------------------------------------------------------------ defaults and files
+@pytest.mark.smoke
 def test_defaults_construct_and_validate():
     config = Config()
     assert config.model.head_dim == config.model.hidden_size // config.model.num_heads == 16

@@ -15,6 +15,7 @@ from nereus_jax.sharding import (
     Layout,
     activation_sharding,
     bytes_per_device,
+    check_layout,
     gather_params,
     make_mesh,
     shard_params,
@@ -44,6 +45,7 @@ def run_foundation_check(cfg: Config) -> dict:
     """Runs the check, prints a table, returns a JSON-able summary (``ok`` when both match)."""
     m, plan = cfg.model, cfg.plan.default
     layout = Layout(tp=plan.tp, pp=plan.pp)
+    check_layout(m, layout, kind="train")  # before any compute
     devices = jax.devices()[: cfg.cluster.num_devices]
     dp = plan.dp or len(devices) // layout.size
     mesh = make_mesh(devices[: dp * layout.size], layout, dp=dp)

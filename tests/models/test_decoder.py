@@ -70,6 +70,7 @@ def test_pad_token_values_are_irrelevant(params):
     np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
 
 
+@pytest.mark.smoke
 def test_cached_prefill_then_decode_matches_full_forward(params):
     tokens = _tokens(2, 10, seed=2)
     full = forward(params, TINY, tokens)
@@ -129,6 +130,7 @@ def test_remat_gives_identical_logits_and_grads(params):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6), g1, g2)
 
 
+@pytest.mark.smoke
 def test_llama31_8b_has_8_03b_params_without_allocating():
     shapes = abstract_params(resolve_model("llama3.1-8b"))
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(shapes))

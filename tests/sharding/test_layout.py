@@ -54,6 +54,7 @@ def _sharded_logits(params, batch, layout, dp, devices, kind="infer"):
         return fn(sharded, TINY, tokens, None, mask)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("tp,dp", [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2), (1, 8), (2, 4)])
 def test_sharded_forward_matches_single_device(params, batch, reference, devices, tp, dp):
     logits = _sharded_logits(params, batch, Layout(tp=tp), dp, devices)
@@ -72,6 +73,7 @@ def test_sharded_value_head_matches_single_device(batch, devices):
 
 @pytest.mark.parametrize("layout,dp", [(Layout(1, 1), 1), (Layout(2, 1), 2), (Layout(4, 1), 1), (Layout(2, 2), 2),
                                         (Layout(1, 2), 4), (Layout(4, 2), 1)])
+@pytest.mark.smoke
 def test_lay_out_then_gather_is_bit_exact(params, devices, layout, dp):
     mesh = make_mesh(devices[: layout.size * dp], layout, dp=dp)
     back = gather_params(shard_params(params, TINY, layout, mesh), TINY)
