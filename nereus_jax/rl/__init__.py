@@ -1,0 +1,1 @@
+"""RL algorithms (advantages, losses), tasks with verifiable rewards, prompt data and tokenizers."""
