@@ -17,10 +17,13 @@ import jax.numpy as jnp
 _EPS = 1e-6
 
 
-def masked_mean(x: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
-    """Mean of ``x`` over positions where ``mask`` is 1 (0 where there are none)."""
+def masked_mean(x: jax.Array, mask: jax.Array, axis=None, denom=None) -> jax.Array:
+    """Mean of ``x`` over positions where ``mask`` is 1 (0 where there are none). With ``denom``, the
+    masked sum over ``denom`` instead: micro-batches that share the whole batch's token count as ``denom``
+    sum to exactly the whole batch's mean, however the batch is split."""
     mask = mask.astype(x.dtype)
-    return jnp.sum(x * mask, axis=axis) / jnp.maximum(jnp.sum(mask, axis=axis), 1.0)
+    total = jnp.sum(x * mask, axis=axis)
+    return total / (jnp.maximum(jnp.sum(mask, axis=axis), 1.0) if denom is None else denom)
 
 
 def masked_whiten(x: jax.Array, mask: jax.Array) -> jax.Array:
@@ -111,22 +114,22 @@ class PolicyLoss(NamedTuple):
     approx_kl: jax.Array
 
 
-def ppo_policy_loss(logp_bt, old_logp_bt, adv_bt, mask_bt, clip_ratio: float) -> PolicyLoss:
-    """Clipped surrogate: mean over tokens of max(-A r, -A clip(r, 1-eps, 1+eps))."""
+def ppo_policy_loss(logp_bt, old_logp_bt, adv_bt, mask_bt, clip_ratio: float, denom=None) -> PolicyLoss:
+    """Clipped surrogate: mean over tokens of max(-A r, -A clip(r, 1-eps, 1+eps)) (see masked_mean's denom)."""
     log_ratio = logp_bt - old_logp_bt
     ratio = jnp.exp(log_ratio)
     unclipped = -adv_bt * ratio
     clipped = -adv_bt * jnp.clip(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio)
-    loss = masked_mean(jnp.maximum(unclipped, clipped), mask_bt)
-    clip_fraction = masked_mean((clipped > unclipped).astype(jnp.float32), mask_bt)
-    return PolicyLoss(loss, clip_fraction, masked_mean(-log_ratio, mask_bt))
+    loss = masked_mean(jnp.maximum(unclipped, clipped), mask_bt, denom=denom)
+    clip_fraction = masked_mean((clipped > unclipped).astype(jnp.float32), mask_bt, denom=denom)
+    return PolicyLoss(loss, clip_fraction, masked_mean(-log_ratio, mask_bt, denom=denom))
 
 
-def value_loss(values_bt, old_values_bt, returns_bt, mask_bt, value_clip: float) -> jax.Array:
+def value_loss(values_bt, old_values_bt, returns_bt, mask_bt, value_clip: float, denom=None) -> jax.Array:
     """Clipped value loss: 0.5 x mean over tokens of max((v - R)^2, (v_clip - R)^2)."""
     clipped = old_values_bt + jnp.clip(values_bt - old_values_bt, -value_clip, value_clip)
     err = jnp.maximum(jnp.square(values_bt - returns_bt), jnp.square(clipped - returns_bt))
-    return 0.5 * masked_mean(err, mask_bt)
+    return 0.5 * masked_mean(err, mask_bt, denom=denom)
 
 
 def entropy_from_logits(logits_btv: jax.Array) -> jax.Array:

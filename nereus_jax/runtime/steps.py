@@ -1,0 +1,155 @@
+"""The computations of the scoring and training model-stages, as jittable functions of plain trees.
+
+Sequences follow :mod:`nereus_jax.rl.batch` (prompt left-padded to P, response right-padded to R).
+Training runs one SPMD program over the stage's DP replicas: the batch arrives as ``[accum, rows, ...]``
+micro-batches (rows split over ``dp``), gradients are summed over micro-batches with ``lax.scan``, and
+every loss is normalised by the WHOLE batch's token count, so the result does not depend on how the
+batch is split across replicas or micro-batches (up to float reduction order).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from nereus_jax.config import AlgorithmConfig, ModelConfig
+from nereus_jax.models import forward
+from nereus_jax.rl.algorithms import (
+    entropy_from_logits,
+    kl_estimate,
+    masked_mean,
+    ppo_policy_loss,
+    token_logprobs,
+    value_loss,
+)
+from nereus_jax.sharding import sync_kv_grads
+
+LossFn = Callable[[dict, dict], tuple[jax.Array, dict]]
+
+
+def response_logits(params, cfg: ModelConfig, tokens_bl, mask_bl, prompt_len: int) -> jax.Array:
+    """Logits predicting each response token, [b, R, vocab]."""
+    return forward(params, cfg, tokens_bl, None, mask_bl)[:, prompt_len - 1: -1]
+
+
+def response_logprobs(params, cfg: ModelConfig, tokens_bl, mask_bl, prompt_len: int) -> jax.Array:
+    """log p(response token t | everything before it), [b, R] (the actor-infer and ref-infer output)."""
+    logits = response_logits(params, cfg, tokens_bl, mask_bl, prompt_len)
+    return token_logprobs(logits, tokens_bl[:, prompt_len:])
+
+
+def response_values(params, cfg: ModelConfig, tokens_bl, mask_bl, prompt_len: int) -> jax.Array:
+    """Value of the state before each response token, [b, R] (the critic-infer output)."""
+    return forward(params, cfg, tokens_bl, None, mask_bl)[:, prompt_len - 1: -1, 0]
+
+
+def sequence_scores(params, cfg: ModelConfig, tokens_bl, mask_bl) -> jax.Array:
+    """A reward model's score at each row's last real token, [b]."""
+    values = forward(params, cfg, tokens_bl, None, mask_bl)[..., 0]
+    last = jnp.sum(mask_bl, axis=1) - 1
+    return jnp.take_along_axis(values, last[:, None], axis=1)[:, 0]
+
+
+def actor_loss(cfg: ModelConfig, algo: AlgorithmConfig, prompt_len: int) -> LossFn:
+    """PPO clipped policy loss, minus the entropy bonus, plus the KL term when it is not in the reward."""
+    def loss(params, mb):
+        logits = response_logits(params, cfg, mb["tokens"], mb["mask"], prompt_len)
+        logp = token_logprobs(logits, mb["tokens"][:, prompt_len:])
+        mask, denom = mb["response_mask"], mb["denom"]
+        pl = ppo_policy_loss(logp, mb["old_logp"], mb["advantages"], mask, algo.clip_ratio, denom)
+        total, metrics = pl.loss, {"policy_loss": pl.loss, "clip_fraction": pl.clip_fraction,
+                                   "approx_kl": pl.approx_kl}
+        if algo.entropy_coef:
+            entropy = masked_mean(entropy_from_logits(logits), mask, denom=denom)
+            total, metrics["entropy"] = total - algo.entropy_coef * entropy, entropy
+        if not algo.kl_in_reward:
+            kl = masked_mean(kl_estimate(logp, mb["ref_logp"], algo.kl_estimator), mask, denom=denom)
+            total, metrics["kl_loss"] = total + algo.kl_coef * kl, kl
+        return total, metrics
+
+    return loss
+
+
+def critic_loss(cfg: ModelConfig, algo: AlgorithmConfig, prompt_len: int) -> LossFn:
+    """Clipped value loss against the GAE returns."""
+    def loss(params, mb):
+        values = response_values(params, cfg, mb["tokens"], mb["mask"], prompt_len)
+        vl = value_loss(values, mb["old_values"], mb["returns"], mb["response_mask"], algo.value_clip, mb["denom"])
+        return vl, {"value_loss": vl}
+
+    return loss
+
+
+def sft_loss(cfg: ModelConfig, prompt_len: int) -> LossFn:
+    """Supervised next-token loss on the response (reference answer) tokens only."""
+    def loss(params, mb):
+        logp = response_logprobs(params, cfg, mb["tokens"], mb["mask"], prompt_len)
+        nll = -masked_mean(logp, mb["response_mask"], denom=mb["denom"])
+        return nll, {"sft_loss": nll}
+
+    return loss
+
+
+def make_optimizer(lr: float, max_grad_norm: float = 1.0) -> optax.GradientTransformation:
+    """AdamW; gradient clipping is done by :func:`make_train_step` on the layout-independent norm."""
+    del max_grad_norm
+    return optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
+
+
+def canonical_global_norm(grads: dict, cfg: ModelConfig) -> jax.Array:
+    """Global gradient norm counting each kv head once, whatever copies the layout stores."""
+    rep = grads["layers"]["attn"]["wk"].shape[2] // cfg.num_kv_heads
+    squares = jax.tree.map(lambda g: jnp.sum(jnp.square(g.astype(jnp.float32))), grads)
+    total = sum(jax.tree.leaves(squares))
+    if rep > 1:
+        dup = sum(v for k, v in squares["layers"]["attn"].items() if k in ("wk", "wv", "bk", "bv"))
+        total = total - dup * (1.0 - 1.0 / rep)
+    return jnp.sqrt(total)
+
+
+def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, cfg: ModelConfig,
+                    max_grad_norm: float = 1.0):
+    """(params, opt_state, micro_batches [accum, rows, ...]) -> (params, opt_state, metrics)."""
+    def step(params, opt_state, batches):
+        def micro(acc, mb):
+            (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
+            return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, (losses, metrics) = jax.lax.scan(micro, zeros, batches)
+        grads = sync_kv_grads(grads, cfg)
+        norm = canonical_global_norm(grads, cfg)
+        scale = jnp.minimum(1.0, max_grad_norm / jnp.maximum(norm, 1e-12))
+        grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        out = {"loss": jnp.sum(losses), "grad_norm": norm, **jax.tree.map(jnp.sum, metrics)}
+        return params, opt_state, out
+
+    return step
+
+
+def accumulation_steps(rows: int, dp: int, seq_len: int, micro_batch_tokens: int) -> int:
+    """Micro-batches per step so each replica's micro-batch fits the token budget; divides rows / dp."""
+    if rows % dp:
+        raise ValueError(f"a batch of {rows} rows does not split over dp={dp} replicas")
+    per_replica = rows // dp
+    fit = max(1, micro_batch_tokens // max(seq_len, 1))
+    for accum in range(math.ceil(per_replica / fit), per_replica + 1):
+        if per_replica % accum == 0:
+            return accum
+    return per_replica
+
+
+def split_micro(batch: dict, accum: int) -> dict:
+    """[rows, ...] host arrays -> [accum, rows / accum, ...]; the scalar ``denom`` is repeated."""
+    out = {}
+    for k, v in batch.items():
+        v = np.asarray(v)
+        out[k] = np.full((accum,), v, v.dtype) if v.ndim == 0 else v.reshape(accum, -1, *v.shape[1:])
+    return out
