@@ -12,16 +12,22 @@ from nereus_jax.models.decoder import (
     init_params,
     param_axes,
 )
+from nereus_jax.models.hf import HFImportError, hf_config_from_model, load_hf, model_config_from_hf, save_hf
 
 __all__ = [
     "Decoder",
+    "HFImportError",
     "KVCache",
     "abstract_params",
     "count_params",
     "default_positions",
     "forward",
     "forward_with_cache",
+    "hf_config_from_model",
     "init_cache",
     "init_params",
+    "load_hf",
+    "model_config_from_hf",
     "param_axes",
+    "save_hf",
 ]
