@@ -272,11 +272,13 @@ class TrainerConfig(_Node):
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = _field(1, "async: how many policy versions a rollout may lag")
     seed: int = 0
-    warmup_sft_steps: int = _field(0, "supervised steps before RL")
+    warmup_sft_steps: int = _field(0, "supervised steps before RL (cached on disk, reused next time)")
+    sft_lr: float = _field(3e-3, "learning rate of the supervised warm start")
+    sft_batch: int = _field(64, "problems per supervised warm-start step")
 
     def __post_init__(self) -> None:
-        _check_positive("trainer", self, "prompts_per_step", "micro_batch_tokens")
-        names = ("steps", "actor_lr", "critic_lr", "max_staleness", "warmup_sft_steps")
+        _check_positive("trainer", self, "prompts_per_step", "micro_batch_tokens", "sft_batch")
+        names = ("steps", "actor_lr", "critic_lr", "max_staleness", "warmup_sft_steps", "sft_lr")
         _check_at_least("trainer", self, 0, *names)
 
 
@@ -337,6 +339,7 @@ class LoggingConfig(_Node):
     """Metrics (JSONL, TensorBoard) and the progress display."""
 
     run_dir: str | None = None
+    cache_dir: str | None = _field(None, "cache of warm starts and compilations; null = <run_dir>/../cache")
     tensorboard: bool = True
     progress: bool = True
     log_every: int = 1

@@ -11,7 +11,6 @@ from a separate stream and never appear in training.
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import random
@@ -42,11 +41,12 @@ class _GeneratedTask:
         self._eval_prompts = {p.prompt for p in self._eval}
 
     def problem(self, index: int) -> Problem:
-        for attempt in itertools.count():
+        for attempt in range(1000):
             p = self._make(random.Random(f"{self.seed}/{index}/{attempt}"))
             if p.prompt not in self._eval_prompts:
                 return p
-        raise AssertionError("unreachable")
+        raise ValueError(f"task.eval_size={len(self._eval)} holds out (nearly) every {self.name} problem: "
+                         "lower task.eval_size or raise task.num_digits")
 
     def eval_problems(self) -> list[Problem]:
         return list(self._eval)

@@ -89,3 +89,9 @@ def test_prompt_line_without_answer_is_an_error(tmp_path):
 def test_missing_prompt_file_says_how_to_fix(tmp_path):
     with pytest.raises(PromptDataError, match="task.prompt_file"):
         load_prompt_file(str(tmp_path / "nope.jsonl"))
+
+
+def test_a_held_out_set_covering_the_problem_space_is_an_error_not_a_hang():
+    task = AdditionTask(seed=0, eval_size=3000, num_digits=1)  # only 100 distinct problems exist
+    with pytest.raises(ValueError, match="task.eval_size"):
+        task.problem(0)

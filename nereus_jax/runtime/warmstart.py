@@ -1,0 +1,128 @@
+"""Supervised warm start: RL does not start from a random model, so the job first trains the actor on
+the task's reference answers for ``trainer.warmup_sft_steps`` steps, caches the result on disk (keyed by
+everything that determines it) and reuses it next time.
+
+Exact-match accuracy under teacher forcing equals greedy-decoding accuracy for exact-match tasks: greedy
+decoding emits the answer iff the argmax at every answer position (and the eos after it) is the answer's
+token. :func:`teacher_forced_accuracy` measures it with one forward pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from nereus_jax.config import Config, ModelConfig
+from nereus_jax.rl.batch import left_pad, right_pad
+from nereus_jax.rl.tasks import Problem
+from nereus_jax.runtime.steps import (
+    accumulation_steps,
+    make_optimizer,
+    make_train_step,
+    response_logits,
+    sft_loss,
+    split_micro,
+)
+from nereus_jax.sharding import gather_params
+
+SFT_INDEX_OFFSET = 1 << 40  # warm-start problems come from a part of the stream RL never reaches
+
+
+def encode_prompts(problems: Sequence[Problem], tokenizer, prompt_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """[bos] + prompt tokens, left-padded to ``prompt_len``; too long is an error naming the fix."""
+    seqs = [[tokenizer.bos_id] + tokenizer.encode(p.prompt) for p in problems]
+    longest = max(len(s) for s in seqs)
+    if longest > prompt_len:
+        raise ValueError(f"a prompt has {longest} tokens (with bos) but rollout.max_prompt_length={prompt_len}: "
+                         "raise rollout.max_prompt_length or shorten the prompts")
+    return left_pad(seqs, prompt_len, tokenizer.pad_id)
+
+
+def encode_sft(problems: Sequence[Problem], tokenizer, prompt_len: int, response_len: int) -> dict:
+    """Prompt + reference answer + eos as a training batch (the layout of nereus_jax.rl.batch)."""
+    prompt, prompt_mask = encode_prompts(problems, tokenizer, prompt_len)
+    answers = [tokenizer.encode(p.answer)[: response_len - 1] + [tokenizer.eos_id] for p in problems]
+    response, response_mask = right_pad(answers, response_len, tokenizer.pad_id)
+    return {"tokens": np.concatenate([prompt, response], 1), "mask": np.concatenate([prompt_mask, response_mask], 1),
+            "response_mask": response_mask, "denom": np.float32(response_mask.sum())}
+
+
+def teacher_forced_accuracy(params, cfg: ModelConfig, batch: dict, prompt_len: int) -> float:
+    """Fraction of rows whose greedy continuation is exactly the reference answer followed by eos."""
+    logits = jax.jit(response_logits, static_argnums=(1, 4))(params, cfg, batch["tokens"], batch["mask"], prompt_len)
+    hit = (np.asarray(jnp.argmax(logits, -1)) == batch["tokens"][:, prompt_len:]) | (batch["response_mask"] == 0)
+    return float(np.mean(np.all(hit, axis=1)))
+
+
+def cache_key(cfg: Config, vocab_size: int) -> str:
+    """Hash of everything that determines the warm-started weights."""
+    t = cfg.trainer
+    parts = {"model": cfg.model.to_dict(), "task": cfg.task.to_dict(), "steps": t.warmup_sft_steps, "lr": t.sft_lr,
+             "batch": t.sft_batch, "seed": t.seed, "vocab": vocab_size, "prompt": cfg.rollout.max_prompt_length,
+             "response": cfg.rollout.max_response_length, "version": 1}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def save_params(path: str, params: dict) -> None:
+    """Writes a parameter tree atomically (temp file + rename): a crash never leaves half a file."""
+    flat = {"/".join(str(k.key) for k in p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(params)}
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        np.savez(f, **flat)
+    os.replace(tmp, path)
+
+
+def load_params(path: str, like: dict) -> dict:
+    """Reads a tree written by :func:`save_params` into the structure of ``like``."""
+    with np.load(path) as data:
+        return jax.tree_util.tree_map_with_path(lambda p, _: data["/".join(str(k.key) for k in p)], like)
+
+
+def run_sft(params: dict, cfg: Config, task, tokenizer, mesh: Mesh,
+            progress: Callable[[int, dict], None] | None = None) -> dict:
+    """``trainer.warmup_sft_steps`` supervised steps, data-parallel over ``mesh``'s dp axis."""
+    t, m = cfg.trainer, cfg.model
+    P, R = cfg.rollout.max_prompt_length, cfg.rollout.max_response_length
+    dp = mesh.shape.get("dp", 1)
+    opt = make_optimizer(t.sft_lr)
+    opt_state = opt.init(params)
+    step = jax.jit(make_train_step(sft_loss(m, P), opt, m), donate_argnums=(0, 1))
+    accum = accumulation_steps(t.sft_batch, dp, P + R, t.micro_batch_tokens)
+    rows = NamedSharding(mesh, PartitionSpec(None, "dp"))
+    for i in range(t.warmup_sft_steps):
+        problems = [task.problem(SFT_INDEX_OFFSET + i * t.sft_batch + j) for j in range(t.sft_batch)]
+        micro = split_micro(encode_sft(problems, tokenizer, P, R), accum)
+        data = {k: jax.device_put(v, rows if v.ndim > 1 else NamedSharding(mesh, PartitionSpec())) for k, v in micro.items()}
+        params, opt_state, metrics = step(params, opt_state, data)
+        if progress is not None:
+            progress(i, metrics)
+    return params
+
+
+def cached_warm_start(params: dict, cfg: Config, task, tokenizer, mesh: Mesh, cache_dir: str,
+                      progress=None) -> tuple[dict, bool]:
+    """Warm-started params laid out like ``params``, from the cache if present. Returns (params, cache_hit)."""
+    path = os.path.join(cache_dir, f"sft-{cache_key(cfg, tokenizer.vocab_size)}.npz")
+    shardings = jax.tree.map(lambda x: x.sharding, params)
+    if os.path.exists(path):
+        host = load_params(path, gather_params(params, cfg.model))
+        return _relayout(host, params, cfg, shardings), True
+    trained = run_sft(params, cfg, task, tokenizer, mesh, progress)
+    save_params(path, gather_params(trained, cfg.model))
+    return trained, False
+
+
+def _relayout(host: dict, like: dict, cfg: Config, shardings) -> dict:
+    from nereus_jax.sharding import expand_kv
+
+    rep = like["layers"]["attn"]["wk"].shape[2] // cfg.model.num_kv_heads
+    return jax.device_put(expand_kv(host, rep), shardings)
