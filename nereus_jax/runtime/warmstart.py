@@ -97,11 +97,11 @@ def run_sft(params: dict, cfg: Config, task, tokenizer, mesh: Mesh,
     opt_state = opt.init(params)
     step = jax.jit(make_train_step(sft_loss(m, P), opt, m), donate_argnums=(0, 1))
     accum = accumulation_steps(t.sft_batch, dp, P + R, t.micro_batch_tokens)
-    rows = NamedSharding(mesh, PartitionSpec(None, "dp"))
+    rows, whole = NamedSharding(mesh, PartitionSpec(None, "dp")), NamedSharding(mesh, PartitionSpec())
     for i in range(t.warmup_sft_steps):
         problems = [task.problem(SFT_INDEX_OFFSET + i * t.sft_batch + j) for j in range(t.sft_batch)]
         micro = split_micro(encode_sft(problems, tokenizer, P, R), accum)
-        data = {k: jax.device_put(v, rows if v.ndim > 1 else NamedSharding(mesh, PartitionSpec())) for k, v in micro.items()}
+        data = {k: jax.device_put(v, rows if v.ndim > 1 else whole) for k, v in micro.items()}
         params, opt_state, metrics = step(params, opt_state, data)
         if progress is not None:
             progress(i, metrics)
