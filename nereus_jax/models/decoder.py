@@ -167,18 +167,11 @@ def forward(params: dict, cfg: ModelConfig, tokens_bt: jax.Array, positions_bt: 
 
     ``attention_mask_bt`` (1 = real token) masks padding keys; attention is causal by index.
     """
-    t = tokens_bt.shape[1]
     if positions_bt is None:
         positions_bt = default_positions(tokens_bt, attention_mask_bt)
-    mask_bts = jnp.tril(jnp.ones((t, t), dtype=bool))[None]
-    if attention_mask_bt is not None:
-        mask_bts = mask_bts & attention_mask_bt.astype(bool)[:, None, :]
-
-    def kv_fn(q, k_new, v_new, cache, i):
-        return attention(q, k_new.transpose(0, 2, 1, 3), v_new.transpose(0, 2, 1, 3), mask_bts), cache
-
-    x, _ = _run_layers(params, cfg, tokens_bt, positions_bt, kv_fn, None)
-    return _head(params, cfg, x, return_hidden)
+    mask_bts = causal_mask(tokens_bt.shape[1], attention_mask_bt)
+    x = apply_layers(params["layers"], cfg, embed_tokens(params, tokens_bt), positions_bt, mask_bts)
+    return output_head(params, cfg, x, return_hidden=return_hidden)
 
 
 def forward_with_cache(params: dict, cfg: ModelConfig, tokens_bt: jax.Array, positions_bt: jax.Array,
@@ -186,6 +179,36 @@ def forward_with_cache(params: dict, cfg: ModelConfig, tokens_bt: jax.Array, pos
     """Prefill or decode against a KV cache. Row b's tokens sit at the contiguous positions
     ``positions_bt[b]`` (written to those cache slots); they attend to cache slots <= their position.
     The caller keeps ``positions_bt[b, -1] < max_len``."""
+    x, cache = apply_layers_cached(params["layers"], cfg, embed_tokens(params, tokens_bt), positions_bt, cache)
+    return output_head(params, cfg, x, return_hidden=return_hidden), cache
+
+
+def embed_tokens(params: dict, tokens_bt: jax.Array) -> jax.Array:
+    """Token embeddings [b, t, embed]."""
+    return constrain(jnp.take(params["embed"]["embedding"], tokens_bt, axis=0), ("batch", "length", "embed"))
+
+
+def causal_mask(t: int, attention_mask_bt: jax.Array | None) -> jax.Array:
+    """[b or 1, t, t] boolean: causal by index, padding keys (attention_mask 0) masked."""
+    mask_bts = jnp.tril(jnp.ones((t, t), dtype=bool))[None]
+    if attention_mask_bt is not None:
+        mask_bts = mask_bts & attention_mask_bt.astype(bool)[:, None, :]
+    return mask_bts
+
+
+def apply_layers(layers: dict, cfg: ModelConfig, x_btd: jax.Array, positions_bt: jax.Array,
+                 mask_bts: jax.Array) -> jax.Array:
+    """Runs a stack of layers (any number: a pipeline stage passes its slice of the ``layers`` axis)."""
+    def kv_fn(q, k_new, v_new, cache, i):
+        return attention(q, k_new.transpose(0, 2, 1, 3), v_new.transpose(0, 2, 1, 3), mask_bts), cache
+
+    x, _ = _scan_layers(layers, cfg, x_btd, positions_bt, kv_fn, None)
+    return x
+
+
+def apply_layers_cached(layers: dict, cfg: ModelConfig, x_btd: jax.Array, positions_bt: jax.Array,
+                        cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """A stack of layers against its slice of the KV cache (see :func:`forward_with_cache`)."""
     mask_bts = jnp.arange(cache.k.shape[3])[None, None, :] <= positions_bt[:, :, None]
     start_b = positions_bt[:, 0]
 
@@ -195,8 +218,21 @@ def forward_with_cache(params: dict, cfg: ModelConfig, tokens_bt: jax.Array, pos
         cache = KVCache(cache.k.at[i].set(k_layer), cache.v.at[i].set(v_layer))
         return attention(q, k_layer, v_layer, mask_bts), cache
 
-    x, cache = _run_layers(params, cfg, tokens_bt, positions_bt, kv_fn, cache)
-    return _head(params, cfg, x, return_hidden), cache
+    return _scan_layers(layers, cfg, x_btd, positions_bt, kv_fn, cache)
+
+
+def output_head(params: dict, cfg: ModelConfig, x_btd: jax.Array, *, return_hidden: bool = False) -> jax.Array:
+    """Final norm, then the language-model head (float32 logits) or the value head."""
+    x_btd = rms_norm(x_btd, params["final_norm"]["scale"], cfg.rms_norm_eps)
+    if return_hidden:
+        return x_btd
+    if "value_head" in params:
+        return jnp.einsum("btd,dl->btl", x_btd, params["value_head"]["kernel"]).astype(jnp.float32)
+    if "lm_head" in params:
+        logits = jnp.einsum("btd,dv->btv", x_btd, params["lm_head"]["kernel"])
+    else:
+        logits = jnp.einsum("btd,vd->btv", x_btd, params["embed"]["embedding"])
+    return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
 
 
 def _write_rows(cache_bkse: jax.Array, new_bkte: jax.Array, start_b: jax.Array) -> jax.Array:
@@ -204,9 +240,7 @@ def _write_rows(cache_bkse: jax.Array, new_bkte: jax.Array, start_b: jax.Array) 
     return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (0, s, 0)))(cache_bkse, new_bkte, start_b)
 
 
-def _run_layers(params, cfg, tokens_bt, positions_bt, kv_fn, cache):
-    embedding = params["embed"]["embedding"]
-    x = constrain(jnp.take(embedding, tokens_bt, axis=0), ("batch", "length", "embed"))
+def _scan_layers(layers, cfg, x, positions_bt, kv_fn, cache):
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
     def body(carry, layer):
@@ -216,8 +250,8 @@ def _run_layers(params, cfg, tokens_bt, positions_bt, kv_fn, cache):
 
     if cfg.remat:
         body = jax.checkpoint(body)
-    (x, cache, _), _ = jax.lax.scan(body, (x, cache, jnp.int32(0)), params["layers"])
-    return rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps), cache
+    (x, cache, _), _ = jax.lax.scan(body, (x, cache, jnp.int32(0)), layers)
+    return x, cache
 
 
 def _block(x, lp, cfg, positions_bt, inv_freq, kv_fn, cache):
@@ -239,15 +273,3 @@ def _block(x, lp, cfg, positions_bt, inv_freq, kv_fn, cache):
 def _project(h_btd, w_dhe, b_he):
     y = jnp.einsum("btd,dhe->bthe", h_btd, w_dhe)
     return y if b_he is None else y + b_he
-
-
-def _head(params, cfg, x_btd, return_hidden):
-    if return_hidden:
-        return x_btd
-    if "value_head" in params:
-        return jnp.einsum("btd,dl->btl", x_btd, params["value_head"]["kernel"]).astype(jnp.float32)
-    if "lm_head" in params:
-        logits = jnp.einsum("btd,dv->btv", x_btd, params["lm_head"]["kernel"])
-    else:
-        logits = jnp.einsum("btd,vd->btv", x_btd, params["embed"]["embedding"])
-    return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
