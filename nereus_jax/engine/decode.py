@@ -1,0 +1,110 @@
+"""The engine's model path: the decoder of ``nereus_jax.models`` with per-layer weights and per-layer KV
+caches, the arrangement XLA:CPU decodes fastest (../shared/DESIGN.md, "Decode speed on XLA:CPU").
+
+The parameter tree is the model's, except that ``layers`` is a tuple of per-layer dicts (the stacked
+arrays sliced once, in :func:`unstack_layers`), so the unrolled layer loop never slices stacked weights
+inside the step. Each layer's cache is a pair ``(k, v)`` of ``[batch, kv_heads, length, head_dim]``
+arrays updated in place (under buffer donation by the caller). Built only from
+``nereus_jax.models.layers``; tests prove it equals ``nereus_jax.models.forward``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nereus_jax.config import ModelConfig
+from nereus_jax.models.layers import apply_rope, attention, constrain, rms_norm, rope_inv_freq, swiglu
+
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # as nereus_jax.models.layers
+LayerCaches = tuple[tuple[jax.Array, jax.Array], ...]  # per layer (k, v) [batch, kv_heads, length, head_dim]
+
+
+def unstack_layers(params: dict) -> dict:
+    """The model's parameter tree with ``layers`` as a tuple of per-layer dicts (traceable)."""
+    stacked = params["layers"]
+    num_layers = jax.tree.leaves(stacked)[0].shape[0]
+    per_layer = tuple(jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num_layers))
+    return {**params, "layers": per_layer}
+
+
+def empty_caches(cfg: ModelConfig, batch: int, length: int, kv_heads: int, dtype) -> LayerCaches:
+    """Zeroed per-layer caches."""
+    shape = (batch, kv_heads, length, cfg.head_dim)
+    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
+
+
+def run(params: dict, cfg: ModelConfig, tokens_bt: jax.Array, start_b: jax.Array, caches: LayerCaches,
+        only_b: jax.Array | None = None) -> tuple[jax.Array, LayerCaches]:
+    """Runs row b's tokens at positions ``start_b[b] + 0..t-1``: writes their keys and values into the
+    caches there and attends to cache entries at or before each token's position. Returns the final
+    (normed) hidden states [b, t, embed] and the updated caches. The caller keeps positions in range.
+
+    With ``only_b`` (an index into t per row) the result is that token's hidden state alone, [b, 1,
+    embed]: the last layer then computes keys and values for every token but the rest only for that one
+    (a prefill needs nothing else; it saves most of a layer)."""
+    positions_bt = start_b[:, None] + jnp.arange(tokens_bt.shape[1], dtype=jnp.int32)[None, :]
+    length = caches[0][0].shape[2]
+    mask_bts = jnp.arange(length, dtype=jnp.int32)[None, None, :] <= positions_bt[:, :, None]
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    x = constrain(jnp.take(params["embed"]["embedding"], tokens_bt, axis=0), ("batch", "length", "embed"))
+    out = []
+    last = len(params["layers"]) - 1
+    for i, (lp, (k_cache, v_cache)) in enumerate(zip(params["layers"], caches, strict=True)):
+        x, k_cache, v_cache = _layer(x, lp, cfg, positions_bt, start_b, inv_freq, mask_bts, k_cache, v_cache,
+                                     only_b if i == last else None)
+        out.append((k_cache, v_cache))
+    return rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps), tuple(out)
+
+
+def logits(params: dict, x_bd: jax.Array) -> jax.Array:
+    """float32 logits [b, vocab] of hidden states [b, embed]."""
+    if "lm_head" in params:
+        out = jnp.einsum("bd,dv->bv", x_bd, params["lm_head"]["kernel"])
+    else:
+        out = jnp.einsum("bd,vd->bv", x_bd, params["embed"]["embedding"])
+    return constrain(out.astype(jnp.float32), ("batch", "vocab"))
+
+
+def _layer(x, lp, cfg, positions_bt, start_b, inv_freq, mask_bts, k_cache, v_cache, only_b=None):
+    a = lp["attn"]
+    h = rms_norm(x, lp["attn_norm"]["scale"], cfg.rms_norm_eps)
+    k = apply_rope(_project(h, a["wk"], a.get("bk")), positions_bt, inv_freq)
+    v = _project(h, a["wv"], a.get("bv"))
+    k_cache = _write_rows(k_cache, k, start_b)
+    v_cache = _write_rows(v_cache, v, start_b)
+    if only_b is not None:  # from here on, only the selected token of each row
+        pick = lambda y: jnp.take_along_axis(y, only_b.reshape((-1, 1) + (1,) * (y.ndim - 2)), axis=1)  # noqa: E731
+        x, h, positions_bt, mask_bts = pick(x), pick(h), pick(positions_bt), pick(mask_bts)
+    q = apply_rope(_project(h, a["wq"], a.get("bq")), positions_bt, inv_freq)
+    q = constrain(q, ("batch", "length", "heads", "head_dim"))
+    out = attention(q, k_cache, v_cache, mask_bts) if q.shape[1] > 1 else _attend_one(q, k_cache, v_cache, mask_bts)
+    x = constrain(x + jnp.einsum("bthe,hed->btd", out, a["wo"]), ("batch", "length", "embed"))
+    m = lp["mlp"]
+    h = rms_norm(x, lp["mlp_norm"]["scale"], cfg.rms_norm_eps)
+    x = x + swiglu(h, m["w_gate"], m["w_up"], m["w_down"])
+    return constrain(x, ("batch", "length", "embed")), k_cache, v_cache
+
+
+def _attend_one(q_b1he: jax.Array, k_bkse: jax.Array, v_bkse: jax.Array, mask_b1s: jax.Array) -> jax.Array:
+    """``layers.attention`` for one query token per row, in the layout XLA:CPU runs ~2x faster."""
+    b, _, h, e = q_b1he.shape
+    k = k_bkse.shape[1]
+    q = q_b1he.reshape(b, k, h // k, e)
+    scores = jnp.einsum("bkge,bkse->bkgs", q, k_bkse).astype(jnp.float32) / np.float32(math.sqrt(e))
+    scores = jnp.where(mask_b1s[:, None, :, :], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bkse.dtype)
+    return jnp.einsum("bkgs,bkse->bkge", probs, v_bkse).reshape(b, 1, h, e)
+
+
+def _project(h_btd, w_dhe, b_he):
+    y = jnp.einsum("btd,dhe->bthe", h_btd, w_dhe)
+    return y if b_he is None else y + b_he
+
+
+def _write_rows(cache_bkse: jax.Array, new_btke: jax.Array, start_b: jax.Array) -> jax.Array:
+    new_bkte = new_btke.transpose(0, 2, 1, 3).astype(cache_bkse.dtype)
+    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (0, s, 0)))(cache_bkse, new_bkte, start_b)

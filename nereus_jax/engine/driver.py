@@ -1,0 +1,222 @@
+"""The rollout driver the RL job calls: ``generate(prompts, sampling)`` over a :class:`JaxEngine`.
+
+Continuous batching: a slot whose sequence ends is refilled with the next waiting sample before the next
+decode step. The n samples of a prompt share one prefill (one KV cache copied into n slots, n first
+tokens drawn from the same logits). Prompts are prefilled ahead in batches of up to the engine's
+``max_prefill_batch``. New parameters handed to :meth:`Generator.set_params` (from any thread) are
+swapped in between two decode steps; live slots keep their caches and go on, and every token records
+the version of the parameters that produced it.
+
+    engine = JaxEngine(cfg, max_concurrent_decodes=32, max_prefill_length=64, max_target_length=192)
+    gen = Generator(engine, engine.load_params(params))
+    out = gen.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=128, n=8, seed=0))
+    out.tokens[row, :out.lengths[row]]          # row = prompt * n + sample
+
+``refill="static"`` refills only when every slot is done (the classic static batch, for comparison);
+``forced_lengths`` makes each prompt's samples generate exactly that many tokens (stop tokens ignored).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import jax
+import numpy as np
+
+from nereus_jax.engine.engine import EngineError, JaxEngine, Params
+from nereus_jax.engine.sampling import SamplingParams, make_requests
+
+Refill = Literal["continuous", "static"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollouts:
+    """Generated responses, one row per (prompt, sample), prompt-major: row = prompt * n + sample."""
+
+    tokens: np.ndarray  # [rows, max_new_tokens] int32, pad_id after each row's length
+    logprobs: np.ndarray  # [rows, max_new_tokens] float32: log_softmax(logits / temperature); 0 after length
+    lengths: np.ndarray  # [rows] int32 tokens generated (a stop token included)
+    finish_reasons: tuple[str, ...]  # per row: "stop" (drew a stop token) or "length" (hit its token limit)
+    param_versions: np.ndarray  # [rows, max_new_tokens] int32 version of the params behind each token; -1 after
+    prompt_index: np.ndarray  # [rows]
+    sample_index: np.ndarray  # [rows]
+    stats: dict[str, Any]  # decode_steps, prefill_calls, prefill_rows, tokens, seconds, slot_occupancy
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.lengths.shape[0])
+
+
+class Generator:
+    """Holds an engine, its decode state and the current parameters (with their version)."""
+
+    def __init__(self, engine: JaxEngine, params: Params, *, version: int = 0, pad_id: int = 0):
+        self.engine = engine
+        self._params, self.version = params, version
+        self.pad_id = pad_id
+        self._pending: tuple[Params, int] | None = None
+        self._lock = threading.Lock()
+        self._state = engine.init_decode_state()
+
+    def set_params(self, params: Params, version: int | None = None) -> None:
+        """Parameters (as ``engine.load_params`` returns them) to use from the next decode step on.
+        Thread-safe; ``version`` defaults to the current one + 1."""
+        with self._lock:
+            self._pending = (params, self.version + 1 if version is None else version)
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
+                 forced_lengths: Sequence[int] | None = None, refill: Refill = "continuous",
+                 on_step: Callable[[Generator, int], None] | None = None) -> Rollouts:
+        """Generates ``sampling.n`` responses for every prompt (token-id sequences). ``on_step(self, step)``
+        runs after every decode step (a test hook, e.g. to swap parameters at a known step)."""
+        if refill not in ("continuous", "static"):
+            raise EngineError(f"refill must be 'continuous' or 'static', got {refill!r}")
+        prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
+        limits = self._limits(prompts, sampling, forced_lengths)
+        run = _Run(self, prompts, sampling, limits, forced=forced_lengths is not None, refill=refill)
+        start = time.perf_counter()
+        run.loop(on_step)
+        return run.result(time.perf_counter() - start)
+
+    # ------------------------------------------------------------------------------------- checking
+    def _limits(self, prompts, sampling, forced_lengths) -> np.ndarray:
+        e = self.engine
+        if len(sampling.stop_tokens) > e.max_stop_tokens:
+            raise EngineError(f"{len(sampling.stop_tokens)} stop tokens given; the engine holds at most "
+                              f"max_stop_tokens={e.max_stop_tokens}")
+        limits = np.full(len(prompts), sampling.max_new_tokens, np.int32)
+        if forced_lengths is not None:
+            limits = np.asarray(forced_lengths, np.int32).reshape(-1)
+            if limits.shape[0] != len(prompts) or np.any(limits < 1) or np.any(limits > sampling.max_new_tokens):
+                raise EngineError(f"forced_lengths needs one length in [1, max_new_tokens={sampling.max_new_tokens}] "
+                                  f"per prompt ({len(prompts)} prompts), got {limits.shape[0]} values in "
+                                  f"[{limits.min(initial=0)}, {limits.max(initial=0)}]")
+        for i, (p, limit) in enumerate(zip(prompts, limits, strict=True)):
+            if p.size == 0 or p.size > e.max_prefill_length:
+                raise EngineError(f"prompt {i} has {p.size} tokens; prompts need 1 to max_prefill_length="
+                                  f"{e.max_prefill_length} tokens")
+            if p.size + limit > e.max_target_length:
+                raise EngineError(f"prompt {i} ({p.size} tokens) + {limit} new tokens exceeds max_target_length="
+                                  f"{e.max_target_length}; lower max_new_tokens or build a longer engine")
+            if p.min() < 0 or p.max() >= e.cfg.vocab_size:
+                raise EngineError(f"prompt {i} has token ids outside the vocabulary [0, {e.cfg.vocab_size})")
+        return limits
+
+
+class _Run:
+    """One generate call: the waiting prompts, ready prefixes, slot owners and the output buffers."""
+
+    def __init__(self, gen: Generator, prompts, sampling: SamplingParams, limits, *, forced: bool, refill: Refill):
+        self.gen, self.engine, self.prompts, self.sampling = gen, gen.engine, prompts, sampling
+        self.limits, self.forced, self.refill = limits, forced, refill
+        n, width = sampling.n, sampling.max_new_tokens
+        rows = len(prompts) * n
+        self.tokens = np.full((rows, width), gen.pad_id, np.int32)
+        self.logprobs = np.zeros((rows, width), np.float32)
+        self.versions = np.full((rows, width), -1, np.int32)
+        self.lengths = np.zeros(rows, np.int32)
+        self.finish = [""] * rows
+        self.stops = np.asarray([] if forced else sampling.stop_tokens, np.int32)
+        self.waiting = collections.deque(range(len(prompts)))
+        self.ready: collections.deque = collections.deque()  # (prefix, version, prefix row, sample, row, token, lp)
+        self.slot_row = np.full(self.engine.max_concurrent_decodes, -1, np.int64)
+        self.stats = collections.Counter()
+
+    def loop(self, on_step) -> None:
+        while True:
+            self._swap_params()
+            self._fill_slots()
+            if not np.any(self.slot_row >= 0):
+                assert not self.waiting and not self.ready
+                return
+            self.gen._state, result = self.engine.generate(self.gen._params, self.gen._state)
+            self._record(*jax.device_get((result.tokens, result.logprobs, result.valid, result.done)))
+            self.stats["decode_steps"] += 1
+            if on_step is not None:
+                on_step(self.gen, self.stats["decode_steps"])
+
+    def result(self, seconds: float) -> Rollouts:
+        n = self.sampling.n
+        rows = self.lengths.shape[0]
+        steps = self.stats["decode_steps"]
+        stats = {**self.stats, "tokens": int(self.lengths.sum()), "seconds": seconds,
+                 "slot_occupancy": self.stats["slot_steps"] / max(1, steps * self.engine.max_concurrent_decodes)}
+        return Rollouts(self.tokens, self.logprobs, self.lengths, tuple(self.finish), self.versions,
+                        np.arange(rows) // n, np.arange(rows) % n, stats)
+
+    def _swap_params(self) -> None:
+        gen = self.gen
+        with gen._lock:
+            if gen._pending is not None:
+                (gen._params, gen.version), gen._pending = gen._pending, None
+                self.stats["param_swaps"] += 1
+
+    def _fill_slots(self) -> None:
+        if self.refill == "static" and np.any(self.slot_row >= 0):
+            return
+        free = list(np.flatnonzero(self.slot_row < 0))
+        while free and (self.ready or self.waiting):
+            if not self.ready:
+                self._prefill_next()
+            prefix, version, prow, sample, row, token, logprob = self.ready.popleft()
+            if self._append(row, token, logprob, version):
+                continue  # finished with its first token
+            slot = free.pop(0)
+            self.gen._state = self.engine.insert(prefix, self.gen._state, int(slot), row=prow, sample=sample)
+            self.slot_row[slot] = row
+
+    def _prefill_next(self) -> None:
+        batch = self.engine.max_prefill_batch
+        take = [self.waiting.popleft() for _ in range(min(batch, len(self.waiting)))]
+        padded = take + take[-1:] * (batch - len(take))  # always full batches: one program per length bucket
+        prompts = [self.prompts[i] for i in padded]
+        t = max(p.size for p in prompts)
+        tokens = np.stack([np.pad(p, (0, t - p.size)) for p in prompts])
+        s = self.sampling
+        requests = make_requests(batch, self.engine.max_stop_tokens, seed=s.seed, prompt=padded,
+                                 temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                                 limit=self.limits[padded], stop_tokens=self.stops.tolist())
+        prefix, first = self.engine.prefill(params=self.gen._params, padded_tokens=tokens,
+                                            true_length=[p.size for p in prompts], requests=requests,
+                                            num_samples=s.n)
+        first_tokens, first_logprobs = jax.device_get((first.tokens, first.logprobs))
+        for prow, prompt in enumerate(take):
+            for j in range(s.n):
+                self.ready.append((prefix, self.gen.version, prow, j, prompt * s.n + j, first_tokens[prow, j],
+                                   first_logprobs[prow, j]))
+        self.stats["prefill_calls"] += 1
+        self.stats["prefill_rows"] += len(take)
+
+    def _append(self, row: int, token, logprob, version: int) -> bool:
+        """Records one token of ``row``; True when the row is finished."""
+        i = self.lengths[row]
+        self.tokens[row, i], self.logprobs[row, i], self.versions[row, i] = token, logprob, version
+        self.lengths[row] = i + 1
+        stopped = token in self.stops
+        if stopped or i + 1 >= self.limits[row // self.sampling.n]:
+            self.finish[row] = "stop" if stopped else "length"
+            return True
+        return False
+
+    def _record(self, tokens, logprobs, valid, done) -> None:
+        live = np.flatnonzero(self.slot_row >= 0)
+        assert np.all(valid[live]), "a slot the driver thinks live was inactive on the device"
+        self.stats["slot_steps"] += live.size
+        version = self.gen.version
+        for slot in live:
+            row = self.slot_row[slot]
+            finished = self._append(row, tokens[slot], logprobs[slot], version)
+            assert finished == bool(done[slot]), f"slot {slot}: host and device disagree on the row's end"
+            if finished:
+                self.slot_row[slot] = -1
+
+
+def generate(engine: JaxEngine, params: Params, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+             **kwargs) -> Rollouts:
+    """One-shot :meth:`Generator.generate` with a fresh decode state (keyword arguments pass through)."""
+    return Generator(engine, params).generate(prompts, sampling, **kwargs)

@@ -1,0 +1,416 @@
+"""The inference engine of one actor-gen replica, with JetStream's ``Engine`` contract.
+
+JetStream's verbs and meaning, declared here (we do not depend on the archived package): ``prefill`` a
+prompt into a :class:`Prefix` (its KV cache) and its first token, ``insert`` the prefix into a decode
+slot, ``generate`` one token for every live slot per call. The decode state holds one KV cache per layer,
+``[slots, kv_heads, max_target_length, head_dim]``, sharded over kv heads on the replica's ``tp`` axis
+(kv heads stored repeated when tp exceeds them, as the layout stores the weights); each slot has its own
+length, so slots finish and refill independently. Slots stop by themselves at their request's token
+limit or a stop token (``ResultTokens.done``).
+
+Extensions a JetStream engine lacks, all keyword arguments with defaults: ``prefill`` takes a batch of
+prompts, per-row :class:`~nereus_jax.engine.sampling.Requests` and ``num_samples`` (n samples of a
+prompt share one prefill and get n first tokens); ``insert`` takes which ``row`` and ``sample`` of the
+prefix to place. Prompt lengths are bucketed (powers of two up to ``max_prefill_length``), so a steady
+workload compiles a fixed set of programs; ``traces`` counts every trace (= compilation) by function.
+
+    engine = JaxEngine(cfg, make_mesh(jax.devices()[:2], Layout(tp=2)), max_concurrent_decodes=8)
+    params = engine.load_params(init_params(cfg))
+    state = engine.init_decode_state()
+    prefix, first = engine.prefill(params=params, padded_tokens=prompt, true_length=len(prompt))
+    state = engine.insert(prefix, state, slot=0)
+    state, result = engine.generate(params, state)      # result.tokens[0] is the second token
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from nereus_jax.config import ModelConfig
+from nereus_jax.engine import decode
+from nereus_jax.engine.sampling import Requests, make_requests, sample
+from nereus_jax.models.decoder import abstract_params
+from nereus_jax.sharding import (
+    Layout,
+    activation_sharding,
+    kv_repeat,
+    logical_to_spec,
+    make_mesh,
+    param_shardings,
+    shard_params,
+)
+
+Params = Any  # what load_params returns: the model's tree with per-layer weights, laid out on the mesh
+_MIN_BUCKET = 16
+
+
+class EngineError(ValueError):
+    """A request the engine cannot serve (prompt too long, bad slot, ...); the message says what to change."""
+
+
+class ResultTokens(NamedTuple):
+    """One token per slot (generate) or per prompt row and sample (prefill: [rows, n])."""
+
+    tokens: jax.Array  # int32
+    logprobs: jax.Array  # float32: log_softmax(logits / temperature) at the token
+    valid: jax.Array  # bool: the slot was live, so the token is real
+    lengths: jax.Array  # int32: tokens the slot has generated, this one included
+    done: jax.Array  # bool: this token ended the slot (stop token or token limit)
+
+
+class Prefix(NamedTuple):
+    """Prefilled prompts: their KV caches, lengths, first tokens and requests (one row per prompt)."""
+
+    caches: decode.LayerCaches  # per layer (k, v) [rows, kv_heads, length, head_dim]
+    lengths: jax.Array  # [rows] tokens in the cache
+    first_tokens: jax.Array  # [rows, n]
+    first_logprobs: jax.Array  # [rows, n]
+    requests: Requests  # per row
+
+
+class DecodeState(NamedTuple):
+    """Everything the decode loop carries, one entry per slot."""
+
+    caches: decode.LayerCaches  # per layer (k, v) [slots, kv_heads, max_target_length, head_dim]
+    tokens: jax.Array  # [slots] the last token drawn, fed in at the next step
+    lengths: jax.Array  # [slots] tokens in the cache = the position of `tokens`
+    steps: jax.Array  # [slots] tokens generated so far = the response index of the next one
+    active: jax.Array  # [slots] bool
+    requests: Requests  # per slot
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """JetStream's engine contract (names and meaning of ``jetstream.engine.engine_api.Engine``)."""
+
+    def prefill(self, *, params: Params, existing_prefix: Prefix | None = None, padded_tokens: jax.Array,
+                true_length: int) -> tuple[Prefix, ResultTokens]:
+        """Computes a prompt's KV cache (after ``existing_prefix`` if given) and samples its first token."""
+
+    def generate(self, params: Params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
+        """One token for every slot of the decode state."""
+
+    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
+        """Places a prefix in a decode slot."""
+
+    def load_params(self, *args, **kwargs) -> Params:
+        """Parameters laid out for this engine."""
+
+    def init_decode_state(self, *args, **kwargs) -> DecodeState:
+        """An empty decode state."""
+
+    def get_prefix_destination_sharding(self) -> Any:
+        """The shardings a prefix must have to be inserted."""
+
+    def get_tokenizer(self) -> Any:
+        """The tokenizer (or its parameters) this engine serves with."""
+
+    @property
+    def max_concurrent_decodes(self) -> int: ...
+
+    @property
+    def max_prefill_length(self) -> int: ...
+
+    @property
+    def samples_per_slot(self) -> int: ...
+
+    @property
+    def mesh(self) -> Mesh: ...
+
+
+class JaxEngine:
+    """Our engine: the decoder of ``nereus_jax.models`` on one replica's ("pp", "tp") mesh (pp = 1)."""
+
+    def __init__(self, cfg: ModelConfig, mesh: Mesh | None = None, *, max_concurrent_decodes: int = 32,
+                 max_prefill_length: int = 128, max_target_length: int | None = None,
+                 max_prefill_batch: int = 8, max_stop_tokens: int = 4, tokenizer: Any = None):
+        self.cfg = cfg
+        self._mesh = mesh if mesh is not None else make_mesh(jax.devices()[:1], Layout())
+        self.layout = _layout_of(self._mesh)
+        self._slots = _positive("max_concurrent_decodes", max_concurrent_decodes)
+        self._max_prefill = _positive("max_prefill_length", max_prefill_length)
+        self.max_target_length = max_target_length or max_prefill_length + 128
+        if self.max_target_length < self._max_prefill:
+            raise EngineError(f"max_target_length ({self.max_target_length}) must be >= max_prefill_length "
+                              f"({self._max_prefill})")
+        self.max_prefill_batch = _positive("max_prefill_batch", max_prefill_batch)
+        self.max_stop_tokens = _positive("max_stop_tokens", max_stop_tokens)
+        self.kv_heads = cfg.num_kv_heads * kv_repeat(cfg, self.layout)
+        self.dtype = jnp.dtype(cfg.compute_dtype)
+        self.prefill_lengths = _buckets(self._max_prefill)
+        self.prefill_batches = _buckets(self.max_prefill_batch, smallest=1)
+        self.traces: collections.Counter[str] = collections.Counter()
+        self._tokenizer = tokenizer
+        self._build_programs()
+
+    # ----------------------------------------------------------------------------------- the contract
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self._slots
+
+    @property
+    def max_prefill_length(self) -> int:
+        return self._max_prefill
+
+    @property
+    def samples_per_slot(self) -> int:
+        return 1  # a slot decodes one sequence; n samples of a prompt take n slots and share one prefill
+
+    @property
+    def mesh(self) -> Mesh:
+        return self._mesh
+
+    def get_tokenizer(self) -> Any:
+        return self._tokenizer
+
+    def get_prefix_destination_sharding(self) -> Prefix:
+        rep = self._replicated
+        caches = tuple((self._cache_sharding, self._cache_sharding) for _ in range(self.cfg.num_layers))
+        return Prefix(caches, rep, rep, rep, Requests(*[rep] * len(Requests._fields)))
+
+    def load_params(self, params: dict) -> Params:
+        """Lays a canonical parameter tree (``init_params``, a checkpoint, a trainer's) out for generation:
+        sharded with the "gen" rules, kv heads repeated where tp exceeds them, cast to compute dtype,
+        layers unstacked. Any layout of the input works; inputs are untouched."""
+        _check_tree(params, self.cfg)
+        return self._unstack(shard_params(params, self.cfg, self.layout, self._mesh, kind="gen"))
+
+    def init_decode_state(self) -> DecodeState:
+        return self._init_state()
+
+    def prefill(self, *, params: Params, existing_prefix: Prefix | None = None, padded_tokens,
+                true_length, requests: Requests | None = None, num_samples: int = 1
+                ) -> tuple[Prefix, ResultTokens]:
+        """Prefills ``padded_tokens`` ([t] or [rows, t], right-padded; ``true_length`` int or [rows]) after
+        ``existing_prefix``'s tokens if given. Rows and length are padded up to their buckets. Returns the
+        prefix and first tokens ``[rows, num_samples]``, drawn with ``requests`` (default: greedy)."""
+        tokens_bt, true_b = self._check_prompts(padded_tokens, true_length)
+        rows = tokens_bt.shape[0]
+        base_len = 0 if existing_prefix is None else int(existing_prefix.caches[0][0].shape[2])
+        requests = self._check_requests(requests, rows, true_b, existing_prefix)
+        if num_samples < 1:
+            raise EngineError(f"num_samples must be >= 1, got {num_samples}")
+        tokens_bt, true_b, requests = self._pad_rows(tokens_bt, true_b, requests, existing_prefix)
+        length = _bucket(tokens_bt.shape[1], self.prefill_lengths)
+        if base_len + length > self.max_target_length:
+            raise EngineError(f"existing prefix ({base_len}) + prompt bucket ({length}) exceeds max_target_length "
+                              f"({self.max_target_length})")
+        tokens_bt = np.pad(tokens_bt, ((0, 0), (0, length - tokens_bt.shape[1])))
+        if existing_prefix is None:
+            base, start = self._empty_prefix(tokens_bt.shape[0]), np.zeros(tokens_bt.shape[0], np.int32)
+        else:
+            base, start = existing_prefix.caches, existing_prefix.lengths
+        prefix, result = self._prefill(params, tokens_bt, true_b, start, base, requests, num_samples)
+        return prefix, jax.tree.map(lambda x: x[:rows], result)
+
+    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, *, row: int = 0,
+               sample: int = 0) -> DecodeState:
+        """Places sample ``sample`` of prefix row ``row`` in ``slot`` (whatever the slot held is dropped).
+        ``decode_state`` is donated: use only the returned state."""
+        if not 0 <= slot < self._slots:
+            raise EngineError(f"slot {slot} is out of range: this engine has {self._slots} slots")
+        rows, n = prefix.first_tokens.shape
+        if not (0 <= row < rows and 0 <= sample < n):
+            raise EngineError(f"prefix has {rows} rows x {n} samples; row {row}, sample {sample} is out of range")
+        if prefix.caches[0][0].shape[2] > self.max_target_length:
+            raise EngineError(f"prefix of {prefix.caches[0][0].shape[2]} tokens does not fit the cache "
+                              f"({self.max_target_length})")
+        return self._insert(prefix, decode_state, np.int32(slot), np.int32(row), np.int32(sample))
+
+    def generate(self, params: Params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
+        """One decode step for every slot (inactive slots yield ``valid=False``). ``decode_state`` is
+        donated: use only the returned state. Parameters may change between calls (a swap keeps slots)."""
+        return self._generate(params, decode_state)
+
+    # ------------------------------------------------------------------------------------ programs
+    def _build_programs(self) -> None:
+        mesh, cfg = self._mesh, self.cfg
+        self._replicated = NamedSharding(mesh, PartitionSpec())
+        spec = logical_to_spec(("batch", "kv_heads", "length", "head_dim"), "gen", mesh.axis_names)
+        self._cache_sharding = NamedSharding(mesh, spec)
+        state_sh = self._state_shardings()
+        prefix_sh = self.get_prefix_destination_sharding()
+        result_sh = ResultTokens(*[self._replicated] * len(ResultTokens._fields))
+        stacked = param_shardings(cfg, self.layout, mesh, kind="gen", head="lm")
+        unstacked = {**stacked, "layers": tuple(jax.tree.map(_drop_layer_axis, stacked["layers"])
+                                                for _ in range(cfg.num_layers))}
+        self._unstack = jax.jit(self._traced("unstack", self._unstack_impl), out_shardings=unstacked)
+        self._init_state = jax.jit(self._traced("init_decode_state", self._init_state_impl), out_shardings=state_sh)
+        self._empty_prefix = jax.jit(self._traced("empty_prefix", self._empty_prefix_impl), static_argnums=0,
+                                     out_shardings=prefix_sh.caches)
+        self._prefill = jax.jit(self._traced("prefill", self._prefill_impl), static_argnums=6,
+                                out_shardings=(prefix_sh, result_sh))
+        self._insert = jax.jit(self._traced("insert", self._insert_impl), donate_argnums=1, out_shardings=state_sh)
+        self._generate = jax.jit(self._traced("generate", self._generate_impl), donate_argnums=1,
+                                 out_shardings=(state_sh, result_sh))
+
+    def _traced(self, name: str, fn):
+        """``fn`` counting its traces in ``self.traces[name]`` and tracing under the "gen" activation rules."""
+        def traced(*args):
+            self.traces[name] += 1
+            with activation_sharding(self._mesh, "gen"):
+                return fn(*args)
+
+        return traced
+
+    def _state_shardings(self) -> DecodeState:
+        rep = self._replicated
+        caches = tuple((self._cache_sharding, self._cache_sharding) for _ in range(self.cfg.num_layers))
+        return DecodeState(caches, rep, rep, rep, rep, Requests(*[rep] * len(Requests._fields)))
+
+    def _unstack_impl(self, params):
+        return decode.unstack_layers(jax.tree.map(lambda x: x.astype(self.dtype), params))
+
+    def _init_state_impl(self):
+        s = self._slots
+        caches = decode.empty_caches(self.cfg, s, self.max_target_length, self.kv_heads, self.dtype)
+        requests = jax.tree.map(jnp.asarray, make_requests(s, self.max_stop_tokens))
+        zeros = jnp.zeros((s,), jnp.int32)
+        return DecodeState(caches, zeros, zeros, zeros, jnp.zeros((s,), bool), requests)
+
+    def _empty_prefix_impl(self, rows):
+        return decode.empty_caches(self.cfg, rows, 0, self.kv_heads, self.dtype)
+
+    def _prefill_impl(self, params, tokens_bt, true_b, start_b, base, requests, num_samples):
+        rows, t = tokens_bt.shape
+        grow = lambda c: jnp.concatenate([c, jnp.zeros(c.shape[:2] + (t,) + c.shape[3:], c.dtype)], axis=2)  # noqa: E731
+        caches = tuple((grow(k), grow(v)) for k, v in base)
+        hidden, caches = decode.run(params, self.cfg, tokens_bt, start_b, caches, only_b=true_b - 1)
+        logits = decode.logits(params, hidden[:, 0])
+        per_sample = jax.tree.map(lambda x: jnp.repeat(x, num_samples, axis=0), requests)
+        per_sample = per_sample._replace(sample=jnp.tile(jnp.arange(num_samples, dtype=jnp.int32), rows))
+        tokens, logprobs = sample(jnp.repeat(logits, num_samples, axis=0), per_sample,
+                                  jnp.zeros((rows * num_samples,), jnp.int32))
+        done = _is_done(tokens, jnp.ones_like(tokens), per_sample)
+        shape = (rows, num_samples)
+        tokens, logprobs, done = tokens.reshape(shape), logprobs.reshape(shape), done.reshape(shape)
+        prefix = Prefix(caches, start_b + true_b, tokens, logprobs, requests)
+        ones = jnp.ones(shape, jnp.int32)
+        return prefix, ResultTokens(tokens, logprobs, ones.astype(bool), ones, done)
+
+    def _insert_impl(self, prefix, state, slot, row, sample_index):
+        def place(cache, new):
+            new = jax.lax.dynamic_slice_in_dim(new, row, 1, axis=0)
+            return jax.lax.dynamic_update_slice(cache, new, (slot, 0, 0, 0))
+
+        caches = tuple((place(k, pk), place(v, pv)) for (k, v), (pk, pv) in zip(state.caches, prefix.caches,
+                                                                                   strict=True))
+        request = jax.tree.map(lambda x: x[row], prefix.requests)._replace(sample=sample_index)
+        requests = jax.tree.map(lambda s, r: s.at[slot].set(r), state.requests, request)
+        token = prefix.first_tokens[row, sample_index]
+        done = _is_done(token[None], jnp.ones((1,), jnp.int32), jax.tree.map(lambda x: x[None], request))[0]
+        return DecodeState(caches, state.tokens.at[slot].set(token), state.lengths.at[slot].set(prefix.lengths[row]),
+                           state.steps.at[slot].set(1), state.active.at[slot].set(~done), requests)
+
+    def _generate_impl(self, params, state):
+        positions = jnp.minimum(state.lengths, self.max_target_length - 1)
+        hidden, caches = decode.run(params, self.cfg, state.tokens[:, None], positions, state.caches)
+        tokens, logprobs = sample(decode.logits(params, hidden[:, 0]), state.requests, state.steps)
+        active = state.active
+        steps = state.steps + active
+        done = active & _is_done(tokens, steps, state.requests)
+        new = DecodeState(caches, jnp.where(active, tokens, state.tokens), state.lengths + active, steps,
+                          active & ~done, state.requests)
+        return new, ResultTokens(tokens, logprobs, active, steps, done)
+
+    # ------------------------------------------------------------------------------------ checking
+    def _check_prompts(self, padded_tokens, true_length) -> tuple[np.ndarray, np.ndarray]:
+        tokens_bt = np.asarray(padded_tokens)
+        tokens_bt = tokens_bt[None] if tokens_bt.ndim == 1 else tokens_bt
+        if tokens_bt.ndim != 2 or tokens_bt.shape[1] == 0 or not np.issubdtype(tokens_bt.dtype, np.integer):
+            raise EngineError(f"padded_tokens must be integer token ids shaped [t] or [rows, t], got "
+                              f"{tokens_bt.dtype}{list(tokens_bt.shape)}")
+        rows, t = tokens_bt.shape
+        true_b = np.broadcast_to(np.asarray(true_length, np.int32), (rows,)).copy()
+        if t > self._max_prefill:
+            raise EngineError(f"prompt of {t} tokens exceeds max_prefill_length={self._max_prefill}; "
+                              "truncate it or build the engine with a larger max_prefill_length")
+        if np.any(true_b < 1) or np.any(true_b > t):
+            raise EngineError(f"true_length must be in [1, {t}] (the padded length), got {true_b.tolist()}")
+        if rows > self.max_prefill_batch:
+            raise EngineError(f"{rows} prompts in one prefill; this engine prefills at most "
+                              f"max_prefill_batch={self.max_prefill_batch}")
+        if np.any(tokens_bt < 0) or np.any(tokens_bt >= self.cfg.vocab_size):
+            raise EngineError(f"token ids must be in [0, {self.cfg.vocab_size}) (the vocabulary)")
+        return tokens_bt.astype(np.int32), true_b
+
+    def _check_requests(self, requests, rows, true_b, existing_prefix) -> Requests:
+        start = 0 if existing_prefix is None else np.asarray(existing_prefix.lengths)[:rows]
+        if requests is None:
+            return make_requests(rows, self.max_stop_tokens, limit=self.max_target_length - (start + true_b))
+        requests = Requests(*[np.asarray(x) for x in requests])
+        if requests.seed.shape != (rows,) or requests.stop.shape != (rows, self.max_stop_tokens):
+            raise EngineError(f"requests must have {rows} rows and {self.max_stop_tokens} stop-token columns, got "
+                              f"{requests.seed.shape[0]} and {requests.stop.shape[-1]}")
+        over = start + true_b + requests.limit > self.max_target_length
+        if np.any(requests.limit < 1) or np.any(over):
+            raise EngineError(f"prompt length + token limit must be <= max_target_length={self.max_target_length} "
+                              f"and limits >= 1; got lengths {(start + true_b).tolist()}, limits "
+                              f"{requests.limit.tolist()}")
+        return requests
+
+    def _pad_rows(self, tokens_bt, true_b, requests, existing_prefix):
+        rows = tokens_bt.shape[0]
+        if existing_prefix is None:
+            padded = _bucket(rows, self.prefill_batches)
+        else:
+            padded = existing_prefix.first_tokens.shape[0]
+            if rows > padded:
+                raise EngineError(f"{rows} prompts but the existing prefix has {padded} rows")
+        extra = padded - rows
+        tokens_bt = np.pad(tokens_bt, ((0, extra), (0, 0)))
+        true_b = np.pad(true_b, (0, extra), constant_values=1)
+        requests = Requests(*[np.concatenate([x, np.repeat(x[-1:], extra, axis=0)]) for x in requests])
+        return tokens_bt, true_b, requests
+
+
+def _is_done(tokens_n, steps_n, requests: Requests) -> jax.Array:
+    stopped = jnp.any(tokens_n[:, None] == requests.stop, axis=-1)
+    return stopped | (steps_n >= requests.limit)
+
+
+def _drop_layer_axis(sharding: NamedSharding) -> NamedSharding:
+    return NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
+
+
+def _layout_of(mesh: Mesh) -> Layout:
+    if tuple(mesh.axis_names) != ("pp", "tp"):
+        raise EngineError(f"the engine serves one replica: a ('pp', 'tp') mesh (make_mesh without dp), got axes "
+                          f"{mesh.axis_names}")
+    if mesh.shape["pp"] != 1:
+        raise EngineError(f"generation runs with pp=1 (got pp={mesh.shape['pp']}); use tp for a larger replica")
+    return Layout(tp=mesh.shape["tp"])
+
+
+def _positive(name: str, value: int) -> int:
+    if value < 1:
+        raise EngineError(f"{name} must be >= 1, got {value}")
+    return int(value)
+
+
+def _buckets(top: int, smallest: int = _MIN_BUCKET) -> tuple[int, ...]:
+    """Powers of two from ``smallest`` below ``top``, then ``top``."""
+    out, b = [], smallest
+    while b < top:
+        out.append(b)
+        b *= 2
+    return (*out, top)
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int:
+    return next(b for b in buckets if b >= n)
+
+
+def _check_tree(params: dict, cfg: ModelConfig) -> None:
+    want = jax.tree.map(lambda s: tuple(s.shape), abstract_params(cfg))
+    got = jax.tree.map(lambda x: tuple(np.shape(x)), dict(params))
+    if want != got:
+        raise EngineError("parameters do not match the engine's model config (an lm-head decoder of "
+                          f"{cfg.name!r}): pass the canonical tree of init_params(cfg) / a checkpoint")
