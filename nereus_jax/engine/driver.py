@@ -71,14 +71,21 @@ class Generator:
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
                  forced_lengths: Sequence[int] | None = None, refill: Refill = "continuous",
-                 on_step: Callable[[Generator, int], None] | None = None) -> Rollouts:
+                 on_step: Callable[[Generator, int], None] | None = None,
+                 prompt_ids: Sequence[int] | None = None) -> Rollouts:
         """Generates ``sampling.n`` responses for every prompt (token-id sequences). ``on_step(self, step)``
-        runs after every decode step (a test hook, e.g. to swap parameters at a known step)."""
+        runs after every decode step (a test hook, e.g. to swap parameters at a known step).
+        ``prompt_ids`` (default 0..len-1) are the prompts' identities in the random stream: a job that
+        splits one batch over several generators passes global ids, so the split never changes samples."""
         if refill not in ("continuous", "static"):
             raise EngineError(f"refill must be 'continuous' or 'static', got {refill!r}")
         prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
         limits = self._limits(prompts, sampling, forced_lengths)
+        ids = np.arange(len(prompts)) if prompt_ids is None else np.asarray(prompt_ids, np.int64).reshape(-1)
+        if ids.shape[0] != len(prompts) or np.any(ids < 0) or np.any(ids >= 2**31):
+            raise EngineError(f"prompt_ids needs one id in [0, 2**31) per prompt ({len(prompts)} prompts)")
         run = _Run(self, prompts, sampling, limits, forced=forced_lengths is not None, refill=refill)
+        run.prompt_ids = ids
         start = time.perf_counter()
         run.loop(on_step)
         return run.result(time.perf_counter() - start)
@@ -126,6 +133,7 @@ class _Run:
         self.ready: collections.deque = collections.deque()  # (prefix, version, prefix row, sample, row, token, lp)
         self.slot_row = np.full(self.engine.max_concurrent_decodes, -1, np.int64)
         self.stats = collections.Counter()
+        self.prompt_ids = np.arange(len(prompts))
 
     def loop(self, on_step) -> None:
         while True:
@@ -178,7 +186,7 @@ class _Run:
         t = max(p.size for p in prompts)
         tokens = np.stack([np.pad(p, (0, t - p.size)) for p in prompts])
         s = self.sampling
-        requests = make_requests(batch, self.engine.max_stop_tokens, seed=s.seed, prompt=padded,
+        requests = make_requests(batch, self.engine.max_stop_tokens, seed=s.seed, prompt=self.prompt_ids[padded],
                                  temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                                  limit=self.limits[padded], stop_tokens=self.stops.tolist())
         prefix, first = self.engine.prefill(params=self.gen._params, padded_tokens=tokens,

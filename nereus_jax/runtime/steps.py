@@ -30,35 +30,39 @@ from nereus_jax.rl.algorithms import (
 from nereus_jax.sharding import sync_kv_grads
 
 LossFn = Callable[[dict, dict], tuple[jax.Array, dict]]
+ForwardFn = Callable[..., jax.Array]  # forward()'s signature; a pipelined forward for pp > 1
 
 
-def response_logits(params, cfg: ModelConfig, tokens_bl, mask_bl, prompt_len: int) -> jax.Array:
+def response_logits(params, cfg: ModelConfig, tokens_bl, mask_bl, prompt_len: int,
+                    forward_fn: ForwardFn = forward) -> jax.Array:
     """Logits predicting each response token, [b, R, vocab]."""
-    return forward(params, cfg, tokens_bl, None, mask_bl)[:, prompt_len - 1: -1]
+    return forward_fn(params, cfg, tokens_bl, None, mask_bl)[:, prompt_len - 1: -1]
 
 
-def response_logprobs(params, cfg: ModelConfig, tokens_bl, mask_bl, prompt_len: int) -> jax.Array:
+def response_logprobs(params, cfg: ModelConfig, tokens_bl, mask_bl, prompt_len: int,
+                      forward_fn: ForwardFn = forward) -> jax.Array:
     """log p(response token t | everything before it), [b, R] (the actor-infer and ref-infer output)."""
-    logits = response_logits(params, cfg, tokens_bl, mask_bl, prompt_len)
+    logits = response_logits(params, cfg, tokens_bl, mask_bl, prompt_len, forward_fn)
     return token_logprobs(logits, tokens_bl[:, prompt_len:])
 
 
-def response_values(params, cfg: ModelConfig, tokens_bl, mask_bl, prompt_len: int) -> jax.Array:
+def response_values(params, cfg: ModelConfig, tokens_bl, mask_bl, prompt_len: int,
+                    forward_fn: ForwardFn = forward) -> jax.Array:
     """Value of the state before each response token, [b, R] (the critic-infer output)."""
-    return forward(params, cfg, tokens_bl, None, mask_bl)[:, prompt_len - 1: -1, 0]
+    return forward_fn(params, cfg, tokens_bl, None, mask_bl)[:, prompt_len - 1: -1, 0]
 
 
-def sequence_scores(params, cfg: ModelConfig, tokens_bl, mask_bl) -> jax.Array:
+def sequence_scores(params, cfg: ModelConfig, tokens_bl, mask_bl, forward_fn: ForwardFn = forward) -> jax.Array:
     """A reward model's score at each row's last real token, [b]."""
-    values = forward(params, cfg, tokens_bl, None, mask_bl)[..., 0]
+    values = forward_fn(params, cfg, tokens_bl, None, mask_bl)[..., 0]
     last = jnp.sum(mask_bl, axis=1) - 1
     return jnp.take_along_axis(values, last[:, None], axis=1)[:, 0]
 
 
-def actor_loss(cfg: ModelConfig, algo: AlgorithmConfig, prompt_len: int) -> LossFn:
+def actor_loss(cfg: ModelConfig, algo: AlgorithmConfig, prompt_len: int, forward_fn: ForwardFn = forward) -> LossFn:
     """PPO clipped policy loss, minus the entropy bonus, plus the KL term when it is not in the reward."""
     def loss(params, mb):
-        logits = response_logits(params, cfg, mb["tokens"], mb["mask"], prompt_len)
+        logits = response_logits(params, cfg, mb["tokens"], mb["mask"], prompt_len, forward_fn)
         logp = token_logprobs(logits, mb["tokens"][:, prompt_len:])
         mask, denom = mb["response_mask"], mb["denom"]
         pl = ppo_policy_loss(logp, mb["old_logp"], mb["advantages"], mask, algo.clip_ratio, denom)
@@ -75,20 +79,20 @@ def actor_loss(cfg: ModelConfig, algo: AlgorithmConfig, prompt_len: int) -> Loss
     return loss
 
 
-def critic_loss(cfg: ModelConfig, algo: AlgorithmConfig, prompt_len: int) -> LossFn:
+def critic_loss(cfg: ModelConfig, algo: AlgorithmConfig, prompt_len: int, forward_fn: ForwardFn = forward) -> LossFn:
     """Clipped value loss against the GAE returns."""
     def loss(params, mb):
-        values = response_values(params, cfg, mb["tokens"], mb["mask"], prompt_len)
+        values = response_values(params, cfg, mb["tokens"], mb["mask"], prompt_len, forward_fn)
         vl = value_loss(values, mb["old_values"], mb["returns"], mb["response_mask"], algo.value_clip, mb["denom"])
         return vl, {"value_loss": vl}
 
     return loss
 
 
-def sft_loss(cfg: ModelConfig, prompt_len: int) -> LossFn:
+def sft_loss(cfg: ModelConfig, prompt_len: int, forward_fn: ForwardFn = forward) -> LossFn:
     """Supervised next-token loss on the response (reference answer) tokens only."""
     def loss(params, mb):
-        logp = response_logprobs(params, cfg, mb["tokens"], mb["mask"], prompt_len)
+        logp = response_logprobs(params, cfg, mb["tokens"], mb["mask"], prompt_len, forward_fn)
         nll = -masked_mean(logp, mb["response_mask"], denom=mb["denom"])
         return nll, {"sft_loss": nll}
 

@@ -17,13 +17,22 @@ from nereus_jax.sharding.layout import (
     stored_shapes,
     sync_kv_grads,
 )
+from nereus_jax.sharding.pipeline import (
+    PipelineError,
+    bubble_fraction,
+    pipeline_forward,
+    pipeline_forward_fn,
+    pipeline_forward_with_cache,
+)
 from nereus_jax.sharding.rules import RULES, rules_for
 
 __all__ = [
     "RULES",
     "Layout",
     "LayoutError",
+    "PipelineError",
     "activation_sharding",
+    "bubble_fraction",
     "bytes_per_device",
     "check_layout",
     "collapse_kv",
@@ -33,6 +42,9 @@ __all__ = [
     "logical_to_spec",
     "make_mesh",
     "param_shardings",
+    "pipeline_forward",
+    "pipeline_forward_fn",
+    "pipeline_forward_with_cache",
     "rules_for",
     "shard_params",
     "stored_shapes",

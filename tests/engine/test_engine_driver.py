@@ -35,6 +35,17 @@ def test_continuous_refill_follows_the_ideal_schedule_and_static_waits_for_the_b
     np.testing.assert_array_equal(static.tokens, out.tokens)  # the schedule never changes the tokens
 
 
+def test_splitting_a_batch_over_calls_with_global_prompt_ids_samples_the_same_tokens(gen):
+    prompts = make_prompts(6, seed=5)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=7)
+    whole = gen.generate(prompts, sampling)
+    first = gen.generate(prompts[:2], sampling, prompt_ids=[0, 1])
+    rest = gen.generate(prompts[2:], sampling, prompt_ids=[2, 3, 4, 5])
+    np.testing.assert_array_equal(np.concatenate([first.tokens, rest.tokens]), whole.tokens)
+    shifted = gen.generate(prompts[2:], sampling)  # ids 0..3: another part of the random stream
+    assert not np.array_equal(shifted.tokens, whole.tokens[4:])
+
+
 def test_n_samples_per_prompt_share_one_prefill(gen):
     out = gen.generate(make_prompts(3, seed=4), SamplingParams(temperature=1.0, max_new_tokens=6, n=4, seed=1))
     assert out.stats["prefill_rows"] == 3 and out.num_rows == 12

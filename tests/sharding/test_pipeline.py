@@ -1,0 +1,189 @@
+"""Pipeline parallelism (GPipe over pp, tp inside stages) against the pp=1 model on one device."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from nereus_jax.config import AlgorithmConfig, ModelConfig
+from nereus_jax.models import forward, forward_with_cache, init_cache, init_params
+from nereus_jax.runtime import steps
+from nereus_jax.sharding import Layout, LayoutError, activation_sharding, gather_params, make_mesh, shard_params
+from nereus_jax.sharding.pipeline import (
+    PipelineError,
+    bubble_fraction,
+    cache_sharding,
+    executed_schedule,
+    gpipe_schedule,
+    pipeline_forward,
+    pipeline_forward_fn,
+    pipeline_forward_with_cache,
+)
+
+CFG = dataclasses.replace(ModelConfig(), num_layers=4)  # 4 layers so pp=4 divides
+B, T = 8, 12
+LAYOUTS = [(2, 1, 2), (2, 2, 4), (4, 1, 4), (4, 2, 2)]  # (pp, tp, microbatches)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(CFG, seed=0)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    tokens = np.asarray(jax.random.randint(jax.random.key(1), (B, T), 0, CFG.vocab_size), np.int32)
+    mask = np.ones((B, T), np.int32)
+    mask[1, 9:] = 0
+    mask[6, :3] = 0  # left padding
+    return tokens, mask
+
+
+def _loss(logits_btv, tokens_bt, mask_bt):
+    logp = jax.nn.log_softmax(logits_btv[:, :-1], axis=-1)
+    nll = -jnp.take_along_axis(logp, tokens_bt[:, 1:, None], axis=-1)[..., 0]
+    return jnp.sum(nll * mask_bt[:, 1:]) / jnp.sum(mask_bt[:, 1:])
+
+
+def _loss_and_grads(fwd, params, tokens, mask):
+    def loss(p):
+        logits = fwd(p, CFG, tokens, None, mask)
+        return _loss(logits, tokens, mask), logits
+
+    return jax.value_and_grad(loss, has_aux=True)(params)
+
+
+@pytest.fixture(scope="module")
+def reference(params, batch):
+    with jax.default_device(jax.devices()[0]):
+        (loss, logits), grads = jax.jit(functools.partial(_loss_and_grads, forward))(params, *batch)
+    return float(loss), np.asarray(logits), jax.tree.map(np.asarray, grads)
+
+
+def _setup(params, devices, pp, tp, dp=None):
+    layout = Layout(tp=tp, pp=pp)
+    mesh = make_mesh(devices[: layout.size * (dp or 1)], layout, dp=dp)
+    return mesh, shard_params(params, CFG, layout, mesh)
+
+
+@pytest.mark.parametrize("pp,tp,m", LAYOUTS)
+def test_pipeline_forward_loss_and_grads_match_pp1(params, batch, reference, devices, pp, tp, m):
+    mesh, sharded = _setup(params, devices, pp, tp)
+    fwd = pipeline_forward_fn(mesh, microbatches=m)
+    with activation_sharding(mesh, "train"):
+        (loss, logits), grads = jax.jit(functools.partial(_loss_and_grads, fwd))(sharded, *batch)
+    ref_loss, ref_logits, ref_grads = reference
+    np.testing.assert_allclose(np.asarray(logits), ref_logits, atol=1e-5, rtol=0)
+    assert abs(float(loss) - ref_loss) < 1e-5
+    assert grads["layers"]["mlp"]["w_up"].sharding.spec[0] == "pp"  # gradients laid out like the parameters
+    jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, atol=1e-5, rtol=0), gather_params(grads, CFG),
+                 ref_grads)
+
+
+@pytest.mark.parametrize("head,tie", [("value", False), ("lm", True)])
+def test_pipeline_forward_value_head_and_tied_embeddings_match_pp1(batch, devices, head, tie):
+    cfg = dataclasses.replace(CFG, tie_embeddings=tie)
+    params = init_params(cfg, seed=2, head=head)
+    ref = np.asarray(forward(params, cfg, *batch[:1], None, batch[1]))
+    mesh = make_mesh(devices[:4], Layout(tp=2, pp=2))
+    sharded = shard_params(params, cfg, Layout(tp=2, pp=2), mesh)
+    fn = jax.jit(functools.partial(pipeline_forward, mesh=mesh, microbatches=2), static_argnums=1)
+    np.testing.assert_allclose(np.asarray(fn(sharded, cfg, batch[0], None, batch[1])), ref, atol=1e-5, rtol=0)
+
+
+def _greedy(step, params, prompt, cache, new_tokens):
+    logits, cache = step(params, prompt, jnp.broadcast_to(jnp.arange(prompt.shape[1]), prompt.shape), cache, 2)
+    out = [jnp.argmax(logits[:, -1], axis=-1)]
+    for k in range(new_tokens - 1):
+        positions = jnp.full((prompt.shape[0], 1), prompt.shape[1] + k)
+        logits, cache = step(params, out[-1][:, None], positions, cache, 1)
+        out.append(jnp.argmax(logits[:, -1], axis=-1))
+    return np.stack([np.asarray(t) for t in out], axis=1), cache
+
+
+@pytest.mark.parametrize("pp,tp", [(2, 2), (4, 1), (4, 2)])
+def test_pipeline_generation_greedy_tokens_match_pp1(params, batch, devices, pp, tp):
+    prompt, max_len, new = batch[0][:, :6], 16, 5
+
+    def ref_step(p, tokens, positions, cache, m):
+        return forward_with_cache(p, CFG, tokens, positions, cache)
+
+    ref_tokens, ref_cache = _greedy(jax.jit(ref_step, static_argnums=4), params, prompt,
+                                    init_cache(CFG, B, max_len), new)
+    mesh, sharded = _setup(params, devices, pp, tp)
+
+    def step(p, tokens, positions, cache, m):
+        return pipeline_forward_with_cache(p, CFG, tokens, positions, cache, mesh=mesh, microbatches=m)
+
+    cache = jax.device_put(init_cache(CFG, B, max_len), cache_sharding(mesh))
+    tokens, cache = _greedy(jax.jit(step, static_argnums=4, donate_argnums=3), sharded, prompt, cache, new)
+    np.testing.assert_array_equal(tokens, ref_tokens)
+    np.testing.assert_allclose(np.asarray(cache.k), np.asarray(ref_cache.k), atol=1e-5, rtol=0)
+    assert cache.k.sharding.spec[0] == "pp"  # each stage holds its layers' slice of the cache
+
+
+def test_pipeline_train_step_composes_with_actor_loss(params, devices):
+    """make_train_step(actor_loss) with the pipelined forward on a (dp2, pp2, tp2) mesh equals pp=1."""
+    rng = np.random.default_rng(0)
+    p_len, r_len, accum = 6, 6, 2
+    mb = {"tokens": rng.integers(3, CFG.vocab_size, (B, p_len + r_len)).astype(np.int32),
+          "mask": np.ones((B, p_len + r_len), np.int32), "response_mask": np.ones((B, r_len), np.int32),
+          "old_logp": rng.normal(-3, 0.1, (B, r_len)).astype(np.float32),
+          "advantages": rng.normal(size=(B, r_len)).astype(np.float32),
+          "ref_logp": rng.normal(-3, 0.1, (B, r_len)).astype(np.float32), "denom": np.float32(B * r_len)}
+    micro = steps.split_micro(mb, accum)
+    algo = AlgorithmConfig()
+
+    def run(params, mesh, forward_fn=steps.forward):
+        loss = steps.actor_loss(CFG, algo, p_len, forward_fn)
+        step = jax.jit(steps.make_train_step(loss, optax.sgd(1.0), CFG))
+        spec = lambda v: PartitionSpec(None, "dp") if v.ndim > 1 and "dp" in mesh.axis_names else PartitionSpec()  # noqa: E731
+        data = {k: jax.device_put(v, NamedSharding(mesh, spec(v))) for k, v in micro.items()}
+        new, _, metrics = step(params, optax.sgd(1.0).init(params), data)
+        return gather_params(new, CFG), float(metrics["loss"])
+
+    ref_mesh, ref_sharded = _setup(params, devices, 1, 1)
+    ref_params, ref_loss = run(ref_sharded, ref_mesh)
+    mesh, sharded = _setup(params, devices, 2, 2, dp=2)
+    new_params, loss = run(sharded, mesh, pipeline_forward_fn(mesh, microbatches=2))
+    assert abs(loss - ref_loss) < 1e-5
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0), new_params, ref_params)
+
+
+def test_pipeline_executed_schedule_is_gpipe(params, batch, devices):
+    mesh, sharded = _setup(params, devices, 4, 1)
+    record = executed_schedule(sharded, CFG, batch[0], mesh=mesh, microbatches=8)
+    np.testing.assert_array_equal(record, gpipe_schedule(4, 8))
+    assert np.mean(record < 0) == pytest.approx(bubble_fraction(4, 8))
+    assert all(sorted(record[:, s][record[:, s] >= 0]) == list(range(8)) for s in range(4))
+
+
+def test_pipeline_with_pp1_is_the_plain_model(params, batch, devices):
+    mesh, sharded = _setup(params, devices, 1, 2)
+    assert pipeline_forward_fn(mesh, microbatches=4) is forward
+    out = pipeline_forward(sharded, CFG, batch[0], None, batch[1], mesh=mesh, microbatches=4)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(forward(params, CFG, batch[0], None, batch[1])), atol=1e-5)
+
+
+def test_pipeline_rejects_microbatches_not_dividing_the_batch(params, batch, devices):
+    mesh, sharded = _setup(params, devices, 2, 1)
+    with pytest.raises(PipelineError, match="microbatches=3 does not divide the batch of 8"):
+        pipeline_forward(sharded, CFG, batch[0], mesh=mesh, microbatches=3)
+    cache = init_cache(CFG, B, 16)
+    with pytest.raises(PipelineError, match="microbatches=0"):
+        pipeline_forward_with_cache(sharded, CFG, batch[0], jnp.zeros_like(batch[0]), cache, mesh=mesh, microbatches=0)
+
+
+def test_pipeline_rejects_pp_not_dividing_layers_or_dp_not_dividing_microbatches(params, batch, devices):
+    cfg3 = dataclasses.replace(CFG, num_layers=3)
+    mesh = make_mesh(devices[:2], Layout(pp=2))
+    with pytest.raises(LayoutError, match="pp=2 does not divide the model's 3 layers"):
+        pipeline_forward(init_params(cfg3), cfg3, batch[0], mesh=mesh, microbatches=2)
+    mesh, sharded = _setup(params, devices, 2, 1, dp=4)
+    with pytest.raises(PipelineError, match="micro-batches of 2 rows do not split over dp=4"):
+        pipeline_forward(sharded, CFG, batch[0], mesh=mesh, microbatches=4)
