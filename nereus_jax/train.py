@@ -1,14 +1,13 @@
-"""The nereus_jax job: ``python -m nereus_jax.train [CONFIG.yaml] [key.sub=value ...]``.
+"""The nereus_jax job: ``python -m nereus_jax.train [CONFIG.yaml] [key.sub=value ...] [--run-dir DIR]``.
 
-Until the RL job lands (PPO/GRPO), this entry point runs the foundation end to end on the configured
-cluster: it builds the model of ``model`` (default: the tiny config), lays it out with
-``plan.default`` (tp, pp; dp = the remaining devices) on ``cluster.num_devices`` devices (CPU virtual
-devices by default), runs a sharded forward and a training gradient, and checks both against a
-single-device run.
+With no config it runs ``configs/ppo_tiny.yaml``: a supervised warm start of the tiny actor (cached),
+then PPO on 2-digit addition across the 8 CPU virtual devices, with a progress bar, a summary table,
+``RUN_DIR/metrics.jsonl``, ``RUN_DIR/summary.json`` and TensorBoard events in ``RUN_DIR/tensorboard``.
 
-    python -m nereus_jax.train                         # tiny model, 8 CPU virtual devices
-    python -m nereus_jax.train plan.default.tp=4       # other layout
-    python -m nereus_jax.train --help                  # the config tree
+    python -m nereus_jax.train                                   # PPO, tiny model, 8 CPU devices
+    python -m nereus_jax.train grpo_tiny trainer.steps=20        # GRPO
+    python -m nereus_jax.train --check-sharding                  # sharded forward/grad vs one device
+    python -m nereus_jax.train --help                            # the config tree
 """
 
 from __future__ import annotations
@@ -29,9 +28,11 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="config keys (override with key.sub=value):\n" + describe(),
     )
-    parser.add_argument("config", nargs="?", help="YAML config file or a name under configs/ (default: built-in)")
+    parser.add_argument("config", nargs="?", help="YAML config file or a name under configs/ (default: ppo_tiny)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides")
-    parser.add_argument("--run-dir", help="where to write summary.json (default: logging.run_dir or runs/<time>)")
+    parser.add_argument("--run-dir", help="run directory (default: logging.run_dir, else runs/<time>)")
+    parser.add_argument("--check-sharding", action="store_true",
+                        help="only check the sharded forward and gradient against one device, then exit")
     args = parser.parse_args(argv)
     if args.config and "=" in args.config:  # only overrides were given
         args.overrides.insert(0, args.config)
@@ -52,27 +53,45 @@ def _set_platform(cfg: Config) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config or ("default" if args.check_sharding else "ppo_tiny"), args.overrides)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     _set_platform(cfg)
-    from nereus_jax.runtime.foundation import run_foundation_check
-    from nereus_jax.sharding import LayoutError
-
+    run_dir = args.run_dir or cfg.logging.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     start = time.perf_counter()
     try:
-        summary = run_foundation_check(cfg)
-    except LayoutError as e:
-        print(f"layout error: {e}", file=sys.stderr)
+        summary = _check_sharding(cfg, run_dir) if args.check_sharding else _run(cfg, run_dir, start)
+    except _user_errors() as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    summary["wall_s"] = round(time.perf_counter() - start, 3)
-    run_dir = args.run_dir or cfg.logging.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    print(json.dumps({k: v for k, v in summary.items() if k != "plan"}))
+    return 0 if summary.get("ok", True) else 1
+
+
+def _run(cfg: Config, run_dir: str, start: float) -> dict:
+    from nereus_jax.runtime.run import run_job
+
+    return run_job(cfg, run_dir, started=start)
+
+
+def _check_sharding(cfg: Config, run_dir: str) -> dict:
+    from nereus_jax.runtime.foundation import run_foundation_check
+
+    summary = run_foundation_check(cfg)
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    print(json.dumps(summary))
-    return 0 if summary["ok"] else 1
+    return summary
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """Errors a user's input causes: reported as one line with exit status 2, no traceback."""
+    from nereus_jax.rl.tasks import PromptDataError
+    from nereus_jax.runtime.job import JobError
+    from nereus_jax.sharding import LayoutError
+
+    return ConfigError, LayoutError, JobError, PromptDataError, FileNotFoundError
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from nereus_jax.sharding import (
     make_mesh,
     param_shardings,
     shard_params,
+    stored_shapes,
 )
 
 Params = Any  # what load_params returns: the model's tree with per-layer weights, laid out on the mesh
@@ -181,6 +182,17 @@ class JaxEngine:
         layers unstacked. Any layout of the input works; inputs are untouched."""
         _check_tree(params, self.cfg)
         return self._unstack(shard_params(params, self.cfg, self.layout, self._mesh, kind="gen"))
+
+    def adopt_params(self, params: dict) -> Params:
+        """Parameters already laid out for this engine (its layout, on its mesh, kv heads stored as the
+        layout stores them), e.g. a generation unit's after the weight sync: only cast to the compute
+        dtype and unstacked, on device, with no host round trip."""
+        want = stored_shapes(self.cfg, self.layout)
+        got = jax.tree.map(lambda x: tuple(np.shape(x)), dict(params))
+        if want != got:
+            raise EngineError(f"parameters are not laid out for this engine's {self.layout}: use load_params "
+                              "for a canonical tree")
+        return self._unstack(params)
 
     def init_decode_state(self) -> DecodeState:
         return self._init_state()

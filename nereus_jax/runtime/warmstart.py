@@ -10,9 +10,11 @@ token. :func:`teacher_forced_accuracy` measures it with one forward pass.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -88,8 +90,10 @@ def load_params(path: str, like: dict) -> dict:
 
 
 def run_sft(params: dict, cfg: Config, task, tokenizer, mesh: Mesh,
-            progress: Callable[[int, dict], None] | None = None) -> dict:
-    """``trainer.warmup_sft_steps`` supervised steps, data-parallel over ``mesh``'s dp axis."""
+            progress: Callable[[int, dict], None] | None = None, *, first_index: int = SFT_INDEX_OFFSET,
+            max_seconds: float | None = None) -> dict:
+    """``trainer.warmup_sft_steps`` supervised steps, data-parallel over ``mesh``'s dp axis (with
+    ``max_seconds``: as many steps as fit in that time instead). ``params`` are donated."""
     t, m = cfg.trainer, cfg.model
     P, R = cfg.rollout.max_prompt_length, cfg.rollout.max_response_length
     dp = mesh.shape.get("dp", 1)
@@ -98,8 +102,11 @@ def run_sft(params: dict, cfg: Config, task, tokenizer, mesh: Mesh,
     step = jax.jit(make_train_step(sft_loss(m, P), opt, m), donate_argnums=(0, 1))
     accum = accumulation_steps(t.sft_batch, dp, P + R, t.micro_batch_tokens)
     rows, whole = NamedSharding(mesh, PartitionSpec(None, "dp")), NamedSharding(mesh, PartitionSpec())
-    for i in range(t.warmup_sft_steps):
-        problems = [task.problem(SFT_INDEX_OFFSET + i * t.sft_batch + j) for j in range(t.sft_batch)]
+    start = time.perf_counter()
+    for i in itertools.count():
+        if (i >= t.warmup_sft_steps) if max_seconds is None else (time.perf_counter() - start >= max_seconds):
+            break
+        problems = [task.problem(first_index + i * t.sft_batch + j) for j in range(t.sft_batch)]
         micro = split_micro(encode_sft(problems, tokenizer, P, R), accum)
         data = {k: jax.device_put(v, rows if v.ndim > 1 else whole) for k, v in micro.items()}
         params, opt_state, metrics = step(params, opt_state, data)

@@ -1,0 +1,325 @@
+"""The RL job: PPO / GRPO / RLOO / ReMax over model-stages placed by an execution plan.
+
+One synchronous step, as data flows (nereus_jax.rl.batch fixes the sequence layout)::
+
+    prompts (data positions step*B .. step*B+B-1)
+      -> actor-gen: the inference engine on every actor-gen replica (continuous batching, n samples)
+      -> reward (verifiable, on the host) + actor-infer / ref-infer / critic-infer (jitted, data-parallel)
+      -> advantages (the algorithm's estimator)
+      -> actor-train / critic-train (one SPMD program over each stage's replicas, token-budget micro-batches)
+      -> weight sync actor-train -> actor-gen through the elastic executor
+
+Randomness is keyed by (seed, data position, sample, token index) inside the engine, never by device,
+replica or slot, so the plan changes how fast a step runs, not what it computes (up to float order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from nereus_jax.config import Config, ConfigError
+from nereus_jax.elastic.emu import EMU, assemble_replicas, split_replicas
+from nereus_jax.elastic.plan import ExecutionPlan, ModelStage
+from nereus_jax.elastic.spec import StateSpec
+from nereus_jax.elastic.weight_sync import WeightSync
+from nereus_jax.engine import Generator, JaxEngine, SamplingParams
+from nereus_jax.models import init_params
+from nereus_jax.rl import algorithms as alg
+from nereus_jax.rl.batch import RolloutBatch, left_pad, right_pad
+from nereus_jax.rl.tasks import Problem
+from nereus_jax.runtime import steps
+from nereus_jax.runtime.plans import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER, job_stages, plan_from_config
+
+
+class JobError(ValueError):
+    """A job that cannot start: the message names the input and the fix. Raised before any compute."""
+
+
+@dataclasses.dataclass
+class StepResult:
+    metrics: dict[str, Any]
+    batch: RolloutBatch
+
+
+class Job:
+    """Holds every model-stage's units (EMUs), the engines of actor-gen, and the data position."""
+
+    def __init__(self, cfg: Config, task, tokenizer, *, actor_params: dict | None = None,
+                 plan: ExecutionPlan | None = None, devices: Sequence[jax.Device] | None = None):
+        self.cfg, self.task, self.tok = cfg, task, tokenizer
+        self.algo = alg.algorithm_spec(cfg.algorithm.name)
+        self.devices = list(devices or jax.devices()[: cfg.cluster.num_devices])
+        if len(self.devices) < cfg.cluster.num_devices:
+            raise JobError(f"cluster.num_devices={cfg.cluster.num_devices} but only {len(self.devices)} devices "
+                           "exist; lower cluster.num_devices")
+        self.plan = plan or plan_from_config(cfg)
+        _check_plan_devices(self.plan, len(self.devices))
+        self.P, self.R = cfg.rollout.max_prompt_length, cfg.rollout.max_response_length
+        self.n = cfg.rollout.samples_per_prompt
+        self.rows = cfg.trainer.prompts_per_step * self.n
+        _check_rows(self.plan, self.rows)
+        self.specs = _specs(cfg, self.algo.uses_critic)
+        self.version = 0
+        params = actor_params if actor_params is not None else init_params(cfg.model, seed=cfg.trainer.seed)
+        self.units = self._initial_units(params)
+        self.sync = WeightSync(self.plan, self.specs[ACTOR_TRAIN], self.specs[ACTOR_GEN],
+                               caps=cfg.cluster.device_memory_bytes)
+        self._programs: dict[Any, Any] = {}
+        self._engines = [self._engine(u) for u in self.units[ACTOR_GEN]]
+
+    # ------------------------------------------------------------------------------- construction
+    def _initial_units(self, actor: dict) -> dict[ModelStage, list[EMU]]:
+        host = jax.tree.map(np.asarray, actor)
+        states = {ACTOR_TRAIN: {"params": host, "opt": self.specs[ACTOR_TRAIN].optimizer.init(host)},
+                  ACTOR_GEN: {"params": host}, REF_INFER: {"params": host}}
+        if self.algo.uses_critic:
+            critic = _critic_from_actor(host, self.cfg)
+            states[CRITIC_TRAIN] = {"params": critic, "opt": self.specs[CRITIC_TRAIN].optimizer.init(critic)}
+        units = {}
+        for ms in job_stages(self.cfg):
+            sp, spec = self.plan[ms], self.specs[ms]
+            state = states[ms]
+            if ms.kind != "train":
+                state = {"params": jax.tree.map(lambda x, dt=spec.dtype: np.asarray(x, dt), state["params"])}
+            units[ms] = [EMU.create(ms, spec, sp.layout, [self.devices[i] for i in r], state) for r in sp.replicas]
+        return units
+
+    def _engine(self, unit: EMU) -> Generator:
+        cfg = self.cfg
+        slots = max(1, cfg.rollout.max_concurrent_decodes)
+        engine = JaxEngine(cfg.model, unit.mesh, max_concurrent_decodes=slots,
+                           max_prefill_length=self.P, max_target_length=self.P + self.R,
+                           max_prefill_batch=min(16, max(1, cfg.trainer.prompts_per_step)))
+        return Generator(engine, engine.adopt_params(unit.params), version=self.version, pad_id=self.tok.pad_id)
+
+    # ----------------------------------------------------------------------------------- one step
+    def problems(self, step: int) -> tuple[list[Problem], np.ndarray]:
+        b = self.cfg.trainer.prompts_per_step
+        positions = np.arange(step * b, (step + 1) * b, dtype=np.int64)
+        return [self.task.problem(int(p)) for p in positions], positions
+
+    def step(self, step: int) -> StepResult:
+        seconds: dict[str, float] = {}
+        problems, positions = self.problems(step)
+        t = time.perf_counter()
+        batch = self.generate(problems, positions, self.cfg.rollout.temperature)
+        seconds["actor-gen"] = time.perf_counter() - t
+        t = time.perf_counter()
+        scores = np.asarray([self.task.reward(problems[i // self.n], self._text(r))
+                             for i, r in enumerate(batch.response_br * batch.response_mask_br)], np.float32)
+        seconds["reward"] = time.perf_counter() - t
+        scored = self._score(batch, seconds)
+        adv = self._advantages(batch, scores, scored)
+        train_metrics = self._train(batch, scored, adv, seconds)
+        t = time.perf_counter()
+        self._weight_sync()
+        seconds["weight-sync"] = time.perf_counter() - t
+        return StepResult(self._metrics(step, batch, scores, scored, train_metrics, seconds), batch)
+
+    def generate(self, problems: Sequence[Problem], positions: np.ndarray, temperature: float,
+                 n: int | None = None) -> RolloutBatch:
+        """Rollouts of every prompt, the prompts split over the actor-gen replicas in order."""
+        n = self.n if n is None else n
+        prompts = [[self.tok.bos_id] + self.tok.encode(p.prompt) for p in problems]
+        _check_prompt_lengths(prompts, self.P)
+        c = self.cfg.rollout
+        sampling = SamplingParams(temperature=temperature, top_k=c.top_k if temperature else 0,
+                                  top_p=c.top_p if temperature else 1.0, max_new_tokens=self.R,
+                                  stop_tokens=(self.tok.eos_id,), n=n, seed=c.seed)
+        chunks = np.array_split(np.arange(len(prompts)), len(self._engines))
+        outs = [g.generate([prompts[i] for i in idx], sampling, prompt_ids=positions[idx] % (2**31))
+                for g, idx in zip(self._engines, chunks, strict=True) if len(idx)]
+        tokens = np.concatenate([o.tokens for o in outs])
+        lengths = np.concatenate([o.lengths for o in outs])
+        response, response_mask = right_pad([list(t[:n_]) for t, n_ in zip(tokens, lengths, strict=True)],
+                                            self.R, self.tok.pad_id)
+        prompt, prompt_mask = left_pad([p for p in prompts for _ in range(n)], self.P, self.tok.pad_id)
+        logp = np.concatenate([o.logprobs for o in outs]) * response_mask
+        versions = np.concatenate([o.param_versions[:, 0] for o in outs])
+        return RolloutBatch(prompt, prompt_mask, response, response_mask, logp.astype(np.float32),
+                            np.repeat(positions, n), np.tile(np.arange(n), len(prompts)).astype(np.int32),
+                            versions.astype(np.int32))
+
+    def _text(self, response_tokens) -> str:
+        return self.tok.decode([int(x) for x in response_tokens if x != self.tok.pad_id])
+
+    # ------------------------------------------------------------------------- scoring and training
+    def _score(self, batch: RolloutBatch, seconds: dict[str, float]) -> dict[str, np.ndarray]:
+        out = {}
+        t = time.perf_counter()
+        out["old_logp"] = self._infer(ACTOR_TRAIN, "logprobs", batch)
+        seconds["actor-infer"] = time.perf_counter() - t
+        t = time.perf_counter()
+        out["ref_logp"] = self._infer(REF_INFER, "logprobs", batch)
+        seconds["ref-infer"] = time.perf_counter() - t
+        if self.algo.uses_critic:
+            t = time.perf_counter()
+            out["values"] = self._infer(CRITIC_TRAIN, "values", batch)
+            seconds["critic-infer"] = time.perf_counter() - t
+        return out
+
+    def _infer(self, ms: ModelStage, what: str, batch: RolloutBatch) -> np.ndarray:
+        leaves, mesh = assemble_replicas(self.units[ms])
+        params = self.specs[ms].unflatten(leaves)["params"]
+        dp = mesh.shape["dp"]
+        accum = steps.accumulation_steps(self.rows, dp, self.P + self.R, self.cfg.trainer.micro_batch_tokens)
+        data = {"tokens": batch.tokens(), "mask": batch.attention_mask()}
+        micro = _put(steps.split_micro(data, accum), mesh)
+        fn = self._program(("infer", ms, what, mesh.devices.shape, accum), lambda: _infer_program(
+            self.cfg.model, self.P, what))
+        out = fn(params, micro["tokens"], micro["mask"])
+        return np.asarray(out).reshape(self.rows, self.R) * batch.response_mask_br
+
+    def _advantages(self, batch: RolloutBatch, scores: np.ndarray, scored: dict) -> alg.Advantages:
+        a, mask = self.cfg.algorithm, jnp.asarray(batch.response_mask_br)
+        kl = alg.kl_estimate(jnp.asarray(scored["old_logp"]), jnp.asarray(scored["ref_logp"]), a.kl_estimator)
+        if self.algo.advantage == "gae":
+            rewards = alg.token_rewards(jnp.asarray(scores), mask, kl if a.kl_in_reward else None, a.kl_coef)
+            out = alg.gae(rewards, jnp.asarray(scored["values"]), mask, a.gamma, a.lam)
+            return alg.Advantages(alg.masked_whiten(out.advantages_bt, mask), out.returns_bt)
+        if self.algo.advantage in ("grpo", "rloo"):
+            return alg.ADVANTAGES[self.algo.advantage](jnp.asarray(scores), mask, self.n)
+        greedy = self.generate([self.task.problem(int(p)) for p in batch.prompt_index_b[:: self.n]],
+                               batch.prompt_index_b[:: self.n], 0.0, n=1)
+        base = np.asarray([self.task.reward(self.task.problem(int(p)), self._text(r))
+                           for p, r in zip(greedy.prompt_index_b, greedy.response_br, strict=True)], np.float32)
+        return alg.remax(jnp.asarray(scores), mask, jnp.asarray(np.repeat(base, self.n)))
+
+    def _train(self, batch, scored, adv, seconds) -> dict[str, float]:
+        data = {"tokens": batch.tokens(), "mask": batch.attention_mask(), "response_mask": batch.response_mask_br,
+                "old_logp": scored["old_logp"], "ref_logp": scored["ref_logp"],
+                "advantages": np.asarray(adv.advantages_bt, np.float32),
+                "denom": np.float32(max(1, batch.response_mask_br.sum()))}
+        t = time.perf_counter()
+        metrics = self._train_stage(ACTOR_TRAIN, data)
+        seconds["actor-train"] = time.perf_counter() - t
+        if self.algo.uses_critic:
+            data = {**data, "old_values": scored["values"], "returns": np.asarray(adv.returns_bt, np.float32)}
+            t = time.perf_counter()
+            metrics |= self._train_stage(CRITIC_TRAIN, data)
+            seconds["critic-train"] = time.perf_counter() - t
+        return metrics
+
+    def _train_stage(self, ms: ModelStage, data: dict) -> dict[str, float]:
+        leaves, mesh = assemble_replicas(self.units[ms])
+        dp = mesh.shape["dp"]
+        accum = steps.accumulation_steps(self.rows, dp, self.P + self.R, self.cfg.trainer.micro_batch_tokens)
+        micro = _put(steps.split_micro(data, accum), mesh)
+        spec = self.specs[ms]
+        fn = self._program(("train", ms, mesh.devices.shape, accum), lambda: self._train_program(ms, spec, mesh))
+        new_leaves, metrics = fn(leaves, micro)
+        self.units[ms] = split_replicas(new_leaves, mesh, ms, spec)
+        return {k: float(v) for k, v in metrics.items()}
+
+    def _train_program(self, ms: ModelStage, spec: StateSpec, mesh):
+        a, m = self.cfg.algorithm, self.cfg.model
+        loss = steps.actor_loss(m, a, self.P) if ms.model == "actor" else steps.critic_loss(m, a, self.P)
+        step = steps.make_train_step(loss, spec.optimizer, m)
+
+        def program(leaves, micro):
+            state = spec.unflatten(leaves)
+            params, opt, metrics = step(state["params"], state["opt"], micro)
+            return spec.flatten({"params": params, "opt": opt}), metrics
+
+        return jax.jit(program, donate_argnums=0, out_shardings=(spec.shardings(mesh), None))
+
+    def _weight_sync(self) -> None:
+        self.units[ACTOR_GEN] = self.sync(self.units[ACTOR_TRAIN], self.units[ACTOR_GEN])
+        self.version += 1
+        for gen, unit in zip(self._engines, self.units[ACTOR_GEN], strict=True):
+            gen.set_params(gen.engine.adopt_params(unit.params), version=self.version)
+
+    def _program(self, key, build):
+        if key not in self._programs:
+            self._programs[key] = build()
+        return self._programs[key]
+
+    # ------------------------------------------------------------------------------------ metrics
+    def _metrics(self, step, batch, scores, scored, train_metrics, seconds) -> dict[str, Any]:
+        mask = batch.response_mask_br
+        kl = float(alg.masked_mean(alg.kl_estimate(jnp.asarray(scored["old_logp"]), jnp.asarray(scored["ref_logp"]),
+                                                   "k1"), jnp.asarray(mask)))
+        step_s = sum(seconds.values())
+        tokens = int(mask.sum())
+        return {"step": step, "reward_mean": float(scores.mean()), "accuracy": float(np.mean(scores >= 1.0)),
+                "kl": kl, "response_length_mean": float(mask.sum(1).mean()), "response_tokens": tokens,
+                "step_seconds": step_s, "tokens_per_s": tokens / max(step_s, 1e-9),
+                "stage_seconds": {k: round(v, 4) for k, v in seconds.items()}, **train_metrics,
+                "policy_version": self.version, "plan": repr(self.plan), "plan_short": plan_short(self.plan)}
+
+    # ----------------------------------------------------------------------------------- evaluation
+    def evaluate(self, problems: Sequence[Problem]) -> float:
+        """Greedy held-out accuracy of the current actor-gen parameters."""
+        positions = np.arange(len(problems), dtype=np.int64)
+        batch = self.generate(problems, positions, 0.0, n=1)
+        rewards = [self.task.reward(p, self._text(r)) for p, r in zip(problems, batch.response_br, strict=True)]
+        return float(np.mean(np.asarray(rewards) >= 1.0))
+
+    def actor_host_params(self) -> dict:
+        """The actor's training parameters as a canonical numpy tree."""
+        return self.units[ACTOR_TRAIN][0].to_host()["params"]
+
+
+def plan_short(plan: ExecutionPlan) -> str:
+    return " ".join(f"{ms}:{sp.layout}x{sp.dp}" for ms, sp in plan.items())
+
+
+def _specs(cfg: Config, critic: bool) -> dict[ModelStage, StateSpec]:
+    m = cfg.model
+    specs = {ACTOR_TRAIN: StateSpec(m, "train", optimizer=steps.make_optimizer(cfg.trainer.actor_lr)),
+             ACTOR_GEN: StateSpec(m, "gen", dtype=m.compute_dtype),
+             REF_INFER: StateSpec(m, "infer", dtype=m.compute_dtype)}
+    if critic:
+        specs[CRITIC_TRAIN] = StateSpec(m, "train", head="value",
+                                        optimizer=steps.make_optimizer(cfg.trainer.critic_lr))
+    return specs
+
+
+def _critic_from_actor(actor: dict, cfg: Config) -> dict:
+    """The critic starts from the actor's trunk with a zero value head (values start at 0)."""
+    trunk = {k: v for k, v in actor.items() if k != "lm_head"}
+    return {**trunk, "value_head": {"kernel": np.zeros((cfg.model.hidden_size, 1), np.float32)}}
+
+
+def _infer_program(cfg, prompt_len: int, what: str):
+    fn = steps.response_logprobs if what == "logprobs" else steps.response_values
+
+    def program(params, tokens, mask):
+        return jax.lax.map(lambda tm: fn(params, cfg, tm[0], tm[1], prompt_len), (tokens, mask))
+
+    return jax.jit(program)
+
+
+def _put(micro: dict, mesh) -> dict:
+    rows = NamedSharding(mesh, PartitionSpec(None, "dp"))
+    whole = NamedSharding(mesh, PartitionSpec())
+    return {k: jax.device_put(v, rows if np.ndim(v) > 1 else whole) for k, v in micro.items()}
+
+
+def _check_plan_devices(plan: ExecutionPlan, available: int) -> None:
+    missing = [d for d in plan.devices if d >= available]
+    if missing:
+        raise JobError(f"the plan uses devices {missing} but only devices 0..{available - 1} exist: "
+                       "lower the plan's dp/tp/pp or raise cluster.num_devices")
+
+
+def _check_rows(plan: ExecutionPlan, rows: int) -> None:
+    for ms, sp in plan.items():
+        if ms.kind != "gen" and rows % sp.dp:
+            raise JobError(f"{ms}: {rows} rollouts a step (trainer.prompts_per_step x rollout.samples_per_prompt) "
+                           f"do not split over dp={sp.dp} replicas; choose a dp dividing {rows}")
+
+
+def _check_prompt_lengths(prompts: list[list[int]], limit: int) -> None:
+    longest = max(len(p) for p in prompts)
+    if longest > limit:
+        raise ConfigError(f"a prompt has {longest} tokens (with bos) but rollout.max_prompt_length={limit}: "
+                          "raise rollout.max_prompt_length or shorten the prompts")

@@ -1,0 +1,51 @@
+"""The execution plan a job starts from, derived from the config's ``plan`` section.
+
+The job's model-stages depend on the algorithm: actor-gen, actor-train and ref-infer always; critic-train
+for algorithms with a critic. actor-infer and critic-infer run on the training units' parameters (the
+same layout and devices as actor-train / critic-train), so they need no state of their own; a verifiable
+task's reward-infer is rule-based and runs on the host.
+"""
+
+from __future__ import annotations
+
+from nereus_jax.config import Config, ConfigError
+from nereus_jax.elastic.plan import ExecutionPlan, ModelStage, StagePlan
+from nereus_jax.rl.algorithms import algorithm_spec
+from nereus_jax.sharding import Layout
+
+ACTOR_GEN = ModelStage("actor", "gen")
+ACTOR_TRAIN = ModelStage("actor", "train")
+REF_INFER = ModelStage("ref", "infer")
+CRITIC_TRAIN = ModelStage("critic", "train")
+
+
+def job_stages(cfg: Config) -> list[ModelStage]:
+    stages = [ACTOR_GEN, ACTOR_TRAIN, REF_INFER]
+    if algorithm_spec(cfg.algorithm.name).uses_critic:
+        stages.append(CRITIC_TRAIN)
+    return stages
+
+
+def plan_from_config(cfg: Config, device_ids: list[int] | None = None) -> ExecutionPlan:
+    """Colocated: every model-stage's replicas start at the first device (stages take turns). Split:
+    actor-gen gets the first block of devices, the other stages share the rest."""
+    ids = list(range(cfg.cluster.num_devices)) if device_ids is None else list(device_ids)
+    stages = job_stages(cfg)
+    if cfg.plan.colocate:
+        return ExecutionPlan({ms: _stage_plan(cfg, ms, ids) for ms in stages})
+    gen = _stage_plan(cfg, ACTOR_GEN, ids, share=2)
+    rest = [d for d in ids if d not in gen.devices]
+    if not rest:
+        raise ConfigError(f"plan.colocate=false: actor-gen takes all {len(ids)} devices, none are left for "
+                          "training; give actor-gen a smaller dp or set plan.colocate=true")
+    return ExecutionPlan({ACTOR_GEN: gen, **{ms: _stage_plan(cfg, ms, rest) for ms in stages[1:]}})
+
+
+def _stage_plan(cfg: Config, ms: ModelStage, ids: list[int], share: int = 1) -> StagePlan:
+    lc = cfg.plan.layout_for(str(ms))
+    layout = Layout(tp=lc.tp, pp=lc.pp)
+    dp = lc.dp or max(1, len(ids) // share // layout.size)
+    if dp * layout.size > len(ids):
+        raise ConfigError(f"plan.stages.{ms}: {layout} x dp={dp} needs {dp * layout.size} devices, only "
+                          f"{len(ids)} are available to it; lower dp/tp/pp or raise cluster.num_devices")
+    return StagePlan(layout, tuple(tuple(ids[i * layout.size:(i + 1) * layout.size]) for i in range(dp)))

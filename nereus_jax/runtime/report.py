@@ -1,0 +1,75 @@
+"""What a run shows and writes: a progress bar (step, reward, accuracy, KL, response length, per-stage
+seconds, plan), ``RUN_DIR/metrics.jsonl`` (one object a step), TensorBoard events, ``summary.json`` and a
+final summary table."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from nereus_jax.runtime.tensorboard import EventWriter
+
+
+class RunReport:
+    """Owns the run directory's outputs and the console."""
+
+    def __init__(self, run_dir: str, total_steps: int, *, progress: bool = True, tensorboard: bool = True):
+        os.makedirs(run_dir, exist_ok=True)
+        self.run_dir = run_dir
+        self.console = Console(stderr=True)
+        self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a")  # noqa: SIM115 - closed in close()
+        self._tb = EventWriter(os.path.join(run_dir, "tensorboard")) if tensorboard else None
+        self._progress = None
+        if progress:
+            self._progress = Progress(TextColumn("[bold]RL"), BarColumn(), MofNCompleteColumn(),
+                                      TimeElapsedColumn(), TextColumn("{task.description}"),
+                                      console=self.console, transient=False, disable=not sys.stderr.isatty())
+            self._task = self._progress.add_task("", total=total_steps)
+            self._progress.start()
+
+    def log(self, message: str) -> None:
+        self.console.print(message)
+
+    def step(self, metrics: dict[str, Any]) -> None:
+        self._metrics.write(json.dumps(metrics) + "\n")
+        self._metrics.flush()
+        if self._tb is not None:
+            flat = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
+            flat.update({f"stage_seconds/{k}": v for k, v in metrics.get("stage_seconds", {}).items()})
+            self._tb.scalars(int(metrics["step"]), flat)
+        line = _step_line(metrics)
+        if self._progress is not None and not self._progress.disable:
+            self._progress.update(self._task, advance=1, description=line)
+        else:
+            self.console.print(f"step {metrics['step']}: {line}")
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        table = Table(title=f"nereus_jax run summary ({self.run_dir})")
+        table.add_column("quantity")
+        table.add_column("value", justify="right")
+        for key, value in summary.items():
+            if not isinstance(value, (dict, list)):
+                table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+        self.console.print(table)
+        self.close()
+
+    def close(self) -> None:
+        self._metrics.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _step_line(m: dict[str, Any]) -> str:
+    stages = " ".join(f"{k}={v:.2f}s" for k, v in m.get("stage_seconds", {}).items())
+    return (f"reward={m['reward_mean']:.3f} acc={m['accuracy']:.3f} kl={m['kl']:.4f} "
+            f"len={m['response_length_mean']:.1f} | {stages} | plan {m.get('plan_short', '')}")

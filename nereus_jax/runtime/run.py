@@ -1,0 +1,123 @@
+"""A whole run: check the inputs, warm-start the actor (cached), run the RL steps, evaluate, report.
+
+    summary = run_job(load_config("ppo_tiny"), run_dir="runs/demo")
+
+Everything a user can get wrong (config, prompt file, tokenizer, checkpoint path, plan devices) is
+checked before any compute, with an error naming the input and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+import numpy as np
+
+from nereus_jax.config import Config, ConfigError
+from nereus_jax.engine import Generator, SamplingParams
+from nereus_jax.models import init_params
+from nereus_jax.rl.tasks import PromptDataError, make_task
+from nereus_jax.rl.tokenizer import CharTokenizer, HFTokenizer
+from nereus_jax.runtime.job import Job, JobError
+from nereus_jax.runtime.report import RunReport
+from nereus_jax.runtime.warmstart import SFT_INDEX_OFFSET, cached_warm_start, run_sft
+from nereus_jax.sharding import Layout, make_mesh, shard_params
+
+
+def check_inputs(cfg: Config):
+    """(task, tokenizer), or a JobError / PromptDataError / ConfigError before anything is compiled."""
+    if cfg.checkpoint.resume_from and not os.path.exists(cfg.checkpoint.resume_from):
+        raise JobError(f"checkpoint.resume_from={cfg.checkpoint.resume_from!r} does not exist: give the path of "
+                       "a checkpoint folder, or drop the key to start fresh")
+    n = len(jax.devices())
+    if cfg.cluster.num_devices > n:
+        raise JobError(f"cluster.num_devices={cfg.cluster.num_devices} but only {n} devices exist; lower it (on "
+                       "CPU, XLA_FLAGS=--xla_force_host_platform_device_count must be set before JAX starts)")
+    tok = HFTokenizer(cfg.task.tokenizer_path) if cfg.task.tokenizer_path else CharTokenizer()
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise JobError(f"the tokenizer has {tok.vocab_size} tokens but model.vocab_size={cfg.model.vocab_size}")
+    task = make_task(cfg.task, seed=cfg.trainer.seed)
+    limit = cfg.rollout.max_prompt_length
+    for p in task.eval_problems() + [task.problem(i) for i in range(cfg.trainer.prompts_per_step)]:
+        if len(tok.encode(p.prompt)) + 1 > limit:
+            raise PromptDataError(f"prompt {p.prompt[:40]!r} has {len(tok.encode(p.prompt)) + 1} tokens (with bos), "
+                                  f"more than rollout.max_prompt_length={limit}: raise it or shorten the prompts")
+    return task, tok
+
+
+def run_job(cfg: Config, run_dir: str, *, started: float | None = None) -> dict:
+    started = time.perf_counter() if started is None else started
+    task, tok = check_inputs(cfg)
+    report = RunReport(run_dir, cfg.trainer.steps, progress=cfg.logging.progress,
+                       tensorboard=cfg.logging.tensorboard)
+    cache_dir = cfg.logging.cache_dir or os.path.join(os.path.dirname(os.path.abspath(run_dir)), "cache")
+    warm, hit, sft_s = _warm_start(cfg, task, tok, cache_dir, report)
+    job = Job(cfg, task, tok, actor_params=warm)
+    report.log(f"plan:\n{job.plan}")
+    held_out = task.eval_problems()
+    acc_before = job.evaluate(held_out)
+    report.log(f"held-out accuracy after the warm start: {acc_before:.3f}")
+    rl_start, tokens, step_s = time.perf_counter(), 0, 0.0
+    for step in range(cfg.trainer.steps):
+        metrics = job.step(step).metrics
+        tokens, step_s = tokens + metrics["response_tokens"], step_s + metrics["step_seconds"]
+        report.step(metrics)
+    rl_s = time.perf_counter() - rl_start
+    acc_after = job.evaluate(held_out)
+    report.log(f"held-out accuracy after {cfg.trainer.steps} RL steps: {acc_after:.3f}")
+    control = _sft_control(cfg, task, tok, job, warm, rl_s, held_out) if cfg.trainer.warmup_sft_steps else None
+    summary = {"algorithm": cfg.algorithm.name, "model": cfg.model.name, "task": cfg.task.name,
+               "accuracy_before": acc_before, "accuracy_after": acc_after, "accuracy_sft_control": control,
+               "steps": cfg.trainer.steps, "transitions": 0, "tokens_per_s": tokens / max(step_s, 1e-9),
+               "rl_seconds": rl_s, "warm_start_seconds": sft_s, "warm_start_cache_hit": hit,
+               "plan": repr(job.plan), "wall_s": time.perf_counter() - started}
+    report.finish(summary)
+    return summary
+
+
+def _warm_start(cfg: Config, task, tok, cache_dir: str, report: RunReport):
+    params = init_params(cfg.model, seed=cfg.trainer.seed)
+    if not cfg.trainer.warmup_sft_steps:
+        return params, False, 0.0
+    t = time.perf_counter()
+    mesh, sharded = _sft_mesh(cfg, params)
+    report.log(f"warm start: {cfg.trainer.warmup_sft_steps} supervised steps (cache: {cache_dir})")
+    trained, hit = cached_warm_start(sharded, cfg, task, tok, mesh, cache_dir)
+    from nereus_jax.sharding import gather_params
+
+    host = gather_params(trained, cfg.model)
+    seconds = time.perf_counter() - t
+    report.log(f"warm start {'loaded from cache' if hit else 'trained'} in {seconds:.1f} s")
+    return host, hit, seconds
+
+
+def _sft_mesh(cfg: Config, params: dict):
+    """Supervised steps data-parallel over the devices that divide the SFT batch."""
+    n = cfg.cluster.num_devices
+    dp = max(d for d in range(1, n + 1) if n % d == 0 and cfg.trainer.sft_batch % d == 0)
+    mesh = make_mesh(jax.devices()[:dp], Layout(), dp=dp)
+    return mesh, shard_params(params, cfg.model, Layout(), mesh)
+
+
+def _sft_control(cfg: Config, task, tok, job: Job, warm: dict, seconds: float, held_out) -> float:
+    """What continuing the supervised phase for the RL phase's wall time reaches (information only)."""
+    mesh, sharded = _sft_mesh(cfg, warm)
+    params = run_sft(sharded, cfg, task, tok, mesh, max_seconds=seconds,
+                     first_index=SFT_INDEX_OFFSET + cfg.trainer.warmup_sft_steps * cfg.trainer.sft_batch)
+    from nereus_jax.sharding import gather_params
+
+    return evaluate_params(job, gather_params(params, cfg.model), held_out)
+
+
+def evaluate_params(job: Job, params: dict, problems) -> float:
+    """Greedy held-out accuracy of arbitrary (canonical) parameters on the first actor-gen engine."""
+    engine = job._engines[0].engine
+    gen = Generator(engine, engine.load_params(params), pad_id=job.tok.pad_id)
+    prompts = [[job.tok.bos_id] + job.tok.encode(p.prompt) for p in problems]
+    out = gen.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=job.R, stop_tokens=(job.tok.eos_id,)))
+    texts = [job.tok.decode(out.tokens[i, : out.lengths[i]]) for i in range(len(problems))]
+    return float(np.mean([job.task.reward(p, t) >= 1.0 for p, t in zip(problems, texts, strict=True)]))
+
+
+__all__ = ["ConfigError", "check_inputs", "evaluate_params", "run_job"]
