@@ -6,7 +6,8 @@ from nereus_jax.runtime.tensorboard import EventWriter, crc32c, masked_crc
 
 
 def _records(path):
-    data = open(path, "rb").read()
+    with open(path, "rb") as f:
+        data = f.read()
     i, out = 0, []
     while i < len(data):
         (length,) = struct.unpack_from("<Q", data, i)
