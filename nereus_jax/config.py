@@ -272,13 +272,17 @@ class TrainerConfig(_Node):
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = _field(1, "async: how many policy versions a rollout may lag")
     seed: int = 0
-    warmup_sft_steps: int = _field(0, "supervised steps before RL (cached on disk, reused next time)")
+    warmup_sft_steps: int = _field(0, "supervised steps before RL, at most (cached on disk, reused next time)")
+    warmup_target_accuracy: float = _field(
+        0.0, "stop the warm start once accuracy on a validation split reaches this (0 = run all steps)")
     sft_lr: float = _field(3e-3, "learning rate of the supervised warm start")
     sft_batch: int = _field(64, "problems per supervised warm-start step")
+    sft_control: bool = _field(True, "after RL, also run the supervised phase for the same wall time (information)")
 
     def __post_init__(self) -> None:
         _check_positive("trainer", self, "prompts_per_step", "micro_batch_tokens", "sft_batch")
-        names = ("steps", "actor_lr", "critic_lr", "max_staleness", "warmup_sft_steps", "sft_lr")
+        names = ("steps", "actor_lr", "critic_lr", "max_staleness", "warmup_sft_steps", "sft_lr",
+                 "warmup_target_accuracy")
         _check_at_least("trainer", self, 0, *names)
 
 

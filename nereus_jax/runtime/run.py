@@ -66,7 +66,9 @@ def run_job(cfg: Config, run_dir: str, *, started: float | None = None) -> dict:
     rl_s = time.perf_counter() - rl_start
     acc_after = job.evaluate(held_out)
     report.log(f"held-out accuracy after {cfg.trainer.steps} RL steps: {acc_after:.3f}")
-    control = _sft_control(cfg, task, tok, job, warm, rl_s, held_out) if cfg.trainer.warmup_sft_steps else None
+    control = None
+    if cfg.trainer.warmup_sft_steps and cfg.trainer.sft_control:
+        control = _sft_control(cfg, task, tok, job, warm, rl_s, held_out)
     summary = {"algorithm": cfg.algorithm.name, "model": cfg.model.name, "task": cfg.task.name,
                "accuracy_before": acc_before, "accuracy_after": acc_after, "accuracy_sft_control": control,
                "steps": cfg.trainer.steps, "transitions": 0, "tokens_per_s": tokens / max(step_s, 1e-9),

@@ -36,6 +36,8 @@ from nereus_jax.runtime.steps import (
 from nereus_jax.sharding import gather_params
 
 SFT_INDEX_OFFSET = 1 << 40  # warm-start problems come from a part of the stream RL never reaches
+VALIDATION_OFFSET = 1 << 41  # the warm start's validation split (never the held-out evaluation set)
+CHECK_EVERY = 100  # supervised steps between validation checks when a target accuracy is set
 
 
 def encode_prompts(problems: Sequence[Problem], tokenizer, prompt_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -68,6 +70,7 @@ def cache_key(cfg: Config, vocab_size: int) -> str:
     """Hash of everything that determines the warm-started weights."""
     t = cfg.trainer
     parts = {"model": cfg.model.to_dict(), "task": cfg.task.to_dict(), "steps": t.warmup_sft_steps, "lr": t.sft_lr,
+             "target": t.warmup_target_accuracy,
              "batch": t.sft_batch, "seed": t.seed, "vocab": vocab_size, "prompt": cfg.rollout.max_prompt_length,
              "response": cfg.rollout.max_response_length, "version": 1}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
@@ -92,8 +95,9 @@ def load_params(path: str, like: dict) -> dict:
 def run_sft(params: dict, cfg: Config, task, tokenizer, mesh: Mesh,
             progress: Callable[[int, dict], None] | None = None, *, first_index: int = SFT_INDEX_OFFSET,
             max_seconds: float | None = None) -> dict:
-    """``trainer.warmup_sft_steps`` supervised steps, data-parallel over ``mesh``'s dp axis (with
-    ``max_seconds``: as many steps as fit in that time instead). ``params`` are donated."""
+    """``trainer.warmup_sft_steps`` supervised steps, data-parallel over ``mesh``'s dp axis, stopping early
+    once validation accuracy reaches ``trainer.warmup_target_accuracy`` (checked every CHECK_EVERY steps).
+    With ``max_seconds``: as many steps as fit in that time instead. ``params`` are donated."""
     t, m = cfg.trainer, cfg.model
     P, R = cfg.rollout.max_prompt_length, cfg.rollout.max_response_length
     dp = mesh.shape.get("dp", 1)
@@ -102,9 +106,13 @@ def run_sft(params: dict, cfg: Config, task, tokenizer, mesh: Mesh,
     step = jax.jit(make_train_step(sft_loss(m, P), opt, m), donate_argnums=(0, 1))
     accum = accumulation_steps(t.sft_batch, dp, P + R, t.micro_batch_tokens)
     rows, whole = NamedSharding(mesh, PartitionSpec(None, "dp")), NamedSharding(mesh, PartitionSpec())
+    target = t.warmup_target_accuracy if max_seconds is None else 0.0
+    valid = encode_sft([task.problem(VALIDATION_OFFSET + j) for j in range(256)], tokenizer, P, R) if target else None
     start = time.perf_counter()
     for i in itertools.count():
         if (i >= t.warmup_sft_steps) if max_seconds is None else (time.perf_counter() - start >= max_seconds):
+            break
+        if target and i and i % CHECK_EVERY == 0 and teacher_forced_accuracy(params, m, valid, P) >= target:
             break
         problems = [task.problem(first_index + i * t.sft_batch + j) for j in range(t.sft_batch)]
         micro = split_micro(encode_sft(problems, tokenizer, P, R), accum)

@@ -124,3 +124,14 @@ def test_missing_checkpoint_path_fails_before_compute(tmp_path, capsys):
 
 def test_plan_on_devices_that_do_not_exist_fails_before_compute(tmp_path, capsys):
     _fails_before_compute(tmp_path, capsys, ["plan.stages.actor-train.dp=16"], "plan.stages.actor-train")
+
+
+@pytest.mark.slow
+def test_grpo_raises_held_out_accuracy_over_the_warm_start(tmp_path):
+    """GRPO on 2-digit addition: 60 steps after a 1,200-step warm start. Measured here: 0.29 -> ~0.45;
+    the assertion asks for +0.10 (deterministic for the seed; the margin covers other CPUs' float order)."""
+    cfg = load_config("grpo_tiny", ["trainer.steps=60", "task.eval_size=128", "logging.progress=false",
+                                    "trainer.sft_control=false", f"logging.cache_dir={tmp_path / 'cache'}"])
+    summary = run_job(cfg, str(tmp_path / "run"))
+    assert 0.15 <= summary["accuracy_before"] <= 0.70  # the warm start leaves room and signal
+    assert summary["accuracy_after"] >= summary["accuracy_before"] + 0.10, summary
