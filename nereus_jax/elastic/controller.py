@@ -1,0 +1,167 @@
+"""The controller: monitor -> re-plan -> admit (the paper's Controller section, Eq. 2).
+
+It consumes one :class:`Observation` per step boundary and returns a :class:`Decision` when it asked
+the planner for a new plan, or None. It never touches arrays: planning, latency prediction and
+transition pricing come in as callables, so the same controller drives the real job and the simulator.
+
+Triggers:
+  - hard: the device pool changed (urgent when a device in use left), or the predicted peak memory of
+    the current plan exceeds the memory cap (urgent);
+  - soft: mean response length drifted more than ``length_drift`` (30%) from its reference, or the
+    achieved step time drifted more than ``efficiency_drift`` from the prediction. Every re-plan, admitted
+    or not, resets the references.
+Admission (Eq. 2): a target is admitted when its predicted per-step gain dL > 0 and
+``transition_s / dL <= gamma * H``, H the EMA of the number of steps between threshold crossings of the
+triggering signal (1 before any is seen). A rejected best target falls back to the runners-up (slightly
+slower plans with cheaper transitions). The urgent path waives profitability; when no candidate can be
+reached live it says so (checkpoint/restart is the last resort).
+
+    controller = Controller(plan_fn, latency_fn, transition_fn, gamma=0.5)
+    decision = controller.observe(Observation(step, plan, devices, response_length, step_seconds))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+Plan = Any  # an ExecutionPlan (or anything hashable the callables understand)
+
+
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    """What the runtime measured at a step boundary."""
+
+    step: int
+    plan: Plan
+    devices: tuple[int, ...]          # the device pool available now
+    response_length: float            # mean response tokens this step
+    step_seconds: float | None = None  # measured step latency (None: not measured)
+    peak_memory_bytes: float | None = None  # predicted/measured peak of the current plan per device
+    memory_cap_bytes: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    plan: Plan
+    step_latency_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """The outcome of one re-plan: the chosen target (None when nothing is admitted) and why."""
+
+    step: int
+    trigger: str                      # "pool", "memory", "length", "efficiency"
+    urgent: bool
+    target: Plan | None
+    admitted: bool
+    reason: str
+    current_latency_s: float | None
+    target_latency_s: float | None
+    gain_s: float | None              # predicted per-step saving dL
+    transition_s: float | None        # predicted transition cost L_tran
+    horizon: float                    # H
+    rejected: tuple[tuple[Plan, str], ...] = ()  # candidates turned down, with the reason
+
+    def log_line(self) -> str:
+        fmt = lambda x: "n/a" if x is None else f"{x:.3g}"  # noqa: E731
+        verdict = "ADMIT" if self.admitted else "reject"
+        return (f"step {self.step} {verdict} trigger={self.trigger}{' (urgent)' if self.urgent else ''} "
+                f"gain={fmt(self.gain_s)}s/step transition={fmt(self.transition_s)}s H={self.horizon:.2f}: "
+                f"{self.reason}")
+
+
+PlanFn = Callable[[Observation], Sequence[Candidate]]        # best first, then runners-up
+LatencyFn = Callable[[Plan, Observation], float | None]       # predicted step latency; None = infeasible
+TransitionFn = Callable[[Plan, Plan], float | None]            # predicted seconds; None = no live transition
+
+
+class Controller:
+    """Triggers, Eq. 2 admission with an EMA horizon, runners-up, and the urgent path."""
+
+    def __init__(self, plan_fn: PlanFn, latency_fn: LatencyFn, transition_fn: TransitionFn, *,
+                 gamma: float = 0.5, length_drift: float = 0.3, efficiency_drift: float = 0.3,
+                 ema: float = 0.5):
+        self.plan_fn, self.latency_fn, self.transition_fn = plan_fn, latency_fn, transition_fn
+        self.gamma, self.length_drift, self.efficiency_drift, self.ema = gamma, length_drift, efficiency_drift, ema
+        self.reference_length: float | None = None
+        self.devices: tuple[int, ...] | None = None
+        self.horizon = {"length": 1.0, "efficiency": 1.0, "pool": 1.0, "memory": 1.0}
+        self._last_crossing: dict[str, int] = {}
+        self._seen_twice: set[str] = set()
+        self.decisions: list[Decision] = []
+
+    # --------------------------------------------------------------------------------- triggers
+    def observe(self, obs: Observation) -> Decision | None:
+        if self.reference_length is None:
+            self.reference_length, self.devices = obs.response_length, tuple(obs.devices)
+            return None
+        trigger, urgent = self._trigger(obs)
+        if trigger is None:
+            return None
+        self._crossed(trigger, obs.step)
+        decision = self._replan(obs, trigger, urgent)
+        self.reference_length, self.devices = obs.response_length, tuple(obs.devices)  # reset, admitted or not
+        self.decisions.append(decision)
+        return decision
+
+    def _trigger(self, obs: Observation) -> tuple[str | None, bool]:
+        if tuple(obs.devices) != self.devices:
+            lost = set(self.devices or ()) - set(obs.devices)
+            return "pool", bool(lost & set(_plan_devices(obs.plan)))
+        if obs.peak_memory_bytes is not None and obs.memory_cap_bytes is not None \
+                and obs.peak_memory_bytes > obs.memory_cap_bytes:
+            return "memory", True
+        ref = self.reference_length or 0.0
+        if ref > 0 and abs(obs.response_length - ref) / ref > self.length_drift:
+            return "length", False
+        if obs.step_seconds is not None:
+            predicted = self.latency_fn(obs.plan, obs)
+            if predicted and abs(obs.step_seconds - predicted) / predicted > self.efficiency_drift:
+                return "efficiency", False
+        return None, False
+
+    def _crossed(self, signal: str, step: int) -> None:
+        """H: EMA of steps between threshold crossings of this signal (1 until a second crossing)."""
+        last = self._last_crossing.get(signal)
+        if last is not None:
+            gap = max(1, step - last)
+            self.horizon[signal] = self.ema * gap + (1 - self.ema) * self.horizon[signal] \
+                if signal in self._seen_twice else float(gap)
+            self._seen_twice.add(signal)
+        self._last_crossing[signal] = step
+
+    # ------------------------------------------------------------------------------- admission
+    def _replan(self, obs: Observation, trigger: str, urgent: bool) -> Decision:
+        H = self.horizon[trigger]
+        current = None if urgent else self.latency_fn(obs.plan, obs)
+        candidates = [c for c in self.plan_fn(obs) if c.plan != obs.plan]
+        rejected: list[tuple[Plan, str]] = []
+        for c in candidates:
+            cost = self.transition_fn(obs.plan, c.plan)
+            if cost is None:
+                rejected.append((c.plan, "no live transition reaches it"))
+                continue
+            if urgent:
+                return Decision(obs.step, trigger, True, c.plan, True, "urgent: profitability waived", current,
+                                c.step_latency_s, None, cost, H, tuple(rejected))
+            gain = None if current is None else current - c.step_latency_s
+            if gain is None or gain <= 0:
+                rejected.append((c.plan, f"no gain (dL={gain})"))
+                continue
+            if cost / gain <= self.gamma * H:
+                return Decision(obs.step, trigger, False, c.plan, True,
+                                f"pays back in {cost / gain:.2f} steps <= gamma*H={self.gamma * H:.2f}",
+                                current, c.step_latency_s, gain, cost, H, tuple(rejected))
+            rejected.append((c.plan, f"pays back in {cost / gain:.2f} steps > gamma*H={self.gamma * H:.2f}"))
+        reason = ("urgent, but no feasible live transition exists: checkpoint/restart is the last resort"
+                  if urgent else "no candidate admitted")
+        best = candidates[0] if candidates else None
+        return Decision(obs.step, trigger, urgent, None, False, reason, current,
+                        best.step_latency_s if best else None, None, None, H, tuple(rejected))
+
+
+def _plan_devices(plan: Plan) -> tuple[int, ...]:
+    return tuple(getattr(plan, "devices", ()))

@@ -1,0 +1,217 @@
+"""Every legal way to run one model-stage, priced by the cost model: the planner's per-stage options.
+
+A candidate is (tp, pp, dp, micro-batch, remat) with its step latency, devices and bytes per device.
+Legal: tp divides the node size (TP stays inside a node) and the model's heads, mlp and vocab (kv
+heads: a divisor or a multiple, as ``sharding.kv_repeat`` allows); pp divides the layers, and is 1
+for generation (the engine's rule); dp divides the stage's sequences so every replica gets the same
+batch, and the micro-batch divides a replica's sequences (calls per step = gradient accumulation; the
+global batch never changes); dp x tp x pp fits the pool with whole tp groups inside nodes. Degrees need
+not be powers of two. Candidates that cannot fit even alone (resident + working > usable) are dropped.
+
+Pricing is the cost model's pure functions, reorganised for speed: a call's cost does not depend on dp
+(except on shared compute) and is computed once per (layout, micro-batch, remat); the per-step terms
+once per (layout, dp); model-stages with the same network and kind share call prices.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from nereus_jax.config import STAGE_NAMES, ModelConfig
+from nereus_jax.elastic.costs import counts
+from nereus_jax.elastic.costs.latency import (
+    MEM,
+    accumulation_seconds,
+    call_latency,
+    gen_latency,
+    stage_latency,
+    step_terms_latency,
+)
+from nereus_jax.elastic.costs.memory import accumulation_bytes, call_working_bytes, resident_bytes, working_bytes
+from nereus_jax.elastic.costs.model import CostModel
+from nereus_jax.elastic.costs.stage import StageChoice, split_stage, stage_head
+
+_KIND_HEAD = {s: (split_stage(s)[1], stage_head(s)) for s in STAGE_NAMES}
+
+
+def kind_head(stage: str) -> tuple[str, str]:
+    """(kind, head): model-stages that agree on both price a call the same."""
+    return _KIND_HEAD[stage]
+
+
+@functools.lru_cache(maxsize=4096)
+def _divisors(n: int) -> tuple[int, ...]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return tuple(sorted(set(small + [n // d for d in small])))
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of n, ascending."""
+    return list(_divisors(n))
+
+
+Row = tuple[float, int, float, float, tuple[int, int, int, int, bool]]  # latency, devices, resident, working, choice
+Block = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # the same, as arrays (choices: n x 5)
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    """A model-stage's candidates as parallel arrays, sorted by (devices, latency)."""
+
+    stage: str
+    latency: np.ndarray  # seconds per step
+    devices: np.ndarray  # int
+    resident: np.ndarray  # bytes per device kept between runs
+    working: np.ndarray  # extra bytes per device while running
+    raw: np.ndarray  # n x 5 ints: tp, pp, dp, micro_batch, remat
+
+    def __len__(self) -> int:
+        return len(self.latency)
+
+    def choice(self, i: int) -> StageChoice:
+        tp, pp, dp, mb, remat = (int(v) for v in self.raw[i])
+        return StageChoice(tp, pp, dp, mb, bool(remat))
+
+    @classmethod
+    def build(cls, stage: str, rows: Iterable[Row]) -> StageOptions:
+        rows = list(rows)
+        return cls.from_blocks(stage, [_block(rows)] if rows else [])
+
+    @classmethod
+    def from_blocks(cls, stage: str, blocks: list[Block]) -> StageOptions:
+        if not blocks:
+            return cls(stage, np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0),
+                       np.zeros((0, 5), dtype=np.int64))
+        lat, dev, res, work, raw = (np.concatenate(parts) for parts in zip(*blocks, strict=True))
+        order = np.lexsort((work, lat, dev))
+        return cls(stage, lat[order], dev[order].astype(np.int64), res[order], work[order], raw[order])
+
+
+def _block(rows: list[Row]) -> Block:
+    lat, dev, res, work, raw = zip(*rows, strict=True)
+    return (np.array(lat, dtype=float), np.array(dev, dtype=np.int64), np.array(res, dtype=float),
+            np.array(work, dtype=float), np.array(raw, dtype=np.int64).reshape(-1, 5))
+
+
+def shapes(cfg: ModelConfig, stage: str, devices_per_node: int,
+           tp_capacity: Callable[[int], int]) -> list[tuple[int, int]]:
+    """(tp, pp) layouts the model, the stage kind and the pool allow."""
+    gen = split_stage(stage)[1] == "gen"
+    out = []
+    for tp in divisors(devices_per_node):
+        for pp in [1] if gen else divisors(cfg.num_layers):
+            if counts.layout_problem(cfg, tp, pp) is None and tp * pp <= tp_capacity(tp):
+                out.append((tp, pp))
+    return out
+
+
+def price(cfg: ModelConfig, stage: str, choice: StageChoice, workload, cost_model: CostModel) -> Row:
+    """(latency, devices, resident, working, choice) of one choice, straight from the cost model."""
+    hw = cost_model.hardware
+    lat = stage_latency(cfg, stage, choice, workload, hw, cost_model.efficiency_vector).total
+    raw = (choice.tp, choice.pp, choice.dp, choice.micro_batch, choice.remat)
+    return (lat, choice.devices, resident_bytes(cfg, stage, choice.tp, choice.pp),
+            working_bytes(cfg, stage, choice, workload, hw), raw)
+
+
+class Pricer:
+    """Prices candidates, sharing call prices between model-stages with the same network and kind."""
+
+    def __init__(self, cost_model: CostModel, workload):
+        self.cost_model = cost_model
+        self.workload = workload
+        self.eff = cost_model.efficiency_vector
+        self._calls: dict[tuple, np.ndarray] = {}  # keys use id(config): the configs outlive the pricer
+        self._grids: dict[tuple, tuple] = {}
+
+    def options(self, cfg: ModelConfig, stage: str, tp_capacity: Callable[[int], int], usable: float) -> StageOptions:
+        """Every legal candidate of ``stage`` that fits ``usable`` bytes per device on its own."""
+        hw = self.cost_model.hardware
+        train = split_stage(stage)[1] == "train"
+        blocks = []
+        for tp, pp in shapes(cfg, stage, hw.devices_per_node, tp_capacity):
+            least = resident_bytes(cfg, stage, tp, pp) + hw.workspace_bytes  # every call also holds its gradients
+            if least + (accumulation_bytes(cfg, stage, tp, pp) if train else 0.0) > usable:
+                continue
+            block = self._shape_block(cfg, stage, tp, pp, tp_capacity(tp))
+            if block is not None:
+                keep = block[2] + block[3] <= usable
+                blocks.append(tuple(a[keep] for a in block))
+        return StageOptions.from_blocks(stage, blocks)
+
+    def _shape_block(self, cfg: ModelConfig, stage: str, tp: int, pp: int, limit: int) -> Block | None:
+        wl = self.workload
+        kind = split_stage(stage)[1]
+        total = wl.generated_sequences if kind == "gen" else wl.sequences
+        dps = [dp for dp in divisors(total) if tp * pp * dp <= limit]
+        if not dps:
+            return None
+        if kind == "gen":
+            return self._gen_block(cfg, stage, tp, total, dps)
+        return self._grid(cfg, stage, kind, tp, pp, total, dps)
+
+    def _gen_block(self, cfg, stage, tp, total, dps) -> Block:
+        """Every (dp, decode slots) of a tp degree, each dp's slot counts priced at once."""
+        wl, hw = self.workload, self.cost_model.hardware
+        res = resident_bytes(cfg, stage, tp, 1)
+        rows = []
+        for dp in dps:
+            slots = divisors(total // dp)
+            lat = gen_latency(cfg, stage, tp, dp, np.array(slots, dtype=float), wl, hw, self.eff).total
+            for i, n in enumerate(slots):
+                choice = StageChoice(tp, 1, dp, n)
+                rows.append((float(lat[i]), tp * dp, res, working_bytes(cfg, stage, choice, wl, hw), (tp, 1, dp, n, 0)))
+        return _block(rows)
+
+    def _grid(self, cfg, stage, kind, tp, pp, total, dps) -> Block:
+        """Every (dp, micro-batch, remat) of a layout at once: calls and working sets are priced per
+        (micro-batch, remat), per-step terms per dp, and combined with array arithmetic. The call part is
+        shared by model-stages with the same network and kind (actor-/ref-infer, critic-/reward-infer)."""
+        wl, hw, eff = self.workload, self.cost_model.hardware, self.eff
+        key = (id(cfg), kind_head(stage), tp, pp, tuple(dps))
+        if key not in self._grids:
+            self._grids[key] = self._call_grid(cfg, stage, kind, tp, pp, total, dps)
+        lat, d, calls, work, raw = self._grids[key]
+        dp_arr = np.array(dps)
+        one = np.broadcast_to(step_terms_latency(cfg, stage, tp, pp, dp_arr, 1, wl, hw, eff).total, dp_arr.shape)
+        if kind == "train":
+            extra = np.broadcast_to(accumulation_seconds(cfg, stage, tp, pp, dp_arr, hw) / eff[MEM], dp_arr.shape)
+            lat = lat + extra[d] * (calls - 1)
+        return (lat + one[d], tp * pp * np.array(dps)[d], np.full(len(d), resident_bytes(cfg, stage, tp, pp)),
+                work, raw)
+
+    def _call_grid(self, cfg, stage, kind, tp, pp, total, dps):
+        """(calls x call seconds, dp index, calls, working bytes, choices) of every valid row."""
+        wl, hw = self.workload, self.cost_model.hardware
+        mbs = divisors(total)
+        remats = (False, True) if kind == "train" else (False,)
+        dp_arr = np.array(dps)
+        calls = (total // dp_arr)[:, None] / np.array(mbs)[None, :]  # [dp, mb]; fractional = not a divisor
+        valid = np.equal(np.mod(calls, 1), 0)
+        if hw.shared_compute:  # a call's rate depends on how many devices share the host
+            call = np.array([[self._calls_of(cfg, stage, tp, pp, mbs, r, int(tp * pp * dp)) for r in remats]
+                             for dp in dps]).transpose(0, 2, 1)  # [dp, mb, remat]
+        else:
+            call = np.array([self._calls_of(cfg, stage, tp, pp, mbs, r, 0) for r in remats]).T[None]
+        single = np.array([call_working_bytes(cfg, stage, tp, pp, np.array(mbs), r, wl, hw, False)
+                           for r in remats]).T  # [mb, remat]
+        summed = accumulation_bytes(cfg, stage, tp, pp) if kind == "train" else 0.0
+        work = np.stack([single, single + summed], axis=-1)  # [mb, remat, accumulating]
+        d, m, r = np.nonzero(np.broadcast_to(valid[:, :, None], (len(dps), len(mbs), len(remats))))
+        c = calls[d, m]
+        lat = c * call[d if hw.shared_compute else 0, m, r]
+        raw = np.stack([np.full(len(d), tp), np.full(len(d), pp), dp_arr[d], np.array(mbs)[m], r], axis=1)
+        return lat, d, c, work[m, r, (c > 1).astype(np.int64)], raw
+
+    def _calls_of(self, cfg, stage, tp, pp, mbs: list[int], remat, devices) -> np.ndarray:
+        """Seconds of one call for every size in ``mbs``; ``devices`` only matters on shared compute."""
+        key = (id(cfg), kind_head(stage), tp, pp, remat, devices)
+        call = self._calls.get(key)
+        if call is None:
+            call = self._calls[key] = call_latency(cfg, stage, tp, pp, np.array(mbs), remat, self.workload,
+                                                   self.cost_model.hardware, self.eff, max(devices, tp * pp)).total
+        return call

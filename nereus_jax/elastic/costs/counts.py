@@ -1,0 +1,120 @@
+"""Exact parameter, FLOP and byte counts of the decoder under a layout: what the cost model prices.
+
+Everything here is integer/float arithmetic on a ModelConfig (no JAX), mirroring the parameter tree of
+``nereus_jax.models.decoder`` and the layout rules of ``nereus_jax.sharding``: heads, kv heads, mlp
+and vocab split over tp (kv heads stored ``tp // num_kv_heads`` times when tp exceeds them), layers
+over pp, norms and the value head replicated, embedding and output head replicated over pp.
+tests/elastic/test_cost_model.py checks these counts against ``abstract_params`` / ``stored_shapes`` /
+``check_layout``.
+"""
+
+from __future__ import annotations
+
+from nereus_jax.config import ModelConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+HEADS = ("lm", "value")
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per element of a config dtype name."""
+    return DTYPE_BYTES[name]
+
+
+def layout_problem(cfg: ModelConfig, tp: int, pp: int) -> str | None:
+    """Why a (tp, pp) layout cannot hold the model (the sharding module's rules), or None if it can."""
+    if tp < 1 or pp < 1:
+        return f"degrees must be >= 1 (tp={tp}, pp={pp})"
+    for name, size in (("num_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size),
+                       ("vocab_size", cfg.vocab_size)):
+        if size % tp:
+            return f"tp={tp} does not divide model.{name}={size}"
+    kv = cfg.num_kv_heads
+    if (tp <= kv and kv % tp) or (tp > kv and tp % kv):
+        return f"tp={tp} neither divides nor is a multiple of model.num_kv_heads={kv}"
+    if cfg.num_layers % pp:
+        return f"pp={pp} does not divide model.num_layers={cfg.num_layers}"
+    return None
+
+
+def kv_copies(cfg: ModelConfig, tp: int) -> int:
+    """How many times each kv head is stored (``sharding.kv_repeat``)."""
+    return tp // cfg.num_kv_heads if tp > cfg.num_kv_heads else 1
+
+
+def _layer_matmul_params(cfg: ModelConfig, kv_heads: int) -> int:
+    d, h, e, f = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.intermediate_size
+    return 2 * d * h * e + 2 * d * kv_heads * e + 3 * d * f
+
+
+def _layer_bias_params(cfg: ModelConfig, kv_heads: int) -> int:
+    return (cfg.num_heads + 2 * kv_heads) * cfg.head_dim if cfg.qkv_bias else 0
+
+
+def _head_params(cfg: ModelConfig, head: str, num_labels: int = 1) -> int:
+    assert head in HEADS, head
+    if head == "value":
+        return cfg.hidden_size * num_labels
+    return 0 if cfg.tie_embeddings else cfg.hidden_size * cfg.vocab_size
+
+
+def param_count(cfg: ModelConfig, head: str = "lm", num_labels: int = 1) -> int:
+    """Scalars in the canonical parameter tree (``count_params(abstract_params(cfg, head=...))``)."""
+    k, d = cfg.num_kv_heads, cfg.hidden_size
+    per_layer = _layer_matmul_params(cfg, k) + _layer_bias_params(cfg, k) + 2 * d
+    return cfg.vocab_size * d + cfg.num_layers * per_layer + d + _head_params(cfg, head, num_labels)
+
+
+def layer_params_per_device(cfg: ModelConfig, tp: int) -> float:
+    """Scalars of one decoder layer on one device of a tp group (kv copies included, norms whole)."""
+    kv = cfg.num_kv_heads * kv_copies(cfg, tp)
+    return (_layer_matmul_params(cfg, kv) + _layer_bias_params(cfg, kv)) / tp + 2 * cfg.hidden_size
+
+
+def params_per_device(cfg: ModelConfig, tp: int, pp: int, head: str = "lm", num_labels: int = 1) -> float:
+    """Scalars one device stores under (tp, pp): its layers' tp shard (kv copies included), the vocab
+    shard of embedding and lm head (on every pp stage), norms and the value head whole."""
+    d = cfg.hidden_size
+    head_params = _head_params(cfg, head, num_labels) / (tp if head == "lm" else 1)
+    return cfg.num_layers / pp * layer_params_per_device(cfg, tp) + cfg.vocab_size * d / tp + d + head_params
+
+
+def layer_flops_per_token(cfg: ModelConfig, tp: int) -> float:
+    """Forward matmul FLOPs of one decoder layer per token on one device of a tp group."""
+    return 2.0 * _layer_matmul_params(cfg, cfg.num_kv_heads * kv_copies(cfg, tp)) / tp
+
+
+def head_flops_per_token(cfg: ModelConfig, tp: int, head: str = "lm", num_labels: int = 1) -> float:
+    """Forward FLOPs of the output head per token on one device (lm head split over tp)."""
+    if head == "value":
+        return 2.0 * cfg.hidden_size * num_labels
+    return 2.0 * cfg.hidden_size * cfg.vocab_size / tp
+
+
+def attention_flops(cfg: ModelConfig, tp: int, queries: float, keys: float, fused: bool) -> float:
+    """Forward attention FLOPs (QK^T and PV) of one layer on one device for ``queries`` query positions
+    over ``keys`` key positions. A full causal pass has queries == keys: a fused kernel skips the masked
+    half, our dense einsum computes the whole square."""
+    pairs = queries * (keys + 1) / 2 if fused and queries == keys else queries * keys
+    return 4.0 * cfg.num_heads / tp * cfg.head_dim * pairs
+
+
+def kv_bytes_per_token(cfg: ModelConfig, tp: int, pp: int, dtype: str) -> float:
+    """KV-cache bytes one device holds per cached token (keys and values of its layers and kv heads)."""
+    heads = cfg.num_kv_heads * kv_copies(cfg, tp) / tp
+    return 2.0 * cfg.num_layers / pp * heads * cfg.head_dim * dtype_bytes(dtype)
+
+
+def layer_activation_bytes_per_token(cfg: ModelConfig, tp: int, dtype: str) -> float:
+    """Activations one layer keeps per token for its backward pass on one device (inputs of every
+    matmul and norm, the SwiGLU intermediates), excluding the [t, s] attention scores."""
+    kv = cfg.num_kv_heads * kv_copies(cfg, tp)
+    d, e = cfg.hidden_size, cfg.head_dim
+    sharded = 2 * cfg.num_heads * e + 2 * kv * e + 4 * cfg.intermediate_size
+    return (6 * d + sharded / tp) * dtype_bytes(dtype)
+
+
+def attention_score_bytes(cfg: ModelConfig, tp: int, queries: float, keys: float, dtype: str) -> float:
+    """Bytes of materialised attention scores of one layer (float32 scores and softmax, probabilities in
+    the compute dtype) for ``queries`` x ``keys`` positions on one device; 0 under a fused kernel."""
+    return cfg.num_heads / tp * queries * keys * (8 + dtype_bytes(dtype))

@@ -1,0 +1,311 @@
+"""Predicted latency of one model-stage for one RL step, as seconds per efficiency class.
+
+Pure functions of (model config, stage, choice, workload, hardware, efficiencies). Each phase of work
+is priced at peak rate divided by its class's efficiency; where a phase is both compute- and
+memory-bound (decode, small calls) the roofline takes the larger side and charges it to that class:
+
+- gen: per-request prefill (compute) + decode steps (weights + KV bytes per step vs FLOPs), slots =
+  ``choice.micro_batch``; steps = max(longest response, sequences x mean response / slots); plus the
+  per-step weight sync from actor-train for the actor.
+- infer: calls of ``micro_batch`` sequences; each call a GPipe pass of m + pp - 1 ticks; the output head
+  runs data-parallel over pp after the stack (as ``sharding.pipeline`` does).
+- train: the same calls with forward + backward = 3 x forward FLOPs (4 x with remat), TP all-reduces
+  4 per layer (6 with remat), the optimizer update (memory-bound) and the DP gradient all-reduce
+  (hierarchical: inside a node, then across nodes at the node NICs' per-device share).
+
+TP all-reduces run inside a node; PP hand-offs cross nodes once a replica spans more than one node.
+On shared-compute hardware (cpu) the stage's devices split the host's FLOP/s and memory bandwidth, and
+every device adds launch and per-layer overhead. FLOPs follow the padded row length (``Workload.packed``
+False: rows padded to the step's longest sequence, as static-shape JAX programs are) or the mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from nereus_jax.config import ModelConfig
+from nereus_jax.elastic.costs import counts
+from nereus_jax.elastic.costs.stage import StageChoice, pipeline_microbatches, split_stage, stage_head
+from nereus_jax.elastic.hardware import EFFICIENCY_CLASSES, Hardware
+from nereus_jax.elastic.workload import Workload
+
+GEMM, ATTN, MEM, COLL_INTRA, COLL_INTER, HOST, OVERHEAD = range(len(EFFICIENCY_CLASSES))
+_COLL = {"intra": COLL_INTRA, "inter": COLL_INTER}
+_NO_STEP_TERMS = frozenset({"ref-infer", "reward-infer", "critic-infer"})  # frozen weights, nothing per step
+
+
+class Breakdown(NamedTuple):
+    """Seconds per efficiency class (at the efficiencies it was computed with)."""
+
+    gemm: float = 0.0
+    attention: float = 0.0
+    memory: float = 0.0
+    collective_intra: float = 0.0
+    collective_inter: float = 0.0
+    host: float = 0.0
+    overhead: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(self)
+
+    def ideal(self, efficiency: Sequence[float]) -> Breakdown:
+        """The same work at efficiency 1 (seconds x efficiency per class): what ``observe`` fits."""
+        return Breakdown(*(t * e for t, e in zip(self, efficiency, strict=True)))
+
+
+def efficiency_vector(hw: Hardware, efficiency: dict[str, float] | None = None) -> tuple[float, ...]:
+    """Efficiencies in class order: given ones, else the hardware's priors (conservative if unmeasured)."""
+    given = efficiency or {}
+    return tuple(given.get(c, hw.prior_efficiency(c)) for c in EFFICIENCY_CLASSES)
+
+
+# ------------------------------------------------------------------------------------------ primitives
+def allreduce_seconds(nbytes: float, members: int, link: str, hw: Hardware) -> float:
+    """Ring all-reduce of ``nbytes`` per member over ``members`` devices on a link ("intra"/"inter"),
+    at peak bandwidth: 2 (n - 1) / n x bytes / bandwidth plus 2 (n - 1) hop latencies. Either argument
+    may be an array (element-wise)."""
+    if link == "intra":
+        bandwidth, latency = hw.intra_node_bandwidth, hw.intra_node_latency_s
+    else:
+        bandwidth, latency = hw.inter_node_bandwidth_per_device(), hw.inter_node_latency_s
+    if isinstance(nbytes, np.ndarray) or isinstance(members, np.ndarray):
+        seconds = 2.0 * (members - 1) / members * nbytes / bandwidth + 2.0 * (members - 1) * latency
+        return np.where((np.asarray(members) > 1) & (np.asarray(nbytes) > 0), seconds, 0.0)
+    if members <= 1 or nbytes <= 0:
+        return 0.0
+    return 2.0 * (members - 1) / members * nbytes / bandwidth + 2.0 * (members - 1) * latency
+
+
+def p2p_seconds(nbytes: float, link: str, hw: Hardware) -> float:
+    """One point-to-point send of ``nbytes`` (a pipeline hand-off)."""
+    if link == "intra":
+        return nbytes / hw.intra_node_bandwidth + hw.intra_node_latency_s
+    return nbytes / hw.inter_node_bandwidth_per_device() + hw.inter_node_latency_s
+
+
+def dp_group_links(dp, replica_devices: int, hw: Hardware):
+    """(members per node, nodes) of one DP group when dp replicas of ``replica_devices`` devices are
+    placed contiguously: a group stays inside a node while dp * replica size fits one (dp: int or array)."""
+    per_node = np.maximum(1, np.minimum(dp, hw.devices_per_node // replica_devices))
+    nodes = -(-dp // per_node)  # ceil
+    if isinstance(dp, np.ndarray):
+        return per_node, nodes
+    return int(per_node), int(nodes)
+
+
+class _Acc:
+    """Accumulates seconds per class, dividing by the class efficiency as it goes."""
+
+    __slots__ = ("eff", "t")
+
+    def __init__(self, eff: Sequence[float]):
+        self.eff = eff
+        self.t = [0.0] * len(EFFICIENCY_CLASSES)
+
+    def add(self, cls: int, ideal_seconds: float, times: float = 1.0) -> None:
+        self.t[cls] += times * ideal_seconds / self.eff[cls]
+
+    def roofline(self, gemm_flops, attn_flops, nbytes, rates: tuple[float, float], times=1.0) -> None:
+        """The larger of compute and memory time, charged to its class(es). Array arguments price many
+        calls at once (element-wise)."""
+        flops_rate, byte_rate = rates
+        tg = gemm_flops / flops_rate / self.eff[GEMM]
+        ta = attn_flops / flops_rate / self.eff[ATTN]
+        tm = nbytes / byte_rate / self.eff[MEM]
+        if isinstance(tm + tg + ta, np.ndarray):
+            memory_bound = tm > tg + ta
+            self.t[MEM] = self.t[MEM] + times * np.where(memory_bound, tm, 0.0)
+            self.t[GEMM] = self.t[GEMM] + times * np.where(memory_bound, 0.0, tg)
+            self.t[ATTN] = self.t[ATTN] + times * np.where(memory_bound, 0.0, ta)
+        elif tm > tg + ta:
+            self.t[MEM] += times * tm
+        else:
+            self.t[GEMM] += times * tg
+            self.t[ATTN] += times * ta
+
+    def result(self) -> Breakdown:
+        return Breakdown(*self.t)
+
+
+# ------------------------------------------------------------------------------------------ per stage
+class _Ctx(NamedTuple):
+    cfg: ModelConfig
+    model: str  # actor, critic, ref, reward
+    head: str
+    tp: int
+    pp: int
+    wl: Workload
+    hw: Hardware
+    rates: tuple[float, float]  # per-device FLOP/s and memory bytes/s
+    act_bytes: int  # activation / compute dtype bytes
+    launch: float  # seconds per program launch
+    layer_overhead: float  # seconds per layer per tick
+
+    @property
+    def layers(self) -> float:
+        return self.cfg.num_layers / self.pp
+
+    def rows_length(self) -> float:
+        """Row length FLOPs follow: the padded (max) length, or the mean when rows are packed."""
+        return self.wl.mean_tokens if self.wl.packed else self.wl.max_tokens
+
+    def attention_keys(self) -> float:
+        """Key positions per row for a full pass (packed rows: p95, since E[s^2] / E[s] exceeds the mean)."""
+        if not self.wl.packed:
+            return self.wl.max_tokens
+        return self.wl.prompt_length.p95 + self.wl.response_length.p95
+
+    def pp_link(self) -> str:
+        return "intra" if self.tp * self.pp <= self.hw.devices_per_node else "inter"
+
+
+def _context(cfg: ModelConfig, stage: str, tp: int, pp: int, devices: int, wl: Workload, hw: Hardware) -> _Ctx:
+    model = split_stage(stage)[0]
+    share = devices if hw.shared_compute else 1
+    launch = hw.launch_overhead_s + (hw.launch_overhead_per_device_s * devices if hw.shared_compute else 0.0)
+    return _Ctx(cfg, model, stage_head(stage), tp, pp, wl, hw,
+                (hw.peak_flops / share, hw.memory_bandwidth / share), counts.dtype_bytes(cfg.compute_dtype),
+                launch, hw.layer_overhead_s * share)
+
+
+def _forward_ticks(x: _Ctx, acc: _Acc, rows: float, ticks: float, passes: float, allreduces: float,
+                   weight_dtype: str) -> None:
+    """``ticks`` pipeline ticks, each running this device's layers on ``rows`` rows ``passes`` times
+    (1 forward, 3 forward+backward, 4 with remat) with ``allreduces`` TP all-reduces per layer."""
+    cfg, s = x.cfg, x.rows_length()
+    gemm = passes * rows * s * counts.layer_flops_per_token(cfg, x.tp) * x.layers
+    attn = passes * rows * x.layers * counts.attention_flops(cfg, x.tp, s, x.attention_keys(), x.hw.fused_attention)
+    weights = x.layers * counts.layer_params_per_device(cfg, x.tp) * counts.dtype_bytes(weight_dtype)
+    acc.roofline(gemm, attn, passes * weights, x.rates, ticks)
+    hidden = rows * s * cfg.hidden_size * x.act_bytes
+    acc.add(COLL_INTRA, allreduces * x.layers * allreduce_seconds(hidden, x.tp, "intra", x.hw), ticks)
+    if x.pp > 1:
+        link = x.pp_link()
+        acc.add(_COLL[link], (2.0 if passes > 1 else 1.0) * p2p_seconds(hidden, link, x.hw), ticks)
+    acc.add(OVERHEAD, passes * x.layers * x.layer_overhead, ticks)
+
+
+def _head_pass(x: _Ctx, acc: _Acc, rows: float, passes: float) -> None:
+    """The output head on ``rows`` rows, data-parallel over pp, plus its vocab-parallel reductions."""
+    s = x.rows_length()
+    flops = passes * rows * s / x.pp * counts.head_flops_per_token(x.cfg, x.tp, x.head)
+    weights = x.cfg.hidden_size * x.cfg.vocab_size / x.tp * x.act_bytes if x.head == "lm" else 0.0
+    acc.roofline(flops, 0.0, weights, x.rates)
+    if x.head == "lm":
+        acc.add(COLL_INTRA, 2 * allreduce_seconds(rows * s / x.pp * 4.0, x.tp, "intra", x.hw))
+
+
+def call_latency(cfg: ModelConfig, stage: str, tp: int, pp: int, micro_batch, remat: bool, workload: Workload,
+                 hw: Hardware, efficiency: Sequence[float], devices: int) -> Breakdown:
+    """One forward (infer) or forward+backward (train) call of ``micro_batch`` sequences on one replica:
+    a GPipe pass of m + pp - 1 ticks, the output head, one launch. ``devices``: the stage's devices.
+    ``micro_batch`` may be an integer array: then every field of the result is an array (one per size)."""
+    kind = split_stage(stage)[1]
+    assert kind in ("infer", "train"), stage
+    x = _context(cfg, stage, tp, pp, devices, workload, hw)
+    acc = _Acc(efficiency)
+    passes = 1.0 if kind == "infer" else 3.0 + (1.0 if remat else 0.0)
+    allreduces = 2.0 if kind == "infer" else 4.0 + (2.0 if remat else 0.0)
+    m = pipeline_microbatches(micro_batch, pp)
+    weight_dtype = cfg.compute_dtype if kind == "infer" else cfg.param_dtype
+    _forward_ticks(x, acc, micro_batch / m, m + pp - 1, passes, allreduces, weight_dtype)
+    _head_pass(x, acc, micro_batch, 1.0 if kind == "infer" else 3.0)
+    acc.add(OVERHEAD, x.launch)
+    return acc.result()
+
+
+def step_terms_latency(cfg: ModelConfig, stage: str, tp: int, pp: int, dp, calls: float, workload: Workload,
+                       hw: Hardware, efficiency: Sequence[float]) -> Breakdown:
+    """Once-per-step work of an infer/train stage besides its calls: the optimizer update, gradient
+    accumulation traffic and the DP gradient all-reduce (train); the actor's weight sync. ``dp`` may
+    be an integer array (then so is every field)."""
+    if stage in _NO_STEP_TERMS:
+        return Breakdown()
+    x = _context(cfg, stage, tp, pp, tp * pp * dp, workload, hw)
+    acc = _Acc(efficiency)
+    if split_stage(stage)[1] == "train":
+        params = counts.params_per_device(cfg, tp, pp, x.head)
+        pb = counts.dtype_bytes(cfg.param_dtype)
+        master = 4 if pb != 4 else 0
+        update = params * (3 * pb + 2 * 8 + 2 * master)  # read p, g, m, v, master; write p, m, v, master
+        acc.add(MEM, update / x.rates[1])
+        acc.add(MEM, accumulation_seconds(cfg, stage, tp, pp, dp, hw), max(0.0, calls - 1))
+        per_node, nodes = dp_group_links(dp, tp * pp, hw)
+        acc.add(COLL_INTRA, allreduce_seconds(params * pb, per_node, "intra", hw))
+        acc.add(COLL_INTER, allreduce_seconds(params * pb / per_node, nodes, "inter", hw))
+    elif x.model == "actor":
+        _weight_sync(x, acc)
+    return acc.result()
+
+
+def accumulation_seconds(cfg: ModelConfig, stage: str, tp: int, pp: int, dp, hw: Hardware) -> float:
+    """Ideal seconds (class memory) per extra call of a train stage: read + write the running gradient sum."""
+    share = tp * pp * dp if hw.shared_compute else 1
+    params = counts.params_per_device(cfg, tp, pp, stage_head(stage))
+    return params * counts.dtype_bytes(cfg.param_dtype) * 2 / (hw.memory_bandwidth / share)
+
+
+def gen_latency(cfg: ModelConfig, stage: str, tp: int, dp: int, slots, workload: Workload, hw: Hardware,
+                efficiency: Sequence[float]) -> Breakdown:
+    """actor-gen on dp replicas of tp devices with ``slots`` concurrent decode slots per replica (an int,
+    or an array to price many at once): prefill, decode steps, and the weight sync."""
+    wl = workload
+    x = _context(cfg, stage, tp, 1, tp * dp, wl, hw)
+    acc = _Acc(efficiency)
+    n = wl.generated_sequences / dp
+    weights = counts.params_per_device(cfg, tp, 1, x.head) * x.act_bytes
+    layer_flops = counts.layer_flops_per_token(cfg, tp) * cfg.num_layers
+    head_flops = counts.head_flops_per_token(cfg, tp, x.head)
+    # Prefill: one call per request over its (padded) prompt, logits at the last position only.
+    p = wl.prompt_length.mean if wl.packed else wl.prompt_length.max
+    attn = cfg.num_layers * counts.attention_flops(cfg, tp, p, p, hw.fused_attention)
+    acc.roofline(p * layer_flops + head_flops, attn, weights, x.rates, n)
+    hidden = p * cfg.hidden_size * x.act_bytes
+    acc.add(COLL_INTRA, 2 * cfg.num_layers * allreduce_seconds(hidden, tp, "intra", hw), n)
+    acc.add(OVERHEAD, x.launch + cfg.num_layers * x.layer_overhead, n)
+    # Decode: every step advances every live slot by one token.
+    live = np.minimum(slots, n)
+    r = wl.response_length
+    steps = np.maximum(float(r.max), np.ceil(n * r.mean / live))
+    if hw.fused_attention:  # paged cache: only live rows, only their context
+        rows, context = n * r.mean / steps, wl.prompt_length.mean + r.mean / 2
+    else:  # our dense engine: every slot, the whole cache length
+        rows, context = live, float(wl.max_tokens)
+    kv = rows * context * counts.kv_bytes_per_token(cfg, tp, 1, cfg.compute_dtype)
+    attn = rows * cfg.num_layers * counts.attention_flops(cfg, tp, 1, context, hw.fused_attention)
+    acc.roofline(rows * (layer_flops + head_flops), attn, weights + kv, x.rates, steps)
+    hidden = rows * cfg.hidden_size * x.act_bytes
+    acc.add(COLL_INTRA, 2 * cfg.num_layers * allreduce_seconds(hidden, tp, "intra", hw), steps)
+    acc.add(OVERHEAD, x.launch + cfg.num_layers * x.layer_overhead, steps)
+    _weight_sync(x, acc)
+    return acc.result()
+
+
+def _weight_sync(x: _Ctx, acc: _Acc) -> None:
+    """Receiving the updated actor weights (cast to the compute dtype) every step."""
+    nbytes = counts.params_per_device(x.cfg, x.tp, x.pp, x.head) * x.act_bytes
+    acc.add(COLL_INTRA, nbytes / x.hw.intra_node_bandwidth + x.hw.intra_node_latency_s)
+
+
+def calls_per_step(workload: Workload, choice: StageChoice) -> float:
+    """Forward/backward calls one replica makes per step (gradient accumulation steps for train)."""
+    return workload.sequences / choice.dp / choice.micro_batch
+
+
+def stage_latency(cfg: ModelConfig, stage: str, choice: StageChoice, workload: Workload, hw: Hardware,
+                  efficiency: Sequence[float] | None = None) -> Breakdown:
+    """Seconds of one RL step spent in ``stage`` (e.g. "actor-train") under ``choice``, per class.
+
+    ``efficiency`` is the vector of ``efficiency_vector`` (default: the hardware's priors)."""
+    eff = efficiency if efficiency is not None else efficiency_vector(hw)
+    c = choice
+    if split_stage(stage)[1] == "gen":
+        return gen_latency(cfg, stage, c.tp, c.dp, c.micro_batch, workload, hw, eff)
+    calls = calls_per_step(workload, c)
+    call = call_latency(cfg, stage, c.tp, c.pp, c.micro_batch, c.remat, workload, hw, eff, c.devices)
+    step = step_terms_latency(cfg, stage, c.tp, c.pp, c.dp, calls, workload, hw, eff)
+    return Breakdown(*(calls * a + b for a, b in zip(call, step, strict=True)))

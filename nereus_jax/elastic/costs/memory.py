@@ -1,0 +1,130 @@
+"""Peak memory per device of one model-stage: what stays resident between its runs and what it needs
+only while it runs.
+
+- resident (parked while other model-stages run on the same devices): the weights, stored in the
+  compute dtype for gen/infer; for train the parameters in their stored dtype plus Adam's float32 m and
+  v (and a float32 master copy when parameters are not float32). kv heads count once per stored copy.
+- working (only while the stage runs): gen: the KV cache of its decode slots at the longest context,
+  slot logits, one prefill; infer: one call's hidden states, one layer's activations, attention scores
+  when materialised, float32 logits; train: gradients (twice with accumulation), the stored activations
+  of a whole call (GPipe keeps every micro-batch; remat keeps only layer inputs plus one layer recomputed),
+  float32 logits and their gradient; plus the hardware's workspace.
+
+A device's peak is the resident state of every model-stage placed on it plus the largest working set
+among them (``device_peak_bytes``); the planner keeps that under capacity x (1 - headroom).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from nereus_jax.config import ModelConfig
+from nereus_jax.elastic.costs import counts
+from nereus_jax.elastic.costs.stage import StageChoice, pipeline_microbatches, split_stage, stage_head
+from nereus_jax.elastic.hardware import Hardware
+from nereus_jax.elastic.workload import Workload
+
+
+class StageMemory(NamedTuple):
+    """Bytes per device of one model-stage: parked state and extra bytes while running."""
+
+    resident: float
+    working: float
+
+    @property
+    def peak(self) -> float:
+        return self.resident + self.working
+
+
+def resident_bytes(cfg: ModelConfig, stage: str, tp: int, pp: int) -> float:
+    """State one device keeps for ``stage`` between its runs (depends on the layout only)."""
+    kind = split_stage(stage)[1]
+    params = counts.params_per_device(cfg, tp, pp, stage_head(stage))
+    if kind != "train":
+        return params * counts.dtype_bytes(cfg.compute_dtype)
+    pb = counts.dtype_bytes(cfg.param_dtype)
+    return params * (pb + 8 + (4 if pb != 4 else 0))
+
+
+def working_bytes(cfg: ModelConfig, stage: str, choice: StageChoice, workload: Workload, hw: Hardware,
+                  accumulating: bool | None = None) -> float:
+    """Extra bytes one device needs while ``stage`` runs under ``choice`` (its largest moment).
+    ``accumulating`` (train: more than one call per step, so a running gradient sum is kept) defaults
+    to what ``choice`` and ``workload`` imply."""
+    kind = split_stage(stage)[1]
+    if kind == "gen":
+        return hw.workspace_bytes + _gen(cfg, stage_head(stage), choice, workload, hw)
+    if accumulating is None:
+        accumulating = workload.sequences / choice.dp / choice.micro_batch > 1
+    return call_working_bytes(cfg, stage, choice.tp, choice.pp, choice.micro_batch, choice.remat, workload, hw,
+                              accumulating)
+
+
+def stage_memory(cfg: ModelConfig, stage: str, choice: StageChoice, workload: Workload, hw: Hardware) -> StageMemory:
+    """Resident and working bytes per device of ``stage`` under ``choice``."""
+    return StageMemory(resident_bytes(cfg, stage, choice.tp, choice.pp),
+                       working_bytes(cfg, stage, choice, workload, hw))
+
+
+def device_peak_bytes(stages: Iterable[StageMemory]) -> float:
+    """Peak of one device hosting these model-stages: every resident state plus the largest working set
+    (model-stages that share devices run one after another)."""
+    items = list(stages)
+    return sum(m.resident for m in items) + max((m.working for m in items), default=0.0)
+
+
+def accumulation_bytes(cfg: ModelConfig, stage: str, tp: int, pp: int) -> float:
+    """The running gradient sum a train stage keeps when a step has more than one call."""
+    return counts.params_per_device(cfg, tp, pp, stage_head(stage)) * counts.dtype_bytes(cfg.param_dtype)
+
+
+def _logit_bytes(cfg: ModelConfig, head: str, rows: float, tp: int) -> float:
+    """float32 logits of ``rows`` positions on one device (vocab split over tp)."""
+    return rows * (cfg.vocab_size / tp if head == "lm" else 1) * 4.0
+
+
+def _gen(cfg: ModelConfig, head: str, c: StageChoice, wl: Workload, hw: Hardware) -> float:
+    slots = min(c.micro_batch, wl.generated_sequences / c.dp)
+    cache = slots * wl.max_tokens * counts.kv_bytes_per_token(cfg, c.tp, 1, cfg.compute_dtype)
+    p = wl.prompt_length.max
+    prefill = p * counts.layer_activation_bytes_per_token(cfg, c.tp, cfg.compute_dtype)
+    if not hw.fused_attention:
+        prefill += counts.attention_score_bytes(cfg, c.tp, p, p, cfg.compute_dtype)
+    return cache + 2 * _logit_bytes(cfg, head, slots, c.tp) + prefill
+
+
+def call_working_bytes(cfg: ModelConfig, stage: str, tp: int, pp: int, micro_batch, remat: bool, workload: Workload,
+                       hw: Hardware, accumulating: bool) -> float:
+    """Working bytes of an infer/train call of ``micro_batch`` sequences (an int, or an array of sizes)."""
+    kind, head = split_stage(stage)[1], stage_head(stage)
+    assert kind in ("infer", "train"), stage
+    rows = micro_batch / pipeline_microbatches(micro_batch, pp)
+    fn = _infer if kind == "infer" else _train
+    return hw.workspace_bytes + fn(cfg, head, tp, pp, micro_batch, rows, remat, workload, hw, accumulating)
+
+
+def _infer(cfg, head, tp, pp, mb, rows, remat, wl: Workload, hw: Hardware, accumulating: bool):
+    s = wl.max_tokens
+    hidden = mb * s * cfg.hidden_size * counts.dtype_bytes(cfg.compute_dtype)
+    layer = rows * s * counts.layer_activation_bytes_per_token(cfg, tp, cfg.compute_dtype)
+    if not hw.fused_attention:
+        layer = layer + rows * counts.attention_score_bytes(cfg, tp, s, s, cfg.compute_dtype)
+    logits = 2 * _logit_bytes(cfg, head, mb * s / pp, tp)
+    return 2 * hidden + layer + logits
+
+
+def _train(cfg, head, tp, pp, mb, rows, remat, wl: Workload, hw: Hardware, accumulating: bool):
+    s, layers = wl.max_tokens, cfg.num_layers / pp
+    grads = counts.params_per_device(cfg, tp, pp, head) * counts.dtype_bytes(cfg.param_dtype)
+    grads *= 2 if accumulating else 1  # this call's gradient and the running sum (accumulation_bytes)
+    act = counts.dtype_bytes(cfg.compute_dtype)
+    per_token = counts.layer_activation_bytes_per_token(cfg, tp, cfg.compute_dtype)
+    scores = 0.0 if hw.fused_attention else counts.attention_score_bytes(cfg, tp, s, s, cfg.compute_dtype)
+    if remat:  # layer inputs of the whole call, plus one layer of one micro-batch recomputed
+        stored = layers * mb * s * cfg.hidden_size * act + rows * (s * per_token + scores)
+    else:  # GPipe keeps every micro-batch's activations until its backward
+        stored = layers * mb * (s * per_token + scores)
+    hidden = 2 * mb * s * cfg.hidden_size * act  # stage hand-off buffers
+    logits = 3 * _logit_bytes(cfg, head, mb * s / pp, tp)
+    return grads + stored + hidden + logits

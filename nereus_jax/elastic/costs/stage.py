@@ -1,0 +1,82 @@
+"""Model-stage names and the per-stage decision the cost model prices and the planner chooses."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from nereus_jax.config import STAGE_NAMES
+
+STAGE_KINDS = ("gen", "infer", "train")
+# Model roles whose network ends in a value head (scalar per token) instead of the lm head.
+VALUE_HEAD_MODELS = ("critic", "reward")
+
+
+class StageError(ValueError):
+    """An unknown model-stage name or an impossible per-stage choice."""
+
+
+_SPLIT = {name: tuple(name.split("-")) for name in STAGE_NAMES}
+
+
+def split_stage(name: str) -> tuple[str, str]:
+    """'actor-gen' -> ('actor', 'gen'); unknown names list the valid ones."""
+    try:
+        return _SPLIT[name]
+    except KeyError:
+        raise StageError(f"unknown model-stage '{name}'; valid: {', '.join(STAGE_NAMES)}") from None
+
+
+def stage_kind(name: str) -> str:
+    """gen, infer or train."""
+    return split_stage(name)[1]
+
+
+def stage_head(name: str) -> str:
+    """'lm' for actor/ref, 'value' for critic/reward."""
+    return "value" if split_stage(name)[0] in VALUE_HEAD_MODELS else "lm"
+
+
+@dataclass(frozen=True, order=True)
+class StageChoice:
+    """How one model-stage runs: ``dp`` replicas of a (tp, pp) layout, ``micro_batch`` sequences per
+    forward/backward call (per replica; gen: concurrent decode slots per replica) and, for training,
+    rematerialisation. Calls per step = sequences per replica / micro_batch (gradient accumulation)."""
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    remat: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "micro_batch"):
+            if getattr(self, name) < 1:
+                raise StageError(f"StageChoice.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def devices(self) -> int:
+        """Devices the stage occupies: dp replicas of tp * pp."""
+        return self.tp * self.pp * self.dp
+
+    def __str__(self) -> str:
+        remat = " remat" if self.remat else ""
+        return f"tp{self.tp} pp{self.pp} dp{self.dp} mb{self.micro_batch}{remat}"
+
+
+def pipeline_microbatches(micro_batch, pp: int):
+    """GPipe micro-batches inside one call: the largest divisor of ``micro_batch`` up to 4 * pp
+    (bubble (pp - 1) / (m + pp - 1) <= 20% when the call is large enough); 1 without pipelining.
+    An array of call sizes gives an array."""
+    if pp == 1:
+        return 1
+    if isinstance(micro_batch, np.ndarray):
+        return np.array([_microbatches(int(b), pp) for b in micro_batch])
+    return _microbatches(micro_batch, pp)
+
+
+@functools.lru_cache(maxsize=4096)
+def _microbatches(micro_batch: int, pp: int) -> int:
+    return max(m for m in range(1, min(micro_batch, 4 * pp) + 1) if micro_batch % m == 0)

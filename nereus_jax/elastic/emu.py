@@ -1,0 +1,156 @@
+"""The Elastic Model Unit: one replica of one model-stage on its own devices, with its arrays.
+
+An EMU holds the parameters (and, for a training stage, the optax state laid out like the parameters,
+not sharded across DP replicas, as in the paper) of one replica with layout ``(tp, pp)`` on the mesh
+``make_mesh(devices, layout)``. DP is not inside a unit: dp = the number of live EMUs of a model-stage.
+Training over replicas runs as one SPMD program: :func:`assemble_replicas` views the replicas' buffers
+as arrays on the mesh (dp, pp, tp) without copying and :func:`split_replicas` splits results back.
+
+    unit = EMU.create(ModelStage("actor", "train"), spec, Layout(tp=2), devices[:2], {"params": p, "opt": o})
+    unit.bytes_per_device()   # {0: ..., 1: ...} from the shardings
+    unit.to_host()            # canonical numpy copy, bit for bit (kv copies dropped)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from nereus_jax.sharding import Layout, bytes_per_device, make_mesh
+
+from .plan import DEVICE, ModelStage
+from .spec import StateSpec
+
+
+@dataclasses.dataclass(eq=False)
+class EMU:
+    """One replica of one model-stage: layout, ordered devices, state leaves (see StateSpec), memory kind."""
+
+    stage: ModelStage
+    layout: Layout
+    devices: tuple[jax.Device, ...]
+    leaves: list[jax.Array]
+    spec: StateSpec
+    memory: str = DEVICE
+
+    @classmethod
+    def create(cls, stage: ModelStage, spec: StateSpec, layout: Layout, devices: Sequence[jax.Device],
+               state: Mapping[str, Any], memory: str = DEVICE) -> EMU:
+        """Lays a canonical state ({"params": tree, "opt": optax state}) out on ``devices``."""
+        spec.check(layout)
+        devices = tuple(devices)
+        host = spec.expand([np.asarray(x) for x in spec.flatten(state)], spec.repeat(layout))
+        mesh = make_mesh(devices, layout)
+        leaves = jax.device_put(host, spec.shardings(mesh, memory))
+        return cls(stage, layout, devices, leaves, spec, memory)
+
+    @property
+    def device_ids(self) -> tuple[int, ...]:
+        return tuple(d.id for d in self.devices)
+
+    @property
+    def mesh(self) -> Mesh:
+        return make_mesh(self.devices, self.layout)
+
+    @property
+    def state(self) -> dict[str, Any]:
+        return self.spec.unflatten(self.leaves)
+
+    @property
+    def params(self) -> Any:
+        return self.state["params"]
+
+    @property
+    def opt_state(self) -> Any:
+        return self.state.get("opt")
+
+    def bytes_per_device(self) -> dict[int, int]:
+        """Bytes each device holds for this unit, from the arrays' shardings."""
+        return bytes_per_device(self.leaves)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.bytes_per_device().values())
+
+    def to_host(self) -> dict[str, Any]:
+        """A canonical numpy copy of the state (kv copies dropped), bit for bit."""
+        host = self.spec.collapse([np.asarray(x) for x in self.leaves], self.spec.repeat(self.layout))
+        return self.spec.unflatten(host)
+
+    def checksum(self) -> np.ndarray:
+        """One uint32 per leaf over the canonical values and their positions: equal across layouts."""
+        rep = self.spec.repeat(self.layout)
+        meta = tuple((leaf.kv_axis if rep > 1 else None, rep) for leaf in self.spec.leaves)
+        leaves = self.leaves
+        if self.memory != DEVICE:
+            leaves = jax.device_put(leaves, self.spec.shardings(self.mesh, DEVICE))
+        return np.asarray(_checksum(leaves, meta))
+
+    def __repr__(self) -> str:
+        return f"EMU({self.stage} {self.layout} {self.memory} on {list(self.device_ids)})"
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _checksum(leaves: list[jax.Array], meta: tuple) -> jax.Array:
+    sums = []
+    for x, (axis, rep) in zip(leaves, meta, strict=True):
+        if axis is not None:
+            x = jnp.take(x, jnp.arange(0, x.shape[axis], rep), axis=axis)
+        width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+        bits = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
+        index = jax.lax.broadcasted_iota(jnp.uint32, bits.shape, 0) if bits.ndim else jnp.uint32(0)
+        for d in range(1, bits.ndim):
+            index = index * jnp.uint32(bits.shape[d]) + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, d)
+        sums.append(jnp.sum(bits * (index * jnp.uint32(2654435761) + jnp.uint32(1)), dtype=jnp.uint32))
+    return jnp.stack(sums)
+
+
+# ------------------------------------------------------------------------------------- DP replicas
+def shards_by_device(x: jax.Array) -> dict[jax.Device, jax.Array]:
+    """The single-device arrays of ``x``, keyed by device (no copies)."""
+    return {s.device: s.data for s in x.addressable_shards}
+
+
+def view(x_shards: Mapping[jax.Device, jax.Array], shape: tuple[int, ...], sharding: jax.sharding.Sharding,
+         devices: Sequence[jax.Device]) -> jax.Array:
+    """An array with ``sharding`` over ``devices`` made of existing single-device buffers (zero-copy)."""
+    return jax.make_array_from_single_device_arrays(shape, sharding, [x_shards[d] for d in devices])
+
+
+def assemble_replicas(units: Sequence[EMU]) -> tuple[list[jax.Array], Mesh]:
+    """The replicas' buffers as one state on the mesh (dp, pp, tp), replicated over dp, without copying."""
+    first = units[0]
+    for u in units:
+        if (u.stage, u.layout, u.spec, u.memory) != (first.stage, first.layout, first.spec, first.memory):
+            raise ValueError(f"cannot assemble {u} with {first}: replicas must share stage, layout and memory")
+    devices = [d for u in units for d in u.devices]
+    mesh = make_mesh(devices, first.layout, dp=len(units))
+    leaves = []
+    for i, sharding in enumerate(first.spec.shardings(mesh, first.memory)):
+        shards: dict[jax.Device, jax.Array] = {}
+        for u in units:
+            shards.update(shards_by_device(u.leaves[i]))
+        leaves.append(view(shards, first.leaves[i].shape, sharding, devices))
+    return leaves, mesh
+
+
+def split_replicas(leaves: Sequence[jax.Array], mesh: Mesh, stage: ModelStage, spec: StateSpec,
+                   memory: str = DEVICE) -> list[EMU]:
+    """Inverse of :func:`assemble_replicas`: one EMU per dp index, sharing the buffers (zero-copy)."""
+    layout = Layout(tp=mesh.shape["tp"], pp=mesh.shape["pp"])
+    shards = [shards_by_device(x) for x in leaves]
+    units = []
+    for row in mesh.devices:
+        devices = tuple(row.reshape(-1))
+        sub = spec.shardings(make_mesh(devices, layout), memory)
+        units.append(EMU(stage, layout, devices,
+                         [view(s, x.shape, sh, devices) for s, x, sh in zip(shards, leaves, sub, strict=True)],
+                         spec, memory))
+    return units

@@ -1,0 +1,361 @@
+"""Runs a TransitionGraph on real arrays: the EMUs of the old plan in, the EMUs of the new plan out.
+
+Primitives map to JAX as DESIGN.md measured them:
+
+* Split / Merge / Relayout / Derive: a jitted identity (kv-head re-repetition and, for Derive, the cast
+  to the target dtypes inside) from one sharding to another on the SAME device list, donating its input
+  (not Derive's, and not the last copy of a model-stage's state, which stays until its successor exists).
+  Pieces are read out of, and put together into, the big array zero-copy.
+* Extend / Offload / Onload: one ``jax.device_put`` of the whole unit to the same layout on other
+  devices or another memory kind: the per-shard fast path, shards already in place reused.
+* Destroy: the unit's own buffers are deleted at once (not those handed zero-copy to another unit,
+  and never a donated input, which XLA frees), so memory goes even if the caller still holds old EMUs.
+
+Steps are dispatched in the graph's order as soon as the steps they depend on have finished and the
+ledger has room under the caps (and under ``extra_budget``, the bytes above the larger of the old and
+new plan's footprint). JAX dispatch is asynchronous, so independent primitives run together; a step's
+releases are booked when its outputs are ready. If a primitive fails, the steps in flight finish and
+:class:`TransitionFailed` carries the surviving units (at least one complete copy of every model-stage,
+since no step frees the last copy of anything before its replacement exists) and a plan describing them.
+
+    executor = TransitionExecutor(checksums=True)
+    new_units = executor.run(graph, {ms: [emu, ...], ...})
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, SingleDeviceSharding
+
+from nereus_jax.sharding import make_mesh
+
+from .emu import EMU, _checksum, shards_by_device, view
+from .factor import common_layout, factor_mesh_devices, sub_replicas
+from .graph import TransitionGraph
+from .ledger import CapExceeded, Ledger
+from .plan import DEVICE, ExecutionPlan, ModelStage, StagePlan
+from .steps import DERIVE, DESTROY, MERGE, RELAYOUT, SPLIT, Step, Unit
+
+DONATING = (SPLIT, MERGE, RELAYOUT)  # may donate their inputs to XLA (when another copy of the state exists)
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by ``fail_at`` (tests): a primitive that fails before it runs."""
+
+
+class TransitionFailed(RuntimeError):
+    """A transition stopped at ``step``; ``units`` / ``plan`` describe the intact state left behind."""
+
+    def __init__(self, message: str, step: Step, units: dict[ModelStage, list[EMU]], plan: ExecutionPlan):
+        super().__init__(message)
+        self.step, self.units, self.plan = step, units, plan
+
+
+class ChecksumMismatch(RuntimeError):
+    """A unit that does not hold its model-stage's state bit for bit."""
+
+
+class TransitionExecutor:
+    """Executes transition graphs. ``checksums``: verify every new unit against its source state;
+    ``extra_budget``: bytes the transition may hold above max(old, new footprint) at once ("unit" = the
+    graph's largest unit, None = only the caps); ``max_in_flight``: dispatch limit (1 = sequential);
+    ``verify_ledger``: compare the ledger with the arrays' shardings whenever nothing is in flight;
+    ``fail_at``: step id (or predicate) at which to raise InjectedFailure, for tests."""
+
+    def __init__(self, *, checksums: bool = False, extra_budget: int | str | None = "unit",
+                 max_in_flight: int | None = None, verify_ledger: bool = False,
+                 fail_at: int | Callable[[Step], bool] | None = None):
+        self.checksums, self.extra_budget = checksums, extra_budget
+        self.max_in_flight, self.verify_ledger, self.fail_at = max_in_flight, verify_ledger, fail_at
+        self.ledger: Ledger | None = None
+        self.trace: list[tuple[int, str, float, float]] = []  # (step id, op, dispatched, finished) seconds
+        self.peak_extra_bytes = 0
+        self.memory_check: dict[int, tuple[int, int]] = {}  # GPU: device -> (ledger, memory_stats) bytes
+
+    def run(self, graph: TransitionGraph, units: Mapping[ModelStage, Sequence[EMU]]) -> dict[ModelStage, list[EMU]]:
+        """Runs ``graph`` on ``units`` (per model-stage, in the old plan's replica order); returns the new
+        plan's units (in its replica order). The input EMUs must not be used afterwards."""
+        run = _Run(self, graph, units)
+        try:
+            run.execute()
+        except Exception as error:
+            run.drain(quiet=True)
+            survivors, plan = run.survivors()
+            raise TransitionFailed(f"transition failed at step s{run.current.sid} ({run.current.op} "
+                                   f"{run.current.stage}): {error}; every model-stage still has a complete "
+                                   "copy (see .units / .plan)", run.current, survivors, plan) from error
+        finally:
+            self.ledger, self.trace = run.ledger, run.trace
+            self.peak_extra_bytes = max(0, run.ledger.peak_total - run.base)
+            self.memory_check = run.ledger.cross_check(run.devices.values())  # {} on CPU
+        return {ms: [run.live[uid] for uid in uids] for ms, uids in graph.final.items()}
+
+
+class _Run:
+    """The state of one execution: live units by id, the ledger, the steps in flight."""
+
+    def __init__(self, ex: TransitionExecutor, graph: TransitionGraph, units: Mapping[ModelStage, Sequence[EMU]]):
+        self.ex, self.graph = ex, graph
+        self.live: dict[int, EMU] = {}
+        self.devices: dict[int, jax.Device] = {d.id: d for d in jax.devices()}
+        for ms, uids in graph.initial.items():
+            emus = list(units[ms])
+            if len(emus) != len(uids):
+                raise ValueError(f"{ms}: the graph starts from {len(uids)} replicas, got {len(emus)} EMUs")
+            for uid, emu in zip(uids, emus, strict=True):
+                u = graph.units[uid]
+                if (emu.device_ids, emu.layout, emu.memory) != (u.devices, u.layout, u.memory):
+                    raise ValueError(f"{ms}: {emu} does not match the old plan's {u.label()}")
+                self.live[uid] = emu
+                self.devices.update({d.id: d for d in emu.devices})
+        self.ledger = Ledger(graph.caps, graph.host_cap, initial=graph.initial_usage)
+        device_total = lambda usage: sum(n for k, n in usage.items() if k >= 0)  # noqa: E731
+        self.base = max(device_total(graph.initial_usage), device_total(graph.final_usage()))
+        budget = ex.extra_budget
+        self.budget = graph.largest_unit_bytes if budget == "unit" else budget
+        self.inflight: collections.deque[tuple[Step, dict[int, EMU], float]] = collections.deque()
+        self.done: set[int] = set()
+        self.donated: set[int] = set()  # steps whose inputs went to XLA: never touch those arrays again
+        self.trace: list[tuple[int, str, float, float]] = []
+        self.t0 = time.perf_counter()
+        self.current: Step = graph.steps[0] if graph.steps else None  # type: ignore[assignment]
+        self.reference = self._reference_checksums() if ex.checksums else {}
+
+    # --------------------------------------------------------------------------------- main loop
+    def execute(self) -> None:
+        for step in self.graph.steps:
+            self.current = step
+            for dep in step.all_deps():
+                while dep not in self.done:
+                    self.complete_oldest()
+            while self.inflight and not self._room(step):
+                self.complete_oldest()
+            if short := self.ledger.shortfall(step.acquire):
+                raise CapExceeded(f"step s{step.sid} would exceed a cap by {short[1]} bytes (internal error)")
+            fail = self.ex.fail_at
+            if fail is not None and (fail(step) if callable(fail) else fail == step.sid):
+                raise InjectedFailure(f"injected failure at step s{step.sid}")
+            outputs = self._dispatch(step)
+            self.ledger.acquire(step.acquire, f"s{step.sid} {step.op}", check=False)
+            self.live.update(outputs)
+            self.inflight.append((step, outputs, time.perf_counter() - self.t0))
+        self.drain()
+        if self.ex.checksums:
+            self._verify_checksums()
+
+    def _room(self, step: Step) -> bool:
+        if self.ledger.shortfall(step.acquire):
+            return False
+        if self.ex.max_in_flight is not None and len(self.inflight) >= self.ex.max_in_flight:
+            return False
+        if self.budget is None:
+            return True
+        new = sum(n for k, n in step.acquire.items() if k >= 0)
+        return self.ledger.total + new - self.base <= self.budget
+
+    def complete_oldest(self) -> None:
+        step, outputs, dispatched = self.inflight.popleft()
+        try:
+            jax.block_until_ready([u.leaves for u in outputs.values()])
+        except Exception:  # its outputs never came to be; what it donated is gone
+            for uid in (*outputs, *(step.frees if step.sid in self.donated else ())):
+                self.live.pop(uid, None)
+            raise
+        for uid in step.frees:
+            self._free(uid, donated=step.sid in self.donated)
+        self.ledger.release(step.release)
+        self.done.add(step.sid)
+        self.trace.append((step.sid, step.op, dispatched, time.perf_counter() - self.t0))
+        if self.ex.verify_ledger and not self.inflight:
+            self.check_ledger()
+
+    def _free(self, uid: int, donated: bool) -> None:
+        """Drops a unit; unless its step donated it, deletes the buffers it owns now, so the memory goes
+        even while the caller still holds the old EMUs (shards handed zero-copy to another unit stay)."""
+        emu = self.live.pop(uid, None)
+        if emu is None or donated:
+            return
+        keep = set(self.graph.units[uid].handed)
+        for x in emu.leaves:
+            for shard in x.addressable_shards:
+                if shard.device.id not in keep:
+                    shard.data.delete()
+
+    def drain(self, quiet: bool = False) -> None:
+        while self.inflight:
+            try:
+                self.complete_oldest()
+            except Exception:
+                if not quiet:
+                    raise
+
+    def check_ledger(self) -> None:
+        measured = Ledger.measure(x for u in self.live.values() for x in u.leaves)
+        booked = {k: n for k, n in self.ledger.used.items() if n}
+        assert measured == booked, f"ledger {booked} != live arrays {measured}"
+
+    # -------------------------------------------------------------------------------- primitives
+    def _dispatch(self, step: Step) -> dict[int, EMU]:
+        g = self.graph
+        if step.op == DESTROY:
+            return {}
+        outs = [g.units[u] for u in step.outputs]
+        donate = step.op in DONATING and self._another_copy(step)
+        if donate:
+            self.donated.add(step.sid)
+        if step.op == RELAYOUT or (step.op == DERIVE and step.modes is None):
+            return self._reshard(self.live[step.inputs[0]], outs[0], donate)
+        if step.op in (SPLIT, DERIVE):
+            return self._split(self.live[step.inputs[0]], outs, step.modes, donate)
+        if step.op == MERGE:
+            return self._merge([self.live[u] for u in step.inputs], outs[0], step.modes, donate)
+        return self._copy(self.live[step.inputs[0]], outs[0])
+
+    def _copy(self, src: EMU, t: Unit) -> dict[int, EMU]:
+        """Extend / Offload / Onload: the same layout on other devices or in another memory kind."""
+        devices = self._devs(t.devices)
+        shardings = t.spec.shardings(make_mesh(devices, t.layout), t.memory)
+        if set(src.devices) != set(devices) or src.devices == devices:
+            leaves = jax.device_put(src.leaves, shardings)  # per-shard copies, shards in place reused
+        else:  # same devices, other order: JAX would reorder (and refuses to change memory kind meanwhile)
+            targets = [SingleDeviceSharding(d, memory_kind=t.memory) for d in devices]
+            leaves = []
+            for x, sharding in zip(src.leaves, shardings, strict=True):
+                by_device = shards_by_device(x)
+                moved = jax.device_put([by_device[d] for d in src.devices], targets)
+                leaves.append(jax.make_array_from_single_device_arrays(x.shape, sharding, moved))
+        return {t.uid: EMU(t.stage, t.layout, devices, leaves, t.spec, t.memory)}
+
+    def _devs(self, ids: Sequence[int]) -> tuple[jax.Device, ...]:
+        return tuple(self.devices[i] for i in ids)
+
+    def _reshard(self, src: EMU, t: Unit, donate: bool) -> dict[int, EMU]:
+        """Old layout -> new layout on the same device list, one jitted program (Split + Merge fused)."""
+        assert src.device_ids == t.devices
+        spec = t.spec
+        convert = spec.converter(src.spec.repeat(src.layout), spec.repeat(t.layout),
+                                 source=None if spec is src.spec else src.spec)
+        out = _relayout(convert, tuple(spec.shardings(make_mesh(src.devices, t.layout))), donate)(src.leaves)
+        return {t.uid: EMU(t.stage, t.layout, src.devices, list(out), spec, DEVICE)}
+
+    def _split(self, src: EMU, pieces: list[Unit], modes, donate: bool) -> dict[int, EMU]:
+        small, spec = pieces[0].layout, pieces[0].spec
+        arr, names = factor_mesh_devices(src.devices, src.layout, small, modes)
+        convert = spec.converter(src.spec.repeat(src.layout), spec.repeat(small),
+                                 source=None if spec is src.spec else src.spec)
+        out_shardings = tuple(spec.shardings(Mesh(arr, names)))
+        big = _relayout(convert, out_shardings, donate)(src.leaves)
+        shards = [shards_by_device(x) for x in big]
+        del big
+        assert [p.devices for p in pieces] == sub_replicas(src.device_ids, src.layout, small, modes)
+        out = {}
+        for p in pieces:
+            devices = self._devs(p.devices)
+            shardings = spec.shardings(make_mesh(devices, small))
+            leaves = [view(s, a.shape, sh, devices) for s, a, sh in zip(shards, spec.abstract(small), shardings,
+                                                                       strict=True)]
+            out[p.uid] = EMU(p.stage, small, devices, leaves, spec, DEVICE)
+        return out
+
+    def _another_copy(self, step: Step) -> bool:
+        """Whether a complete copy of the stage's state outlives this step even if it fails midway: then
+        its inputs may be donated (XLA frees them as it finishes; otherwise they are freed after it)."""
+        busy = set(step.inputs).union(*(s.frees for s, _, _ in self.inflight))
+        return any(e.stage == step.stage and uid not in busy for uid, e in self.live.items())
+
+    def _merge(self, parts: list[EMU], t: Unit, modes, donate: bool) -> dict[int, EMU]:
+        small, spec = parts[0].layout, t.spec
+        devices = self._devs(t.devices)
+        assert [p.device_ids for p in parts] == sub_replicas(t.devices, t.layout, small, modes)
+        assert common_layout(small, t.layout) == small
+        arr, names = factor_mesh_devices(devices, t.layout, small, modes)
+        in_shardings = spec.shardings(Mesh(arr, names))
+        flat = [d for d in arr.reshape(-1)]
+        leaves = []
+        for i, (a, sh) in enumerate(zip(spec.abstract(small), in_shardings, strict=True)):
+            shards: dict[jax.Device, jax.Array] = {}
+            for p in parts:
+                shards.update(shards_by_device(p.leaves[i]))
+            leaves.append(view(shards, a.shape, sh, flat))
+        convert = spec.converter(spec.repeat(small), spec.repeat(t.layout))
+        out_shardings = tuple(spec.shardings(make_mesh(devices, t.layout)))
+        out = _relayout(convert, out_shardings, donate)(leaves)
+        del leaves
+        return {t.uid: EMU(t.stage, t.layout, devices, list(out), spec, DEVICE)}
+
+    # --------------------------------------------------------------------------------- checksums
+    def _reference_checksums(self) -> dict[ModelStage, np.ndarray]:
+        """Per changed model-stage, the checksum its new units must have (taken before anything moves)."""
+        g, ref = self.graph, {}
+        for ms, uids in g.final.items():
+            if ms in g.derived:
+                src = self.live[g.initial[g.derived[ms]][0]]
+                spec = g.units[uids[0]].spec
+                host = src.spec.collapse([np.asarray(x) for x in src.leaves], src.spec.repeat(src.layout))
+                cast = [x.astype(leaf.dtype) for x, leaf in zip(host, spec.leaves, strict=False)]
+                ref[ms] = np.asarray(_checksum(cast, tuple((None, 1) for _ in cast)))
+            elif uids != g.initial[ms]:
+                ref[ms] = self.live[g.initial[ms][0]].checksum()
+        return ref
+
+    def _verify_checksums(self) -> None:
+        for ms, uids in self.graph.final.items():
+            if ms not in self.reference:
+                continue
+            for uid in uids:
+                got = self.live[uid].checksum()
+                if not np.array_equal(got, self.reference[ms]):
+                    raise ChecksumMismatch(f"{self.live[uid]} does not match {ms}'s source state")
+
+    # ---------------------------------------------------------------------------------- recovery
+    def survivors(self) -> tuple[dict[ModelStage, list[EMU]], ExecutionPlan]:
+        """Per model-stage, one consistent set of live units (same layout and memory, disjoint devices:
+        device memory first, then the new layout, then the old); the rest are dropped, which never loses
+        state since every unit is a complete replica. The plan describes what is left."""
+        by_stage: dict[ModelStage, list[EMU]] = {}
+        for uid in sorted(self.live):
+            emu = self.live[uid]
+            by_stage.setdefault(emu.stage, []).append(emu)
+        keep, plan = {}, {}
+        for ms, emus in by_stage.items():
+            groups: dict[tuple, list[EMU]] = {}
+            for e in emus:
+                groups.setdefault((e.layout, e.memory), []).append(e)
+            target, source = self.graph.new_plan[ms].layout, self.graph.old_plan[ms].layout
+            best = max(groups.values(), key=lambda es: (es[0].memory == DEVICE, es[0].layout == target,
+                                                         es[0].layout == source, len(es)))
+            chosen, used = [], set()
+            for e in best:
+                if not used & set(e.device_ids):
+                    chosen.append(e)
+                    used |= set(e.device_ids)
+            keep[ms] = chosen
+            plan[ms] = StagePlan(chosen[0].layout, tuple(e.device_ids for e in chosen), chosen[0].memory)
+        self.live = {}
+        self.ledger = Ledger(self.graph.caps, self.graph.host_cap,
+                             initial=Ledger.measure(x for es in keep.values() for e in es for x in e.leaves))
+        return keep, ExecutionPlan(plan)
+
+
+@functools.lru_cache(maxsize=1024)
+def _jitted(convert: Callable, out_shardings: tuple, donate: bool) -> Callable:
+    return jax.jit(convert, out_shardings=list(out_shardings), donate_argnums=0 if donate else ())
+
+
+def _relayout(convert: Callable, out_shardings: tuple, donate: bool) -> Callable:
+    """The jitted identity (plus kv re-repetition / cast) to ``out_shardings``, compiled once per signature."""
+    fn = _jitted(convert, out_shardings, donate)
+
+    def call(leaves):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            return fn(list(leaves))
+
+    return call

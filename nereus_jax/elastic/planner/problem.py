@@ -1,0 +1,102 @@
+"""The planning problem: which model-stages a step runs (phase by phase), the models, the workload, the
+device pool with its nodes, the cost model and the usable bytes per device; and every model-stage's
+priced candidates (``Problem.options``)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from nereus_jax.config import ModelConfig
+from nereus_jax.elastic.costs.candidates import Pricer, StageOptions, price
+from nereus_jax.elastic.costs.counts import layout_problem
+from nereus_jax.elastic.costs.model import CostModel
+from nereus_jax.elastic.costs.stage import StageChoice, split_stage
+from nereus_jax.elastic.workload import Workload
+from nereus_jax.rl.algorithms import algorithm_spec
+
+SKIPPABLE = ("ref-infer", "reward-infer")  # a KL-free loss needs no reference; a verifiable reward no model
+
+
+def check_fixed(problem: Problem, stage: str, c: StageChoice) -> None:
+    """A pinned choice must be one the planner could have made (ValueError naming the stage otherwise)."""
+    kind, cfg = split_stage(stage)[1], problem.model_for(stage)
+    total = problem.workload.generated_sequences if kind == "gen" else problem.workload.sequences
+    why = layout_problem(cfg, c.tp, c.pp)
+    if why is None and problem.hardware.devices_per_node % c.tp:
+        why = f"tp={c.tp} does not divide the {problem.hardware.devices_per_node} devices of a node"
+    if why is None and kind == "gen" and c.pp != 1:
+        why = "generation runs with pp=1"
+    if why is None and c.devices > problem.tp_capacity(c.tp):
+        why = f"{c.devices} devices in whole tp={c.tp} groups exceed the pool's {problem.tp_capacity(c.tp)}"
+    if why is None and (total % c.dp or (total // c.dp) % c.micro_batch):
+        why = f"dp={c.dp} x micro-batch={c.micro_batch} does not split the {total} sequences evenly"
+    if why is not None:
+        raise ValueError(f"fixed {stage} ({c}): {why}")
+
+
+class InfeasiblePlanError(ValueError):
+    """No plan fits: the message names the model-stage and the bytes per device it is short."""
+
+
+def phases_for(algorithm: str) -> tuple[tuple[str, ...], ...]:
+    """The model-stages of one step, phase by phase; algorithms without a critic drop its stages."""
+    critic = algorithm_spec(algorithm).uses_critic
+    score = ("actor-infer", "ref-infer", "reward-infer") + (("critic-infer",) if critic else ())
+    train = ("actor-train",) + (("critic-train",) if critic else ())
+    return (("actor-gen",), score, train)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything a search needs: models per role, phases, workload, pool, cost model, usable bytes."""
+
+    models: Mapping[str, ModelConfig]
+    phases: tuple[tuple[str, ...], ...]
+    workload: Workload
+    pool: tuple[int, ...]
+    cost_model: CostModel
+    usable_bytes: float
+    fixed: Mapping[str, StageChoice] = field(default_factory=dict)
+    allow_concurrency: bool = True
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        return tuple(s for phase in self.phases for s in phase)
+
+    @property
+    def hardware(self):
+        return self.cost_model.hardware
+
+    @property
+    def concurrent(self) -> bool:
+        """Whether groups of a phase may overlap (never on shared-compute hardware)."""
+        return self.allow_concurrency and not self.hardware.shared_compute
+
+    def model_for(self, stage: str) -> ModelConfig:
+        return self.models[split_stage(stage)[0]]
+
+    @functools.cached_property
+    def _tp_capacity(self) -> dict[int, int]:
+        node = self.hardware.devices_per_node
+        per_node: dict[int, int] = {}
+        for d in self.pool:
+            per_node[d // node] = per_node.get(d // node, 0) + 1
+        return {tp: tp * sum(n // tp for n in per_node.values()) for tp in range(1, node + 1)}
+
+    def tp_capacity(self, tp: int) -> int:
+        """Devices usable at tensor degree ``tp``: whole tp groups inside each node of the pool."""
+        return self._tp_capacity[tp]
+
+    def options(self, pricer: Pricer | None = None) -> dict[str, StageOptions]:
+        """Every model-stage's candidates that fit on their own (a fixed stage: just its choice)."""
+        pricer = pricer or Pricer(self.cost_model, self.workload)
+        out = {}
+        for s in self.stages:
+            cfg = self.model_for(s)
+            if s in self.fixed:
+                out[s] = StageOptions.build(s, [price(cfg, s, self.fixed[s], self.workload, self.cost_model)])
+            else:
+                out[s] = pricer.options(cfg, s, self.tp_capacity, self.usable_bytes)
+        return out

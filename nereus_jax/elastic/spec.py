@@ -1,0 +1,281 @@
+"""What one replica of a model-stage holds, as metadata: per layout, the stored shapes, partition specs,
+bytes per device, and how to convert between layouts that store kv heads a different number of times.
+
+The state of a replica is a flat list of leaves: the parameters (in ``jax.tree`` order), then the
+optimizer state for training stages (optax, laid out like the parameters; its scalars replicated).
+Everything here comes from the parameter tree and ``nereus_jax.sharding``; nothing allocates.
+
+    spec = StateSpec(model_cfg, "train", optimizer=optax.adamw(1e-5))
+    spec.bytes_per_device(Layout(tp=2))     # what one device of a tp=2 replica holds
+    ByteSpec(16 * 2**30)                    # the same contract from a byte count, for simulations
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from nereus_jax.config import ModelConfig
+from nereus_jax.models import abstract_params, param_axes
+from nereus_jax.sharding import Layout, check_layout, kv_repeat, logical_to_spec, make_mesh, stored_shapes
+
+from .plan import DEVICE, ExecutionPlan
+
+
+class StateBytes(Protocol):
+    """What the transition graph needs to know about a model-stage's state."""
+
+    def bytes_per_device(self, layout: Layout) -> int: ...
+
+    def check(self, layout: Layout) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ByteSpec:
+    """A replica's state as byte counts only (simulations): ``sharded_bytes`` split evenly over the
+    replica's tp * pp devices, ``replicated_bytes`` held by every device."""
+
+    sharded_bytes: int
+    replicated_bytes: int = 0
+
+    def bytes_per_device(self, layout: Layout) -> int:
+        return self.replicated_bytes + -(-self.sharded_bytes // layout.size)
+
+    def check(self, layout: Layout) -> None:
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One array of a replica's state in canonical form (kv heads stored once)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    spec: PartitionSpec  # over mesh axes "pp"/"tp"
+    kv_axis: int | None  # the axis a layout with tp > num_kv_heads stores repeated
+
+    def stored_shape(self, rep: int) -> tuple[int, ...]:
+        if self.kv_axis is None or rep == 1:
+            return self.shape
+        s = list(self.shape)
+        s[self.kv_axis] *= rep
+        return tuple(s)
+
+
+class StateSpec:
+    """The state of one replica of a model-stage (params, plus optimizer state when ``optimizer``)."""
+
+    def __init__(self, model: ModelConfig, kind: str, *, head: str = "lm", num_labels: int = 1,
+                 dtype: Any = None, optimizer: optax.GradientTransformation | None = None):
+        self.model, self.kind, self.head, self.num_labels = model, kind, head, num_labels
+        self.dtype = np.dtype(dtype or model.param_dtype)
+        self.optimizer = optimizer
+        params = abstract_params(model, head=head, num_labels=num_labels)
+        params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, self.dtype), params)
+        axes = param_axes(model, head=head, num_labels=num_labels)
+        specs = jax.tree.map(lambda a: logical_to_spec(a, kind, ("pp", "tp")), axes,
+                             is_leaf=lambda x: isinstance(x, tuple))
+        repeated = stored_shapes(model, Layout(tp=2 * model.num_kv_heads), head=head, num_labels=num_labels)
+        p_leaves, self.params_def = jax.tree.flatten(params)
+        kv_axes = [_kv_axis(s.shape, r) for s, r in zip(p_leaves, _shape_leaves(repeated), strict=True)]
+        self.leaves = [Leaf(s.shape, np.dtype(s.dtype), sp, kv)
+                       for s, sp, kv in zip(p_leaves, jax.tree.leaves(specs), kv_axes, strict=True)]
+        self.n_params = len(self.leaves)
+        self.opt_def = None
+        if optimizer is not None:
+            self._add_optimizer(optimizer, params)
+        self._bytes: dict[tuple[int, int], int] = {}
+        self._converters: dict[tuple, Callable[[list], list]] = {}
+
+    def _add_optimizer(self, optimizer: optax.GradientTransformation, params: Any) -> None:
+        opt = jax.eval_shape(optimizer.init, params)
+        index = jax.tree.unflatten(self.params_def, list(range(self.n_params)))
+        which = optax.tree_map_params(optimizer, lambda p, i: i, opt, index, transform_non_params=lambda _: -1)
+        o_leaves, self.opt_def = jax.tree.flatten(opt)
+        for s, i in zip(o_leaves, jax.tree.leaves(which), strict=True):
+            if i >= 0:
+                p = self.leaves[i]
+                if tuple(s.shape) != p.shape:
+                    raise ValueError(f"optimizer state leaf {s.shape} mirrors a parameter of shape {p.shape}; "
+                                     "only optimizers whose state is laid out like the parameters are supported")
+                self.leaves.append(Leaf(p.shape, np.dtype(s.dtype), p.spec, p.kv_axis))
+            else:
+                self.leaves.append(Leaf(tuple(s.shape), np.dtype(s.dtype), PartitionSpec(), None))
+
+    # ------------------------------------------------------------------------------------- per layout
+    def repeat(self, layout: Layout) -> int:
+        """How many times ``layout`` stores each kv head."""
+        return kv_repeat(self.model, layout)
+
+    @functools.cache  # noqa: B019 - specs live as long as the job
+    def check(self, layout: Layout) -> None:
+        """Raises LayoutError when ``layout`` cannot divide some dimension of the model."""
+        check_layout(self.model, layout, kind=self.kind, head=self.head, num_labels=self.num_labels)
+
+    def bytes_per_device(self, layout: Layout) -> int:
+        """Bytes each device of a replica with ``layout`` holds (the same on every device)."""
+        cached = self._bytes.get((layout.tp, layout.pp))
+        if cached is None:
+            rep, sizes = self.repeat(layout), {"tp": layout.tp, "pp": layout.pp}
+            cached = sum(_shard_bytes(leaf, rep, sizes) for leaf in self.leaves)
+            self._bytes[(layout.tp, layout.pp)] = cached
+        return cached
+
+    def abstract(self, layout: Layout) -> list[jax.ShapeDtypeStruct]:
+        rep = self.repeat(layout)
+        return [jax.ShapeDtypeStruct(leaf.stored_shape(rep), leaf.dtype) for leaf in self.leaves]
+
+    def shardings(self, mesh: Mesh, memory_kind: str = DEVICE) -> list[NamedSharding]:
+        """NamedShardings of every leaf on ``mesh`` (any mesh with "pp" and "tp" axes; others replicate)."""
+        return _shardings(tuple(leaf.spec for leaf in self.leaves), mesh, memory_kind)
+
+    # -------------------------------------------------------------------------------------- trees
+    def unflatten(self, leaves: Sequence[Any]) -> dict[str, Any]:
+        """{"params": tree} (and "opt" for training stages) from the flat leaf list."""
+        out = {"params": jax.tree.unflatten(self.params_def, list(leaves[: self.n_params]))}
+        if self.opt_def is not None:
+            out["opt"] = jax.tree.unflatten(self.opt_def, list(leaves[self.n_params:]))
+        return out
+
+    def flatten(self, state: Mapping[str, Any]) -> list[Any]:
+        leaves = jax.tree.leaves(state["params"])
+        if self.opt_def is not None:
+            leaves += jax.tree.leaves(state["opt"])
+        assert len(leaves) == len(self.leaves), f"state has {len(leaves)} leaves, spec {len(self.leaves)}"
+        return leaves
+
+    def expand(self, host_leaves: Sequence[np.ndarray], rep: int) -> list[np.ndarray]:
+        """Canonical host leaves -> as stored with each kv head repeated ``rep`` times."""
+        return [x if leaf.kv_axis is None or rep == 1 else np.repeat(x, rep, axis=leaf.kv_axis)
+                for x, leaf in zip(host_leaves, self.leaves, strict=True)]
+
+    def collapse(self, host_leaves: Sequence[np.ndarray], rep: int) -> list[np.ndarray]:
+        """Inverse of :meth:`expand`: keeps the first stored copy of each kv head."""
+        return [x if leaf.kv_axis is None or rep == 1 else np.take(x, np.arange(0, x.shape[leaf.kv_axis], rep),
+                                                                   axis=leaf.kv_axis)
+                for x, leaf in zip(host_leaves, self.leaves, strict=True)]
+
+    def converter(self, rep_in: int, rep_out: int, source: StateSpec | None = None) -> Callable[[list], list]:
+        """A traceable function from stored leaves (``rep_in`` copies of each kv head) to leaves stored
+        with ``rep_out`` copies. With ``source``: it reads a ``source`` state and keeps its parameters,
+        cast to this spec's dtypes (the weight-sync derivation)."""
+        cached = self._converters.get((rep_in, rep_out, id(source)))
+        if cached is not None:
+            return cached
+        src = source or self
+        if source is not None:
+            check_derivable(source, self)
+
+        def convert(leaves: list) -> list:
+            leaves = list(leaves[: self.n_params]) if source is not None else list(leaves)
+            out = []
+            for x, s_leaf, leaf in zip(leaves, src.leaves, self.leaves, strict=False):
+                if s_leaf.kv_axis is not None and rep_in != rep_out:
+                    x = _convert_repeat(x, s_leaf.kv_axis, rep_in, rep_out)
+                out.append(x.astype(leaf.dtype) if x.dtype != leaf.dtype else x)
+            return out
+
+        self._converters[(rep_in, rep_out, id(source))] = convert
+        return convert
+
+
+def check_derivable(source: StateSpec, target: StateSpec) -> None:
+    """A target whose parameters are the source's (possibly in another dtype), e.g. actor-train -> -gen."""
+    src = [(leaf.shape, leaf.kv_axis) for leaf in source.leaves[: source.n_params]]
+    dst = [(leaf.shape, leaf.kv_axis) for leaf in target.leaves]
+    if src != dst or target.opt_def is not None:
+        raise ValueError("weight sync needs a params-only target with the source's parameter shapes")
+
+
+def _convert_repeat(x: jax.Array, axis: int, rep_in: int, rep_out: int) -> jax.Array:
+    n = x.shape[axis] // rep_in
+    grouped = jnp.reshape(x, x.shape[:axis] + (n, rep_in) + x.shape[axis + 1:])
+    first = jax.lax.slice_in_dim(grouped, 0, 1, axis=axis + 1)
+    wide = jnp.broadcast_to(first, x.shape[:axis] + (n, rep_out) + x.shape[axis + 1:])
+    return jnp.reshape(wide, x.shape[:axis] + (n * rep_out,) + x.shape[axis + 1:])
+
+
+@functools.lru_cache(maxsize=4096)
+def _shardings(specs: tuple[PartitionSpec, ...], mesh: Mesh, memory_kind: str) -> list[NamedSharding]:
+    return [NamedSharding(mesh, s, memory_kind=memory_kind) for s in specs]
+
+
+def _shard_bytes(leaf: Leaf, rep: int, sizes: Mapping[str, int]) -> int:
+    shape = leaf.stored_shape(rep)
+    n = leaf.dtype.itemsize
+    for dim, axes in zip(shape, tuple(leaf.spec) + (None,) * (len(shape) - len(leaf.spec)), strict=True):
+        names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        n *= dim // math.prod(sizes[a] for a in names)
+    return n
+
+
+def _kv_axis(shape: tuple[int, ...], repeated: tuple[int, ...]) -> int | None:
+    diff = [i for i, (a, b) in enumerate(zip(shape, repeated, strict=True)) if a != b]
+    assert len(diff) <= 1, (shape, repeated)
+    return diff[0] if diff else None
+
+
+def _shape_leaves(tree: Any) -> list[tuple[int, ...]]:
+    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x))
+
+
+# ------------------------------------------------------------------------------------------ moved bytes
+def transition_bytes(old: ExecutionPlan, new: ExecutionPlan, specs: Mapping[Any, StateSpec],
+                     devices: Sequence[jax.Device]) -> dict[str, int]:
+    """What a plan change must move, from the old and new shardings alone (not from any executor).
+
+    ``moved_bytes``: bytes of every new shard that does not already sit, as the same shard, on its
+    device in the old plan (every such shard must be written into a fresh buffer: the memcpy floor).
+    ``cross_device_bytes``: the part of those bytes whose data is on no old shard of that device.
+    """
+    by_id = {d.id: d for d in devices}
+    moved = cross = 0
+    for ms, sp_new in new.items():
+        spec, sp_old = specs[ms], old[ms]
+        old_boxes = _boxes(spec, sp_old, by_id) if sp_old.memory == sp_new.memory else {}
+        for dev, boxes in _boxes(spec, sp_new, by_id).items():
+            held = old_boxes.get(dev)
+            for i, (box, stored, nbytes) in enumerate(boxes):
+                if held is None or held[i][:2] != (box, stored):
+                    moved += nbytes
+                    overlap = 0 if held is None else _volume(_intersect(box, held[i][0]))
+                    cross += nbytes - nbytes * overlap // max(_volume(box), 1)
+    return {"moved_bytes": moved, "cross_device_bytes": cross}
+
+
+def _boxes(spec: StateSpec, sp, by_id) -> dict[int, list]:
+    """device id -> per leaf (canonical index box, stored shard shape, stored bytes)."""
+    rep = spec.repeat(sp.layout)
+    out: dict[int, list] = {}
+    for replica in sp.replicas:
+        mesh = make_mesh([by_id[d] for d in replica], sp.layout)
+        for leaf, sharding in zip(spec.leaves, spec.shardings(mesh), strict=True):
+            shape = leaf.stored_shape(rep)
+            for dev, index in sharding.devices_indices_map(shape).items():
+                box = tuple(_canonical(sl, n, rep if a == leaf.kv_axis else 1)
+                            for a, (sl, n) in enumerate(zip(index, shape, strict=True)))
+                stored = tuple(len(range(*sl.indices(n))) for sl, n in zip(index, shape, strict=True))
+                out.setdefault(dev.id, []).append((box, stored, math.prod(stored) * leaf.dtype.itemsize))
+    return out
+
+
+def _canonical(sl: slice, n: int, rep: int) -> tuple[int, int]:
+    start, stop, _ = sl.indices(n)
+    return start // rep, (stop - 1) // rep + 1
+
+
+def _intersect(a, b):
+    return tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
+
+
+def _volume(box) -> int:
+    return math.prod(max(0, hi - lo) for lo, hi in box)

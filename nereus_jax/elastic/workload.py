@@ -1,0 +1,128 @@
+"""What the cost model needs to know about one RL step: how many sequences, and how long they are.
+
+Lengths are summarised by mean, p95 and max. The max sets the memory (a KV cache slot and a micro-batch
+row must hold the longest sequence). FLOPs follow the padded row length: with ``packed`` False (what
+static-shape JAX programs do today) every row is padded to the step's longest sequence; with ``packed``
+True rows are packed by a token budget and FLOPs follow the mean. ``from_lengths`` builds a Workload
+from the lengths a step actually produced, so the controller can re-plan on the observed distribution.
+
+    wl = Workload(prompts_per_step=512, prompt_length=LengthStats.fixed(512),
+                  response_length=LengthStats.fixed(4096))
+    wl.sequences            # 512 sequences scored and trained per step
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+
+class WorkloadError(ValueError):
+    """A workload that cannot describe a step (non-positive sizes, mean > p95 > max ordering broken)."""
+
+
+@dataclass(frozen=True)
+class LengthStats:
+    """A length distribution in tokens: mean <= p95 <= max."""
+
+    mean: float
+    p95: float
+    max: int
+
+    def __post_init__(self) -> None:
+        if not 0 < self.mean <= self.p95 <= self.max:
+            raise WorkloadError(
+                f"length stats need 0 < mean <= p95 <= max, got mean={self.mean}, p95={self.p95}, max={self.max}")
+
+    @classmethod
+    def fixed(cls, length: int) -> LengthStats:
+        """Every sequence exactly ``length`` tokens."""
+        return cls(float(length), float(length), int(length))
+
+    @classmethod
+    def of(cls, lengths: Sequence[int]) -> LengthStats:
+        """Mean, 95th percentile (nearest rank) and max of observed lengths."""
+        if not lengths:
+            raise WorkloadError("no lengths to summarise")
+        ordered = sorted(int(n) for n in lengths)
+        rank = max(0, math.ceil(0.95 * len(ordered)) - 1)
+        return cls(sum(ordered) / len(ordered), float(ordered[rank]), ordered[-1])
+
+    def scaled(self, factor: float) -> LengthStats:
+        """Every length times ``factor`` (at least 1 token)."""
+        top = max(1, math.ceil(self.max * factor))
+        return LengthStats(min(max(1.0, self.mean * factor), top), min(max(1.0, self.p95 * factor), top), top)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One RL step: prompts, samples per prompt, prompt and response lengths.
+
+    ``greedy_baseline`` adds one greedy generation per prompt (ReMax). ``sequences`` is what the scoring
+    and training stages see; ``generated_sequences`` what actor-gen produces. ``packed``: see above.
+    """
+
+    prompts_per_step: int
+    prompt_length: LengthStats
+    response_length: LengthStats
+    samples_per_prompt: int = 1
+    greedy_baseline: bool = False
+    packed: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_step", "samples_per_prompt"):
+            if getattr(self, name) < 1:
+                raise WorkloadError(f"workload.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def sequences(self) -> int:
+        """Sequences scored and trained per step."""
+        return self.prompts_per_step * self.samples_per_prompt
+
+    @property
+    def generated_sequences(self) -> int:
+        """Sequences actor-gen decodes per step (ReMax adds a greedy one per prompt)."""
+        return self.sequences + (self.prompts_per_step if self.greedy_baseline else 0)
+
+    @property
+    def mean_tokens(self) -> float:
+        """Mean prompt + response length."""
+        return self.prompt_length.mean + self.response_length.mean
+
+    @property
+    def max_tokens(self) -> int:
+        """Longest prompt + longest response: the context a KV slot or a micro-batch row must hold."""
+        return self.prompt_length.max + self.response_length.max
+
+    def with_response_length(self, stats: LengthStats) -> Workload:
+        """The same step with another response-length distribution (length drift)."""
+        return replace(self, response_length=stats)
+
+    @classmethod
+    def fixed(cls, prompts: int, prompt_length: int, response_length: int, samples_per_prompt: int = 1,
+              greedy_baseline: bool = False, packed: bool = False) -> Workload:
+        """Every prompt and every response of one length."""
+        return cls(prompts, LengthStats.fixed(prompt_length), LengthStats.fixed(response_length),
+                   samples_per_prompt, greedy_baseline, packed)
+
+    @classmethod
+    def from_lengths(cls, prompt_lengths: Sequence[int], response_lengths: Sequence[int],
+                     samples_per_prompt: int = 1, greedy_baseline: bool = False, packed: bool = False) -> Workload:
+        """The workload of a step that produced these lengths (one prompt length per prompt, one response
+        length per sampled sequence)."""
+        if len(response_lengths) != len(prompt_lengths) * samples_per_prompt:
+            raise WorkloadError(
+                f"{len(response_lengths)} response lengths for {len(prompt_lengths)} prompts x "
+                f"{samples_per_prompt} samples: expected {len(prompt_lengths) * samples_per_prompt}")
+        return cls(len(prompt_lengths), LengthStats.of(prompt_lengths), LengthStats.of(response_lengths),
+                   samples_per_prompt, greedy_baseline, packed)
+
+    @classmethod
+    def from_config(cls, config) -> Workload:
+        """The worst case a job config allows: every prompt and response at its configured maximum."""
+        from nereus_jax.rl.algorithms import algorithm_spec  # the registry says which algorithms need it
+
+        greedy = algorithm_spec(config.algorithm.name).needs_greedy_baseline
+        return cls.fixed(config.trainer.prompts_per_step, config.rollout.max_prompt_length,
+                         config.rollout.max_response_length, config.rollout.samples_per_prompt, greedy)

@@ -1,0 +1,118 @@
+"""The controller against synthetic metric streams: triggers, Eq. 2 admission, H, runners-up, urgency."""
+
+import dataclasses
+
+from nereus_jax.elastic.controller import Candidate, Controller, Observation
+
+
+@dataclasses.dataclass(frozen=True)
+class P:
+    name: str
+    devices: tuple[int, ...] = (0, 1, 2, 3)
+
+
+A, B, C = P("A"), P("B"), P("C")
+
+
+def _controller(latency, candidates, costs, **kw):
+    return Controller(lambda obs: [Candidate(p, latency[p]) for p in candidates],
+                      lambda plan, obs: latency.get(plan), lambda old, new: costs.get(new), **kw)
+
+
+def _obs(step, length, plan=A, devices=(0, 1, 2, 3), seconds=None):
+    return Observation(step, plan, devices, length, seconds)
+
+
+def test_no_trigger_without_drift():
+    c = _controller({A: 10.0, B: 1.0}, [B], {B: 0.0})
+    assert all(c.observe(_obs(s, 100 + (5 if s % 2 else -5))) is None for s in range(50))
+
+
+def test_soft_trigger_fires_past_30_percent_length_drift_only():
+    c = _controller({A: 10.0, B: 9.0}, [B], {B: 100.0})
+    c.observe(_obs(0, 100))
+    assert c.observe(_obs(1, 129)) is None
+    d = c.observe(_obs(2, 131))
+    assert d is not None and d.trigger == "length" and not d.urgent
+
+
+def test_reference_resets_after_every_replan_even_a_rejected_one():
+    c = _controller({A: 10.0, B: 9.0}, [B], {B: 100.0})
+    c.observe(_obs(0, 100))
+    assert not c.observe(_obs(1, 140)).admitted
+    assert c.observe(_obs(2, 150)) is None  # 150 is within 30% of the new reference 140
+
+
+def test_rejects_a_target_that_cannot_pay_back_within_gamma_h():
+    c = _controller({A: 10.0, B: 9.0}, [B], {B: 5.0}, gamma=0.5)
+    c.observe(_obs(0, 100))
+    d = c.observe(_obs(1, 200))
+    assert not d.admitted and d.target is None and "gamma*H=0.50" in d.rejected[0][1]
+
+
+def test_admits_a_target_that_pays_back_within_gamma_h():
+    c = _controller({A: 10.0, B: 9.0}, [B], {B: 0.4}, gamma=0.5)
+    c.observe(_obs(0, 100))
+    d = c.observe(_obs(1, 200))
+    assert d.admitted and d.target == B and d.gain_s == 1.0 and d.transition_s == 0.4
+
+
+def test_falls_back_to_a_runner_up_with_a_cheaper_transition():
+    c = _controller({A: 10.0, B: 8.0, C: 9.0}, [B, C], {B: 10.0, C: 0.2}, gamma=0.5)
+    c.observe(_obs(0, 100))
+    d = c.observe(_obs(1, 200))
+    assert d.admitted and d.target == C and d.rejected[0][0] == B
+
+
+def test_horizon_is_an_ema_of_steps_between_crossings_and_lets_slower_paybacks_in():
+    c = _controller({A: 10.0, B: 9.0}, [B], {B: 4.0}, gamma=0.5)
+    c.observe(_obs(0, 100))
+    assert not c.observe(_obs(2, 200)).admitted            # first crossing: H = 1, payback 4 > 0.5
+    d = c.observe(_obs(12, 400))                           # second crossing 10 steps later: H = 10
+    assert d.horizon == 10.0 and d.admitted                # payback 4 <= gamma * H = 5
+    c.observe(_obs(14, 800))                               # a gap of 2: H = 0.5 * 2 + 0.5 * 10
+    assert c.horizon["length"] == 6.0
+
+
+def test_gamma_zero_adapts_only_on_urgent_triggers():
+    c = _controller({A: 10.0, B: 1.0}, [B], {B: 0.01}, gamma=0.0)
+    c.observe(_obs(0, 100))
+    assert not c.observe(_obs(1, 300)).admitted
+    d = c.observe(_obs(2, 300, devices=(0, 1, 2)))         # device 3, used by plan A, left
+    assert d.urgent and d.admitted and d.target == B
+
+
+def test_urgent_path_waives_profitability_on_device_loss():
+    c = _controller({A: 1.0, B: 50.0}, [B], {B: 1000.0})
+    c.observe(_obs(0, 100))
+    d = c.observe(_obs(1, 100, devices=(0, 1, 2)))
+    assert d.trigger == "pool" and d.urgent and d.admitted and d.target == B
+
+
+def test_urgent_path_says_when_no_live_transition_exists():
+    c = _controller({A: 1.0, B: 50.0}, [B], {})
+    c.observe(_obs(0, 100))
+    d = c.observe(_obs(1, 100, devices=(0, 1)))
+    assert d.urgent and not d.admitted and "checkpoint/restart" in d.reason
+
+
+def test_pool_growth_is_a_non_urgent_trigger_judged_by_eq2():
+    c = _controller({A: 10.0, B: 5.0}, [B], {B: 1.0})
+    c.observe(_obs(0, 100))
+    d = c.observe(_obs(1, 100, devices=tuple(range(8))))
+    assert d.trigger == "pool" and not d.urgent and d.admitted
+
+
+def test_memory_violation_is_urgent():
+    c = _controller({A: 1.0, B: 2.0}, [B], {B: 3.0})
+    c.observe(_obs(0, 100))
+    obs = dataclasses.replace(_obs(1, 100), peak_memory_bytes=2e9, memory_cap_bytes=1e9)
+    d = c.observe(obs)
+    assert d.trigger == "memory" and d.urgent and d.admitted
+
+
+def test_efficiency_drift_triggers_on_measured_step_time():
+    c = _controller({A: 10.0, B: 9.0}, [B], {B: 100.0})
+    c.observe(_obs(0, 100, seconds=10.0))
+    assert c.observe(_obs(1, 100, seconds=12.0)) is None
+    assert c.observe(_obs(2, 100, seconds=14.0)).trigger == "efficiency"

@@ -1,0 +1,57 @@
+"""Execution plans (validated, hashable, printable) and the fixed-global-batch rule for DP changes."""
+
+import pytest
+from elastic_helpers import ACTOR_GEN, ACTOR_TRAIN, REF
+
+from nereus_jax.elastic import (
+    HOST,
+    BatchError,
+    BatchSplit,
+    ExecutionPlan,
+    ModelStage,
+    PlanError,
+    StagePlan,
+    batch_splits,
+    choose_batch_split,
+    valid_dp_degrees,
+)
+from nereus_jax.sharding import Layout
+
+
+def test_model_stage_names_round_trip_and_rank_generation_first():
+    assert ModelStage.parse("actor-gen") == ACTOR_GEN and str(ACTOR_TRAIN) == "actor-train"
+    assert ModelStage.parse("reward-model-infer") == ModelStage("reward-model", "infer")
+    assert ACTOR_GEN.rank < REF.rank < ACTOR_TRAIN.rank
+    with pytest.raises(PlanError, match="stage must be one of"):
+        ModelStage("actor", "serve")
+
+
+def test_stage_plan_rejects_wrong_replica_sizes_and_reused_devices():
+    with pytest.raises(PlanError, match=r"replica \[0, 1, 2\] has 3 devices; tp2xpp1 needs 2"):
+        StagePlan(Layout(2), ((0, 1, 2),))
+    with pytest.raises(PlanError, match=r"devices \[1\] appear in more than one replica"):
+        StagePlan(Layout(2), ((0, 1), (1, 2)))
+    assert StagePlan.contiguous(Layout(2, 2), 2, first=4).replicas == ((4, 5, 6, 7), (8, 9, 10, 11))
+
+
+def test_execution_plan_is_hashable_compares_by_value_and_prints_a_table():
+    c = StagePlan.contiguous
+    a = ExecutionPlan({ACTOR_TRAIN: c(Layout(2), 2), "actor-gen": c(Layout(1), 4)})
+    b = ExecutionPlan({ACTOR_GEN: c(Layout(1), 4), ACTOR_TRAIN: c(Layout(2), 2)})
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a.replace(REF, StagePlan.contiguous(Layout(1), 1, memory=HOST)) != a
+    rows = str(a).splitlines()
+    assert rows[0].split() == ["model-stage", "layout", "dp", "memory", "replicas"]
+    assert rows[1].split()[:4] == ["actor-gen", "tp1xpp1", "4", "device"]
+    assert rows[2].endswith("[0,1] [2,3]")
+    assert a.devices == (0, 1, 2, 3)
+
+
+def test_dp_changes_keep_the_global_batch_fixed():
+    assert valid_dp_degrees(24, max_dp=8) == [1, 2, 3, 4, 6, 8]
+    assert valid_dp_degrees(24, max_dp=8, max_per_replica=2) == [1, 2, 3, 4, 6, 8]
+    assert choose_batch_split(64, dp=4, max_per_replica=8) == BatchSplit(dp=4, per_replica=8, accumulation=2)
+    for split in batch_splits(48, 6):
+        assert split.global_batch == 48
+    with pytest.raises(BatchError, match="dp=5 cannot keep the global batch of 24 fixed"):
+        choose_batch_split(24, dp=5)
