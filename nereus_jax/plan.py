@@ -1,0 +1,117 @@
+"""What-if planning without GPUs: model + algorithm + cluster + workload -> the chosen execution plan.
+
+    python -m nereus_jax.plan --model llama3.1-8b --algorithm ppo --gpus 64 --hardware h200 --response-length 4096
+    python -m nereus_jax.plan --model qwen2.5-1.5b --algorithm grpo --gpus 16 --hardware a100 \\
+        --response-length 2048 --prompt-length 1024 --batch 128 --samples-per-prompt 8 --json
+
+Prints the plan as a table (per model-stage: tp, pp, dp, micro-batch, remat, devices and predicted
+seconds), memory per GPU, the predicted step latency and how long the decision took; ``--json`` prints
+one JSON object instead (``plan``, ``step_latency_s``, ``stage_latency_s``, ``memory_per_device_bytes``,
+``decision_ms``, ...). Every prompt and response has the given length (the worst case the cost model
+plans for). Exit status: 0 planned, 1 no plan fits (the message names the model-stage and bytes short),
+2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from nereus_jax._typed_tree import ConfigError
+from nereus_jax.config import available_models, resolve_model
+from nereus_jax.elastic.hardware import HARDWARE, HardwareError, get_hardware
+from nereus_jax.elastic.planner import InfeasiblePlanError, Planner, PlanResult
+from nereus_jax.elastic.workload import Workload, WorkloadError
+from nereus_jax.rl.algorithms import ALGORITHMS, algorithm_spec
+
+GIB = 2**30
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m nereus_jax.plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama3.1-8b", help=f"model preset ({', '.join(available_models())})")
+    p.add_argument("--algorithm", default="ppo", help=f"RL algorithm ({', '.join(ALGORITHMS)})")
+    p.add_argument("--gpus", type=int, default=64, help="devices in the pool")
+    p.add_argument("--hardware", default="h200", help=f"hardware table entry ({', '.join(HARDWARE)})")
+    p.add_argument("--response-length", type=int, default=4096, help="tokens per response")
+    p.add_argument("--prompt-length", type=int, default=512, help="tokens per prompt")
+    p.add_argument("--batch", type=int, default=512, help="prompts per RL step")
+    p.add_argument("--samples-per-prompt", type=int, default=None,
+                   help="responses per prompt (default: 8 for grpo/rloo, 1 otherwise)")
+    p.add_argument("--headroom", type=float, default=0.1, help="fraction of device memory kept free")
+    p.add_argument("--runners-up", type=int, default=3, help="how many runners-up to show")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    return p
+
+
+def _memory_lines(result: PlanResult) -> list[str]:
+    """Peak memory per device, consecutive devices with the same peak on one line."""
+    runs: list[list] = []
+    for device, peak in result.memory_per_device_bytes.items():
+        gib = round(peak / GIB, 2)
+        if runs and runs[-1][2] == gib and runs[-1][1] == device - 1:
+            runs[-1][1] = device
+        else:
+            runs.append([device, device, gib])
+    return [f"  devices {a}-{b}: {gib:.2f} GiB" if a != b else f"  device {a}: {gib:.2f} GiB" for a, b, gib in runs]
+
+
+def _report(result: PlanResult, args: argparse.Namespace, workload: Workload) -> str:
+    lines = [f"{args.model} {args.algorithm} on {args.gpus} x {args.hardware}: {workload.prompts_per_step} prompts x "
+             f"{workload.samples_per_prompt} samples, {workload.prompt_length.max} + {workload.response_length.max} "
+             "tokens", "", result.table(), "", "memory per GPU (peak: resident state of every model-stage on it + "
+             "the largest working set):", *_memory_lines(result), ""]
+    for i, r in enumerate(result.runners_up, 1):
+        changes = [f"{s} {c}" for s, c in r.choices.items() if c != result.choices[s]]
+        if r.groups != result.groups:
+            changes.append("run order " + " -> ".join(" | ".join("+".join(g) for g in phase) for phase in r.groups))
+        lines.append(f"runner-up {i}: {r.step_latency_s:.3f} s; " + "; ".join(changes))
+    gap = "proven optimal" if result.gap == 0 else f"within {100 * result.gap:.2f}% of the optimum (proven)"
+    lines.append(f"decision: {result.decision_ms:.1f} ms, {gap}")
+    return "\n".join(lines)
+
+
+def _json(result: PlanResult, args: argparse.Namespace, workload: Workload) -> str:
+    out = result.to_json()
+    out.update(model=args.model, algorithm=args.algorithm, gpus=args.gpus,
+               workload={"prompts_per_step": workload.prompts_per_step,
+                         "samples_per_prompt": workload.samples_per_prompt,
+                         "prompt_length": workload.prompt_length.max,
+                         "response_length": workload.response_length.max})
+    return json.dumps(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        cfg = resolve_model(args.model)
+        spec = algorithm_spec(args.algorithm)
+        hardware = get_hardware(args.hardware)
+        samples = args.samples_per_prompt or (8 if spec.needs_group else 1)
+        if args.gpus < 1:
+            raise ValueError(f"--gpus must be >= 1, got {args.gpus}")
+        for name in ("batch", "prompt_length", "response_length"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        if spec.needs_group and samples < 2:
+            raise ValueError(f"--algorithm {args.algorithm} compares a prompt's samples: --samples-per-prompt >= 2")
+        workload = Workload.fixed(args.batch, args.prompt_length, args.response_length, samples,
+                                  greedy_baseline=spec.needs_greedy_baseline)
+        planner = Planner(hardware.name, headroom=args.headroom, runners_up=args.runners_up)
+    except (ConfigError, HardwareError, WorkloadError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        result = planner.plan(cfg, args.algorithm, workload, args.gpus)
+    except InfeasiblePlanError as error:
+        print(f"no feasible plan: {error}", file=sys.stderr)
+        return 1
+    print(_json(result, args, workload) if args.json else _report(result, args, workload))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
