@@ -84,7 +84,9 @@ def _warm_start(cfg: Config, task, tok, cache_dir: str, report: RunReport):
         return params, False, 0.0
     t = time.perf_counter()
     mesh, sharded = _sft_mesh(cfg, params)
-    report.log(f"warm start: {cfg.trainer.warmup_sft_steps} supervised steps (cache: {cache_dir})")
+    target = cfg.trainer.warmup_target_accuracy
+    until = f", stopping at validation accuracy {target}" if target else ""
+    report.log(f"warm start: up to {cfg.trainer.warmup_sft_steps} supervised steps{until} (cache: {cache_dir})")
     trained, hit = cached_warm_start(sharded, cfg, task, tok, mesh, cache_dir)
     from nereus_jax.sharding import gather_params
 
