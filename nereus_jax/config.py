@@ -293,6 +293,9 @@ class TaskConfig(_Node):
     name: Literal["addition", "sorting", "countdown", "file"] = "addition"
     prompt_file: str | None = _field(None, "prompts for task.name=file")
     tokenizer_path: str | None = None
+    reward_model_path: str | None = _field(
+        None, "a local Hugging Face *ForSequenceClassification checkpoint scoring responses (reward-infer) "
+              "instead of the task's verifiable reward; it must share the actor's tokenizer")
     eval_size: int = 256
     num_digits: int = 2
 

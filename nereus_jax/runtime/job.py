@@ -36,7 +36,15 @@ from nereus_jax.rl import algorithms as alg
 from nereus_jax.rl.batch import RolloutBatch, left_pad, right_pad
 from nereus_jax.rl.tasks import Problem
 from nereus_jax.runtime import steps
-from nereus_jax.runtime.plans import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER, job_stages, plan_from_config
+from nereus_jax.runtime.plans import (
+    ACTOR_GEN,
+    ACTOR_TRAIN,
+    CRITIC_TRAIN,
+    REF_INFER,
+    REWARD_INFER,
+    job_stages,
+    plan_from_config,
+)
 
 
 class JobError(ValueError):
@@ -67,6 +75,7 @@ class Job:
         self.rows = cfg.trainer.prompts_per_step * self.n
         _check_rows(self.plan, self.rows)
         self.specs = _specs(cfg, self.algo.uses_critic)
+        self.reward_model = _load_reward_model(cfg, self.specs) if cfg.task.reward_model_path else None
         self.version = 0
         params = actor_params if actor_params is not None else init_params(cfg.model, seed=cfg.trainer.seed)
         self.units = self._initial_units(params)
@@ -83,6 +92,8 @@ class Job:
         if self.algo.uses_critic:
             critic = _critic_from_actor(host, self.cfg)
             states[CRITIC_TRAIN] = {"params": critic, "opt": self.specs[CRITIC_TRAIN].optimizer.init(critic)}
+        if self.reward_model is not None:
+            states[REWARD_INFER] = {"params": self.reward_model}
         units = {}
         for ms in job_stages(self.cfg):
             sp, spec = self.plan[ms], self.specs[ms]
@@ -113,9 +124,8 @@ class Job:
         batch = self.generate(problems, positions, self.cfg.rollout.temperature)
         seconds["actor-gen"] = time.perf_counter() - t
         t = time.perf_counter()
-        scores = np.asarray([self.task.reward(problems[i // self.n], self._text(r))
-                             for i, r in enumerate(batch.response_br * batch.response_mask_br)], np.float32)
-        seconds["reward"] = time.perf_counter() - t
+        scores = self.rewards(problems, batch)
+        seconds["reward-infer" if self.reward_model is not None else "reward"] = time.perf_counter() - t
         scored = self._score(batch, seconds)
         adv = self._advantages(batch, scores, scored)
         train_metrics = self._train(batch, scored, adv, seconds)
@@ -148,6 +158,13 @@ class Job:
                             np.repeat(positions, n), np.tile(np.arange(n), len(prompts)).astype(np.int32),
                             versions.astype(np.int32))
 
+    def rewards(self, problems: Sequence[Problem], batch: RolloutBatch) -> np.ndarray:
+        """[rows] sequence rewards: the reward model's scores (reward-infer), else the task's rule."""
+        if self.reward_model is not None:
+            return self._infer(REWARD_INFER, "scores", batch)
+        return np.asarray([self.task.reward(problems[i // self.n], self._text(r))
+                           for i, r in enumerate(batch.response_br * batch.response_mask_br)], np.float32)
+
     def _text(self, response_tokens) -> str:
         return self.tok.decode([int(x) for x in response_tokens if x != self.tok.pad_id])
 
@@ -174,9 +191,11 @@ class Job:
         data = {"tokens": batch.tokens(), "mask": batch.attention_mask()}
         micro = _put(steps.split_micro(data, accum), mesh)
         fn = self._program(("infer", ms, what, mesh.devices.shape, accum), lambda: _infer_program(
-            self.cfg.model, self.P, what))
-        out = fn(params, micro["tokens"], micro["mask"])
-        return np.asarray(out).reshape(self.rows, self.R) * batch.response_mask_br
+            self.specs[ms].model, self.P, what))
+        out = np.asarray(fn(params, micro["tokens"], micro["mask"]))
+        if what == "scores":
+            return out.reshape(self.rows).astype(np.float32)
+        return out.reshape(self.rows, self.R) * batch.response_mask_br
 
     def _advantages(self, batch: RolloutBatch, scores: np.ndarray, scored: dict) -> alg.Advantages:
         a, mask = self.cfg.algorithm, jnp.asarray(batch.response_mask_br)
@@ -283,6 +302,24 @@ def _specs(cfg: Config, critic: bool) -> dict[ModelStage, StateSpec]:
     return specs
 
 
+def _load_reward_model(cfg: Config, specs: dict) -> dict:
+    """A local reward model (Hugging Face *ForSequenceClassification) as canonical numpy params; adds its
+    StateSpec to ``specs``."""
+    from nereus_jax.models.hf import load_hf
+
+    path = cfg.task.reward_model_path
+    try:
+        rm_cfg, params = load_hf(path, dtype=cfg.model.compute_dtype)
+    except (OSError, ValueError) as e:
+        raise JobError(f"task.reward_model_path={path!r}: {e}") from None
+    if "value_head" not in params:
+        raise JobError(f"task.reward_model_path={path!r} is a language model, not a reward model: give a "
+                       "*ForSequenceClassification checkpoint (one score per sequence)")
+    specs[REWARD_INFER] = StateSpec(rm_cfg, "infer", head="value", num_labels=params["value_head"]["kernel"].shape[1],
+                                    dtype=cfg.model.compute_dtype)
+    return params
+
+
 def _critic_from_actor(actor: dict, cfg: Config) -> dict:
     """The critic starts from the actor's trunk with a zero value head (values start at 0)."""
     trunk = {k: v for k, v in actor.items() if k != "lm_head"}
@@ -290,7 +327,10 @@ def _critic_from_actor(actor: dict, cfg: Config) -> dict:
 
 
 def _infer_program(cfg, prompt_len: int, what: str):
-    fn = steps.response_logprobs if what == "logprobs" else steps.response_values
+    if what == "scores":
+        fn = lambda params, c, tokens, mask, _: steps.sequence_scores(params, c, tokens, mask)  # noqa: E731
+    else:
+        fn = steps.response_logprobs if what == "logprobs" else steps.response_values
 
     def program(params, tokens, mask):
         return jax.lax.map(lambda tm: fn(params, cfg, tm[0], tm[1], prompt_len), (tokens, mask))

@@ -2,8 +2,9 @@
 
 The job's model-stages depend on the algorithm: actor-gen, actor-train and ref-infer always; critic-train
 for algorithms with a critic. actor-infer and critic-infer run on the training units' parameters (the
-same layout and devices as actor-train / critic-train), so they need no state of their own; a verifiable
-task's reward-infer is rule-based and runs on the host.
+same layout and devices as actor-train / critic-train), so they need no state of their own. reward-infer
+is a model-stage when ``task.reward_model_path`` names a reward model; otherwise the task's verifiable
+reward runs on the host.
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ ACTOR_GEN = ModelStage("actor", "gen")
 ACTOR_TRAIN = ModelStage("actor", "train")
 REF_INFER = ModelStage("ref", "infer")
 CRITIC_TRAIN = ModelStage("critic", "train")
+REWARD_INFER = ModelStage("reward", "infer")
 
 
 def job_stages(cfg: Config) -> list[ModelStage]:
     stages = [ACTOR_GEN, ACTOR_TRAIN, REF_INFER]
     if algorithm_spec(cfg.algorithm.name).uses_critic:
         stages.append(CRITIC_TRAIN)
+    if cfg.task.reward_model_path:
+        stages.append(REWARD_INFER)
     return stages
 
 

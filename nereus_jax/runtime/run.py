@@ -30,6 +30,10 @@ def check_inputs(cfg: Config):
     if cfg.checkpoint.resume_from and not os.path.exists(cfg.checkpoint.resume_from):
         raise JobError(f"checkpoint.resume_from={cfg.checkpoint.resume_from!r} does not exist: give the path of "
                        "a checkpoint folder, or drop the key to start fresh")
+    rm = cfg.task.reward_model_path
+    if rm and not os.path.isdir(rm):
+        raise JobError(f"task.reward_model_path={rm!r} is not a folder: give a local Hugging Face "
+                       "*ForSequenceClassification checkpoint (config.json + safetensors)")
     n = len(jax.devices())
     if cfg.cluster.num_devices > n:
         raise JobError(f"cluster.num_devices={cfg.cluster.num_devices} but only {n} devices exist; lower it (on "

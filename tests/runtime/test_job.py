@@ -10,7 +10,7 @@ from nereus_jax.config import load_config
 from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
 from nereus_jax.runtime.job import Job
-from nereus_jax.runtime.plans import plan_from_config
+from nereus_jax.runtime.plans import REWARD_INFER, plan_from_config
 from nereus_jax.runtime.run import run_job
 from nereus_jax.train import main
 
@@ -135,3 +135,27 @@ def test_grpo_raises_held_out_accuracy_over_the_warm_start(tmp_path):
     summary = run_job(cfg, str(tmp_path / "run"))
     assert 0.15 <= summary["accuracy_before"] <= 0.70  # the warm start leaves room and signal
     assert summary["accuracy_after"] >= summary["accuracy_before"] + 0.10, summary
+
+
+def test_reward_model_stage_scores_rollouts_like_a_direct_forward(tmp_path):
+    """reward-infer with a (random) Hugging Face-format reward model: the job's rewards are the model's
+    score at each row's last real token, computed data-parallel over the stage's replicas."""
+    from nereus_jax.models import init_params, save_hf
+    from nereus_jax.runtime.steps import sequence_scores
+
+    cfg0 = load_config(None, BASE)
+    save_hf(tmp_path / "rm", cfg0.model, init_params(cfg0.model, seed=9, head="value"), head="value")
+    cfg = load_config(None, BASE + [f"task.reward_model_path={tmp_path / 'rm'}", "plan.stages.reward-infer.dp=4"])
+    job = Job(cfg, make_task(cfg.task), CharTokenizer())
+    assert job.plan[REWARD_INFER].dp == 4
+    result = job.step(0)
+    problems, _ = job.problems(0)
+    rm_params = init_params(cfg0.model, seed=9, head="value")
+    batch = result.batch
+    want = np.asarray(sequence_scores(rm_params, cfg0.model, batch.tokens(), batch.attention_mask()))
+    np.testing.assert_allclose(job.rewards(problems, batch), want, atol=1e-5)
+    assert "reward-infer" in result.metrics["stage_seconds"]
+
+
+def test_missing_reward_model_fails_before_compute(tmp_path, capsys):
+    _fails_before_compute(tmp_path, capsys, [f"task.reward_model_path={tmp_path / 'rm'}"], "task.reward_model_path")
