@@ -188,6 +188,7 @@ class PlanConfig(_Node):
     """The initial execution plan: per model-stage layouts, colocated on all devices or split."""
 
     colocate: bool = _field(True, "all model-stages share all devices (true) or get split device sets")
+    park_idle: bool = _field(False, "offload idle model-stages' state to host memory between their uses")
     default: StageLayoutConfig = field(default_factory=StageLayoutConfig)
     stages: dict[str, StageLayoutConfig] = field(
         default_factory=dict, metadata={"help": "per-stage layouts overriding plan.default"}

@@ -27,7 +27,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nereus_jax.config import Config, ConfigError
 from nereus_jax.elastic.emu import EMU, assemble_replicas, split_replicas
-from nereus_jax.elastic.plan import ExecutionPlan, ModelStage
+from nereus_jax.elastic.executor import TransitionExecutor
+from nereus_jax.elastic.graph import TransitionGraph
+from nereus_jax.elastic.plan import DEVICE, HOST, ExecutionPlan, ModelStage
 from nereus_jax.elastic.spec import StateSpec
 from nereus_jax.elastic.weight_sync import WeightSync
 from nereus_jax.engine import Generator, JaxEngine, SamplingParams
@@ -183,8 +185,26 @@ class Job:
             seconds["critic-infer"] = time.perf_counter() - t
         return out
 
+    def _use(self, ms: ModelStage) -> list[EMU]:
+        """The stage's units on device, onloading them first if they are parked."""
+        if self.units[ms][0].memory != DEVICE:
+            self._move(ms, HOST, DEVICE)
+        return self.units[ms]
+
+    def park(self, ms: ModelStage) -> None:
+        """With plan.park_idle: offload an idle stage's state to host memory (pinned_host)."""
+        if self.cfg.plan.park_idle and ms != ACTOR_GEN and self.units[ms][0].memory == DEVICE:
+            self._move(ms, DEVICE, HOST)
+
+    def _move(self, ms: ModelStage, src: str, dst: str) -> None:
+        sp = self.plan[ms]
+        graph = self._program(("park", ms, src, dst), lambda: TransitionGraph.build(
+            ExecutionPlan({ms: dataclasses.replace(sp, memory=src)}),
+            ExecutionPlan({ms: dataclasses.replace(sp, memory=dst)}), {ms: self.specs[ms]}))
+        self.units[ms] = TransitionExecutor().run(graph, {ms: self.units[ms]})[ms]
+
     def _infer(self, ms: ModelStage, what: str, batch: RolloutBatch) -> np.ndarray:
-        leaves, mesh = assemble_replicas(self.units[ms])
+        leaves, mesh = assemble_replicas(self._use(ms))
         params = self.specs[ms].unflatten(leaves)["params"]
         dp = mesh.shape["dp"]
         accum = steps.accumulation_steps(self.rows, dp, self.P + self.R, self.cfg.trainer.micro_batch_tokens)
@@ -193,6 +213,8 @@ class Job:
         fn = self._program(("infer", ms, what, mesh.devices.shape, accum), lambda: _infer_program(
             self.specs[ms].model, self.P, what))
         out = np.asarray(fn(params, micro["tokens"], micro["mask"]))
+        if ms.kind == "infer":
+            self.park(ms)
         if what == "scores":
             return out.reshape(self.rows).astype(np.float32)
         return out.reshape(self.rows, self.R) * batch.response_mask_br
@@ -228,7 +250,7 @@ class Job:
         return metrics
 
     def _train_stage(self, ms: ModelStage, data: dict) -> dict[str, float]:
-        leaves, mesh = assemble_replicas(self.units[ms])
+        leaves, mesh = assemble_replicas(self._use(ms))
         dp = mesh.shape["dp"]
         accum = steps.accumulation_steps(self.rows, dp, self.P + self.R, self.cfg.trainer.micro_batch_tokens)
         micro = _put(steps.split_micro(data, accum), mesh)
@@ -236,6 +258,8 @@ class Job:
         fn = self._program(("train", ms, mesh.devices.shape, accum), lambda: self._train_program(ms, spec, mesh))
         new_leaves, metrics = fn(leaves, micro)
         self.units[ms] = split_replicas(new_leaves, mesh, ms, spec)
+        if ms != ACTOR_TRAIN:  # the actor's state is read again by the weight sync
+            self.park(ms)
         return {k: float(v) for k, v in metrics.items()}
 
     def _train_program(self, ms: ModelStage, spec: StateSpec, mesh):
@@ -251,7 +275,8 @@ class Job:
         return jax.jit(program, donate_argnums=0, out_shardings=(spec.shardings(mesh), None))
 
     def _weight_sync(self) -> None:
-        self.units[ACTOR_GEN] = self.sync(self.units[ACTOR_TRAIN], self.units[ACTOR_GEN])
+        self.units[ACTOR_GEN] = self.sync(self._use(ACTOR_TRAIN), self.units[ACTOR_GEN])
+        self.park(ACTOR_TRAIN)
         self.version += 1
         for gen, unit in zip(self._engines, self.units[ACTOR_GEN], strict=True):
             gen.set_params(gen.engine.adopt_params(unit.params), version=self.version)

@@ -159,3 +159,17 @@ def test_reward_model_stage_scores_rollouts_like_a_direct_forward(tmp_path):
 
 def test_missing_reward_model_fails_before_compute(tmp_path, capsys):
     _fails_before_compute(tmp_path, capsys, [f"task.reward_model_path={tmp_path / 'rm'}"], "task.reward_model_path")
+
+
+def test_parking_idle_stages_in_host_memory_changes_nothing_but_where_state_lives(colocated, warm):
+    """plan.park_idle offloads ref-infer, critic-train and actor-train to pinned_host between uses."""
+    cfg = load_config(None, BASE + ["plan.colocate=true", "plan.park_idle=true"])
+    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor_params=warm)
+    _, reference = colocated
+    for s in range(2):
+        got = job.step(s)
+        np.testing.assert_array_equal(got.batch.response_br, reference[s].batch.response_br)
+        np.testing.assert_allclose(got.metrics["loss"], reference[s].metrics["loss"], rtol=1e-6)
+        parked = {str(ms): units[0].memory for ms, units in job.units.items()}
+        assert parked == {"actor-gen": "device", "ref-infer": "pinned_host", "actor-train": "pinned_host",
+                          "critic-train": "pinned_host"}
