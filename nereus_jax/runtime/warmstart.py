@@ -9,6 +9,7 @@ token. :func:`teacher_forced_accuracy` measures it with one forward pass.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -101,9 +102,8 @@ def run_sft(params: dict, cfg: Config, task, tokenizer, mesh: Mesh,
     t, m = cfg.trainer, cfg.model
     P, R = cfg.rollout.max_prompt_length, cfg.rollout.max_response_length
     dp = mesh.shape.get("dp", 1)
-    opt = make_optimizer(t.sft_lr)
+    opt, step = _sft_program(m, P, t.sft_lr)
     opt_state = opt.init(params)
-    step = jax.jit(make_train_step(sft_loss(m, P), opt, m), donate_argnums=(0, 1))
     accum = accumulation_steps(t.sft_batch, dp, P + R, t.micro_batch_tokens)
     rows, whole = NamedSharding(mesh, PartitionSpec(None, "dp")), NamedSharding(mesh, PartitionSpec())
     target = t.warmup_target_accuracy if max_seconds is None else 0.0
@@ -121,6 +121,14 @@ def run_sft(params: dict, cfg: Config, task, tokenizer, mesh: Mesh,
         if progress is not None:
             progress(i, metrics)
     return params
+
+
+@functools.lru_cache(maxsize=8)
+def _sft_program(cfg: ModelConfig, prompt_len: int, lr: float):
+    """One jitted supervised step per (model, prompt length, lr), shared by the warm start and the SFT
+    control so the control does not compile it again."""
+    opt = make_optimizer(lr)
+    return opt, jax.jit(make_train_step(sft_loss(cfg, prompt_len), opt, cfg), donate_argnums=(0, 1))
 
 
 def cached_warm_start(params: dict, cfg: Config, task, tokenizer, mesh: Mesh, cache_dir: str,
