@@ -51,7 +51,8 @@ def test_colocated_and_split_plans_compute_the_same_first_three_steps(colocated,
     Reduction order differs across layouts (dp 8 vs 4, tp 1 vs 2), so floats differ in the last bits;
     a near-tie in sampling flipping is the only divergence that could change tokens, and none occurs here."""
     plan_a, a = colocated
-    plan_b, b = _three_steps(["plan.colocate=false", "plan.stages.actor-train.tp=2"], warm)
+    plan_b, b = _three_steps(["plan.colocate=false", "plan.stages.actor-gen.dp=4", "plan.stages.actor-train.tp=2"],
+                             warm)
     assert a[0].metrics["reward_mean"] > 0.1  # real signal
     assert plan_a != plan_b and not set(plan_b[next(iter(plan_b))].devices) & set(plan_b.devices[4:])
     for ra, rb in zip(a, b, strict=True):
@@ -68,7 +69,7 @@ def test_rollouts_record_data_positions_and_policy_versions(colocated):
 
 
 def test_split_plan_puts_generation_on_its_own_devices():
-    plan = plan_from_config(load_config(None, BASE + ["plan.colocate=false"]))
+    plan = plan_from_config(load_config(None, BASE + ["plan.colocate=false", "plan.stages.actor-gen.dp=4"]))
     gen = [sp for ms, sp in plan.items() if ms.kind == "gen"][0]
     others = {d for ms, sp in plan.items() if ms.kind != "gen" for d in sp.devices}
     assert gen.devices == (0, 1, 2, 3) and others == {4, 5, 6, 7}
