@@ -40,24 +40,21 @@ class RolloutBatch(NamedTuple):
 
 def left_pad(seqs: list[list[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """Left-pads token lists to ``length``; a longer sequence is an error (callers check first)."""
-    out = np.full((len(seqs), length), pad_id, np.int32)
-    mask = np.zeros((len(seqs), length), np.int32)
-    for i, s in enumerate(seqs):
-        if len(s) > length:
-            raise ValueError(f"sequence of {len(s)} tokens exceeds the padded length {length}")
-        if s:
-            out[i, length - len(s):] = s
-            mask[i, length - len(s):] = 1
-    return out, mask
+    return _pad(seqs, length, pad_id, left=True)
 
 
 def right_pad(seqs: list[list[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """Right-pads token lists to ``length``."""
+    return _pad(seqs, length, pad_id, left=False)
+
+
+def _pad(seqs: list[list[int]], length: int, pad_id: int, *, left: bool) -> tuple[np.ndarray, np.ndarray]:
     out = np.full((len(seqs), length), pad_id, np.int32)
     mask = np.zeros((len(seqs), length), np.int32)
     for i, s in enumerate(seqs):
         if len(s) > length:
             raise ValueError(f"sequence of {len(s)} tokens exceeds the padded length {length}")
-        out[i, : len(s)] = s
-        mask[i, : len(s)] = 1
+        cols = slice(length - len(s), length) if left else slice(0, len(s))
+        out[i, cols] = s
+        mask[i, cols] = 1
     return out, mask
