@@ -23,7 +23,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from nereus_jax.config import Config, ConfigError
 from nereus_jax.elastic.emu import EMU, assemble_replicas, split_replicas
@@ -203,13 +202,17 @@ class Job:
             ExecutionPlan({ms: dataclasses.replace(sp, memory=dst)}), {ms: self.specs[ms]}))
         self.units[ms] = TransitionExecutor().run(graph, {ms: self.units[ms]})[ms]
 
-    def _infer(self, ms: ModelStage, what: str, batch: RolloutBatch) -> np.ndarray:
+    def _stage_inputs(self, ms: ModelStage, data: dict):
+        """The stage's replicas as one SPMD state, and ``data`` as token-budget micro-batches on its mesh."""
         leaves, mesh = assemble_replicas(self._use(ms))
-        params = self.specs[ms].unflatten(leaves)["params"]
-        dp = mesh.shape["dp"]
-        accum = steps.accumulation_steps(self.rows, dp, self.P + self.R, self.cfg.trainer.micro_batch_tokens)
+        accum = steps.accumulation_steps(self.rows, mesh.shape["dp"], self.P + self.R,
+                                         self.cfg.trainer.micro_batch_tokens)
+        return leaves, mesh, accum, steps.put_micro(steps.split_micro(data, accum), mesh)
+
+    def _infer(self, ms: ModelStage, what: str, batch: RolloutBatch) -> np.ndarray:
         data = {"tokens": batch.tokens(), "mask": batch.attention_mask()}
-        micro = _put(steps.split_micro(data, accum), mesh)
+        leaves, mesh, accum, micro = self._stage_inputs(ms, data)
+        params = self.specs[ms].unflatten(leaves)["params"]
         fn = self._program(("infer", ms, what, mesh.devices.shape, accum), lambda: _infer_program(
             self.specs[ms].model, self.P, what))
         out = np.asarray(fn(params, micro["tokens"], micro["mask"]))
@@ -250,10 +253,7 @@ class Job:
         return metrics
 
     def _train_stage(self, ms: ModelStage, data: dict) -> dict[str, float]:
-        leaves, mesh = assemble_replicas(self._use(ms))
-        dp = mesh.shape["dp"]
-        accum = steps.accumulation_steps(self.rows, dp, self.P + self.R, self.cfg.trainer.micro_batch_tokens)
-        micro = _put(steps.split_micro(data, accum), mesh)
+        leaves, mesh, accum, micro = self._stage_inputs(ms, data)
         spec = self.specs[ms]
         fn = self._program(("train", ms, mesh.devices.shape, accum), lambda: self._train_program(ms, spec, mesh))
         new_leaves, metrics = fn(leaves, micro)
@@ -361,12 +361,6 @@ def _infer_program(cfg, prompt_len: int, what: str):
         return jax.lax.map(lambda tm: fn(params, cfg, tm[0], tm[1], prompt_len), (tokens, mask))
 
     return jax.jit(program)
-
-
-def _put(micro: dict, mesh) -> dict:
-    rows = NamedSharding(mesh, PartitionSpec(None, "dp"))
-    whole = NamedSharding(mesh, PartitionSpec())
-    return {k: jax.device_put(v, rows if np.ndim(v) > 1 else whole) for k, v in micro.items()}
 
 
 def _check_plan_devices(plan: ExecutionPlan, available: int) -> None:

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from nereus_jax.config import AlgorithmConfig, ModelConfig
 from nereus_jax.models import forward
@@ -148,6 +149,13 @@ def accumulation_steps(rows: int, dp: int, seq_len: int, micro_batch_tokens: int
         if per_replica % accum == 0:
             return accum
     return per_replica
+
+
+def put_micro(micro: dict, mesh) -> dict:
+    """Places ``split_micro`` output on ``mesh``: rows split over ``dp``, scalars replicated."""
+    rows = NamedSharding(mesh, PartitionSpec(None, "dp"))
+    whole = NamedSharding(mesh, PartitionSpec())
+    return {k: jax.device_put(v, rows if np.ndim(v) > 1 else whole) for k, v in micro.items()}
 
 
 def split_micro(batch: dict, accum: int) -> dict:

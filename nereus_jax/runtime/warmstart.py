@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from nereus_jax.config import Config, ModelConfig
 from nereus_jax.rl.batch import left_pad, right_pad
@@ -30,6 +30,7 @@ from nereus_jax.runtime.steps import (
     accumulation_steps,
     make_optimizer,
     make_train_step,
+    put_micro,
     response_logits,
     sft_loss,
     split_micro,
@@ -105,7 +106,6 @@ def run_sft(params: dict, cfg: Config, task, tokenizer, mesh: Mesh,
     opt, step = _sft_program(m, P, t.sft_lr)
     opt_state = opt.init(params)
     accum = accumulation_steps(t.sft_batch, dp, P + R, t.micro_batch_tokens)
-    rows, whole = NamedSharding(mesh, PartitionSpec(None, "dp")), NamedSharding(mesh, PartitionSpec())
     target = t.warmup_target_accuracy if max_seconds is None else 0.0
     valid = encode_sft([task.problem(VALIDATION_OFFSET + j) for j in range(256)], tokenizer, P, R) if target else None
     start = time.perf_counter()
@@ -115,8 +115,7 @@ def run_sft(params: dict, cfg: Config, task, tokenizer, mesh: Mesh,
         if target and i and i % CHECK_EVERY == 0 and teacher_forced_accuracy(params, m, valid, P) >= target:
             break
         problems = [task.problem(first_index + i * t.sft_batch + j) for j in range(t.sft_batch)]
-        micro = split_micro(encode_sft(problems, tokenizer, P, R), accum)
-        data = {k: jax.device_put(v, rows if v.ndim > 1 else whole) for k, v in micro.items()}
+        data = put_micro(split_micro(encode_sft(problems, tokenizer, P, R), accum), mesh)
         params, opt_state, metrics = step(params, opt_state, data)
         if progress is not None:
             progress(i, metrics)
