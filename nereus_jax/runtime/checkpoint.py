@@ -1,0 +1,315 @@
+"""Checkpoints of a whole RL job that resume into any plan and device count (Orbax).
+
+What is saved, per step directory ``DIR/<steps done>/``: ``state`` holds every model-stage's state in
+canonical form (parameters and optimizer state of one replica, kv heads stored once: layout-independent),
+and ``meta`` (JSON) the step, data position, policy version, plan, seeds, model config and the
+controller's state. Saves are asynchronous (Orbax copies the arrays off the devices, then writes in a
+background thread) and atomic (Orbax writes into a temporary directory and renames it when complete,
+so a crash mid-save leaves the previous checkpoint as the latest one); the last ``keep`` are kept.
+
+Restore reads every array straight into the shardings of the plan chosen for the devices present now
+(all replicas of a model-stage at once, on the mesh (dp, pp, tp)), so a checkpoint written on 8 devices
+resumes on 4 and the reverse.
+
+    ckpt = Checkpointer(cfg.checkpoint.dir, every_steps=10, keep=2)
+    ckpt.maybe_save(job, steps_done=10)               # async; ckpt.close() waits for the last one
+    job, meta = restore_job(cfg, task, tok, "ckpts")  # the latest complete one; meta["step"] = next step
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from nereus_jax.config import Config
+from nereus_jax.elastic.emu import EMU, split_replicas
+from nereus_jax.elastic.plan import DEVICE, ExecutionPlan, ModelStage, StagePlan
+from nereus_jax.models import abstract_params
+from nereus_jax.runtime.job import Job, JobError
+from nereus_jax.runtime.plans import ACTOR_GEN, job_stages, plan_from_config
+from nereus_jax.sharding import Layout, make_mesh
+
+FORMAT = 1
+# model keys that may differ between the run that wrote a checkpoint and the run that resumes it
+_MODEL_KEYS_FREE = ("name", "remat", "compute_dtype")
+
+
+class CheckpointError(JobError):
+    """A checkpoint that cannot be resumed here: the message names the checkpoint, the problem and the fix."""
+
+
+# ------------------------------------------------------------------------------------------- saving
+class Checkpointer:
+    """Saves a job every ``every_steps`` steps (0 = only when asked) into ``directory``, keeping ``keep``."""
+
+    def __init__(self, directory: str, *, every_steps: int = 0, keep: int = 2, async_save: bool = True):
+        self.directory, self.every_steps = os.path.abspath(directory), every_steps
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+                                               create=True)
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def due(self, steps_done: int) -> bool:
+        return self.every_steps > 0 and steps_done > 0 and steps_done % self.every_steps == 0
+
+    def maybe_save(self, job: Job, steps_done: int) -> bool:
+        """Saves when ``steps_done`` is a multiple of ``every_steps``; True if a save started."""
+        return self.save(job, steps_done) if self.due(steps_done) else False
+
+    def save(self, job: Job, steps_done: int, *, wait: bool = False) -> bool:
+        """Starts saving ``job`` after ``steps_done`` steps (the step it resumes at); ``wait``: until written."""
+        if steps_done in self.manager.all_steps():
+            return False  # this step's state is already saved (e.g. the periodic save, then a stop)
+        state = {str(ms): canonical_leaves(units[0]) for ms, units in job.units.items()}
+        meta = _to_json(job_metadata(job, steps_done))
+        self.manager.save(steps_done, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                              meta=ocp.args.JsonSave(meta)))
+        if wait:
+            self.wait()
+        return True
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def close(self) -> None:
+        """Waits for the save in flight, then releases Orbax's threads."""
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def canonical_leaves(unit: EMU) -> list[jax.Array]:
+    """The unit's state leaves with each kv head stored once (the layout-independent form), on device."""
+    leaves = unit.leaves
+    if unit.memory != DEVICE:
+        leaves = jax.device_put(leaves, unit.spec.shardings(unit.mesh, DEVICE))
+    rep = unit.spec.repeat(unit.layout)
+    if rep == 1:
+        return list(leaves)
+    out = [NamedSharding(unit.mesh, PartitionSpec())] * len(leaves)
+    return jax.jit(unit.spec.converter(rep, 1), out_shardings=out)(list(leaves))
+
+
+def job_metadata(job: Job, steps_done: int) -> dict[str, Any]:
+    """Everything besides arrays that a resumed job needs to continue exactly where this one stopped."""
+    cfg = job.cfg
+    model = cfg.model.to_dict()
+    adapter = getattr(job, "adapter", None)
+    return {
+        "format": FORMAT, "step": steps_done, "prompts_per_step": cfg.trainer.prompts_per_step,
+        "data_position": steps_done * cfg.trainer.prompts_per_step, "policy_version": job.version,
+        "plan": plan_to_json(job.plan), "num_devices": len(job.devices),
+        "seeds": {"trainer": cfg.trainer.seed, "rollout": cfg.rollout.seed},
+        "algorithm": cfg.algorithm.name, "model": model, "model_fingerprint": fingerprint(model),
+        "stages": {str(ms): [[list(leaf.shape), str(leaf.dtype)] for leaf in job.specs[ms].leaves]
+                   for ms in job.units},
+        "controller": adapter.state_dict() if adapter is not None and hasattr(adapter, "state_dict") else None,
+        "process_count": jax.process_count(), "jax": jax.__version__, "written_at": time.time(),
+    }
+
+
+def fingerprint(model: Mapping[str, Any]) -> str:
+    """A hash of the model config keys that decide what the saved arrays mean."""
+    kept = {k: v for k, v in sorted(model.items()) if k not in _MODEL_KEYS_FREE}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def plan_to_json(plan: ExecutionPlan) -> dict[str, Any]:
+    return {str(ms): {"tp": sp.layout.tp, "pp": sp.layout.pp, "replicas": [list(r) for r in sp.replicas],
+                      "memory": sp.memory} for ms, sp in plan.items()}
+
+
+def plan_from_json(data: Mapping[str, Any]) -> ExecutionPlan:
+    return ExecutionPlan({ModelStage.parse(k): StagePlan(Layout(tp=v["tp"], pp=v["pp"]),
+                                                         tuple(tuple(r) for r in v["replicas"]), v["memory"])
+                          for k, v in data.items()})
+
+
+def _to_json(data: Any) -> Any:
+    """JSON-safe copy (numpy scalars and arrays become numbers and lists; tuples become lists)."""
+    return json.loads(json.dumps(data, default=_json_default))
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, np.generic | np.ndarray):
+        return x.tolist()
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return dataclasses.asdict(x)
+    if isinstance(x, ExecutionPlan):
+        return plan_to_json(x)
+    raise TypeError(f"checkpoint metadata: cannot store a {type(x).__name__} as JSON ({x!r:.80})")
+
+
+# ------------------------------------------------------------------------------------------ finding
+def locate(path: str) -> tuple[str, int]:
+    """(checkpoint root, step) for ``path``: a root (its latest complete step) or one step's directory."""
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path!r} does not exist: give a checkpoint folder "
+                              "(checkpoint.dir of the earlier run, or one of its step folders)")
+    name = os.path.basename(path)
+    if name.isdigit() and os.path.isdir(os.path.join(path, "meta")):
+        return os.path.dirname(path), int(name)
+    steps = sorted(int(n) for n in os.listdir(path) if n.isdigit() and os.path.isdir(os.path.join(path, n)))
+    if not steps:
+        partial = [n for n in os.listdir(path) if "tmp" in n]
+        why = f" (only unfinished saves: {partial})" if partial else ""
+        raise CheckpointError(f"no complete checkpoint in {path!r}{why}: resume from another folder or start "
+                              "fresh by dropping checkpoint.resume_from")
+    return path, steps[-1]
+
+
+def read_metadata(path: str) -> dict[str, Any]:
+    """The JSON metadata of the checkpoint at ``path`` (root or step folder)."""
+    root, step = locate(path)
+    file = os.path.join(root, str(step), "meta", "metadata")
+    try:
+        with open(file) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {os.path.join(root, str(step))!r} is incomplete or damaged "
+                              f"(metadata: {e}): delete that folder to resume from the one before, or point "
+                              "checkpoint.resume_from at an older step folder") from None
+    meta["_root"], meta["_step_dir"] = root, os.path.join(root, str(step))
+    return meta
+
+
+def check_compatible(cfg: Config, meta: Mapping[str, Any]) -> None:
+    """Raises CheckpointError when ``cfg`` describes another job than the one that wrote ``meta``."""
+    where = meta["_step_dir"]
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {where!r} has format {meta.get('format')}, this version reads {FORMAT}")
+    model = cfg.model.to_dict()
+    if fingerprint(model) != meta["model_fingerprint"]:
+        diff = sorted(k for k in set(model) | set(meta["model"]) if k not in _MODEL_KEYS_FREE
+                      and model.get(k) != meta["model"].get(k))
+        shown = ", ".join(f"model.{k}={meta['model'].get(k)!r} (config: {model.get(k)!r})" for k in diff)
+        raise CheckpointError(f"checkpoint {where!r} was written by another model shape: {shown}; resume with the "
+                              "checkpoint's model config or start fresh")
+    stages = sorted(str(ms) for ms in job_stages(cfg))
+    if sorted(meta["stages"]) != stages:
+        raise CheckpointError(f"checkpoint {where!r} holds model-stages {sorted(meta['stages'])} but "
+                              f"algorithm.name={cfg.algorithm.name} needs {stages}: resume with "
+                              f"algorithm.name={meta['algorithm']}")
+    for key, now, then in (("trainer.prompts_per_step", cfg.trainer.prompts_per_step, meta["prompts_per_step"]),
+                           ("rollout.seed", cfg.rollout.seed, meta["seeds"]["rollout"])):
+        if now != then:
+            raise CheckpointError(f"checkpoint {where!r} was written with {key}={then}, the config has {now}: "
+                                  f"set {key}={then} so no sample is skipped, repeated or drawn differently")
+
+
+# ---------------------------------------------------------------------------------------- restoring
+def choose_plan(cfg: Config, meta: Mapping[str, Any], devices: int) -> ExecutionPlan:
+    """The checkpoint's own plan when the device count is the one it was written on, else the config's
+    plan for the ``devices`` present now (the controller may move from there)."""
+    if meta["num_devices"] == devices:
+        return plan_from_json(meta["plan"])
+    return plan_from_config(cfg, list(range(devices)))
+
+
+def restore_job(cfg: Config, task, tokenizer, path: str, *, plan: ExecutionPlan | None = None,
+                devices: Sequence[jax.Device] | None = None) -> tuple[Job, dict[str, Any]]:
+    """A Job on ``devices`` (default: the config's) with the state of the checkpoint at ``path`` laid out in
+    ``plan`` (default: :func:`choose_plan`); returns (job, metadata). ``meta["step"]`` is the next step."""
+    meta = read_metadata(path)
+    check_compatible(cfg, meta)
+    devices = list(devices or jax.devices()[: cfg.cluster.num_devices])
+    plan = plan or choose_plan(cfg, meta, len(devices))
+    _check_plan_fits(plan, len(devices), meta["_step_dir"])
+    zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), abstract_params(cfg.model))
+    job = Job(cfg, task, tokenizer, actor_params=zeros, plan=plan, devices=devices)
+    restore_into(job, meta)
+    return job, meta
+
+
+def restore_into(job: Job, meta: Mapping[str, Any]) -> None:
+    """Reads the checkpoint described by ``meta`` into ``job``'s current plan. Either every model-stage's
+    state is replaced (and the engines see the new parameters), or, on an error, nothing is."""
+    root, step = meta["_root"], meta["step"]
+    targets = {str(ms): _targets(job, ms) for ms in job.units}
+    abstract = {k: [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s)
+                    for leaf, s in zip(job.specs[ModelStage.parse(k)].leaves, sh, strict=True)]
+                for k, (sh, _) in targets.items()}
+    _check_shapes(meta, abstract)
+    manager = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(create=False))
+    try:
+        state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+    except Exception as e:  # Orbax/tensorstore raise many types for missing or cut files
+        raise CheckpointError(f"checkpoint {meta['_step_dir']!r} is incomplete or damaged ({type(e).__name__}: "
+                              f"{str(e)[:300]}): delete that folder to resume from the one before, or point "
+                              "checkpoint.resume_from at an older step folder") from e
+    finally:
+        manager.close()
+    units = {ms: _units(job, ms, state[str(ms)], targets[str(ms)][1]) for ms in job.units}
+    install(job, units, int(meta["policy_version"]))
+    adapter = getattr(job, "adapter", None)
+    if meta.get("controller") is not None and adapter is not None and hasattr(adapter, "load_state_dict"):
+        adapter.load_state_dict(meta["controller"])
+
+
+def _targets(job: Job, ms: ModelStage) -> tuple[list[NamedSharding], Any]:
+    """Shardings to read each canonical leaf into (on the stage's (dp, pp, tp) mesh) and the mesh."""
+    sp, spec = job.plan[ms], job.specs[ms]
+    mesh = make_mesh([job.devices[i] for i in sp.devices], sp.layout, dp=sp.dp)
+    if spec.repeat(sp.layout) == 1:
+        return spec.shardings(mesh), mesh
+    return [NamedSharding(mesh, PartitionSpec())] * len(spec.leaves), mesh  # expanded after reading
+
+
+def _check_shapes(meta: Mapping[str, Any], abstract: Mapping[str, list]) -> None:
+    for k, leaves in abstract.items():
+        saved = meta["stages"][k]
+        want = [[list(x.shape), str(np.dtype(x.dtype))] for x in leaves]
+        if [s for s, _ in saved] != [s for s, _ in want]:
+            bad = next(i for i, (a, b) in enumerate(zip(saved, want, strict=False)) if a[0] != b[0]) \
+                if len(saved) == len(want) else None
+            what = f"leaf {bad}: saved {saved[bad][0]}, needed {want[bad][0]}" if bad is not None else \
+                f"{len(saved)} saved leaves, {len(want)} needed"
+            raise CheckpointError(f"checkpoint {meta['_step_dir']!r}: {k} has other shapes than this job's ({what}):"
+                                  " it was written by another model or optimizer; resume with that config")
+
+
+def _units(job: Job, ms: ModelStage, leaves: list[jax.Array], mesh) -> list[EMU]:
+    sp, spec = job.plan[ms], job.specs[ms]
+    rep = spec.repeat(sp.layout)
+    if rep > 1:
+        leaves = jax.jit(spec.converter(1, rep), out_shardings=spec.shardings(mesh))(list(leaves))
+    if sp.memory != DEVICE:
+        leaves = jax.device_put(list(leaves), spec.shardings(mesh, sp.memory))
+    return split_replicas(list(leaves), mesh, ms, spec, sp.memory)
+
+
+def install(job: Job, units: dict[ModelStage, list[EMU]], version: int) -> None:
+    """Replaces ``job``'s units (laid out in ``job.plan``) and policy version; the engines adopt the
+    actor-gen parameters. (A ``Job.load_state`` would be the natural home of this.)"""
+    assert set(units) == set(job.units), (set(units), set(job.units))
+    job.units, job.version = units, version
+    for gen, unit in zip(job._engines, units[ACTOR_GEN], strict=True):
+        gen.set_params(gen.engine.adopt_params(unit.params), version=version)
+
+
+def _check_plan_fits(plan: ExecutionPlan, available: int, where: str) -> None:
+    missing = [d for d in plan.devices if d >= available]
+    if missing:
+        raise CheckpointError(f"resuming {where!r}: the plan uses devices {missing} but only devices "
+                              f"0..{available - 1} exist: choose a plan for {available} devices (or drop it "
+                              "to let the job choose one) or raise cluster.num_devices")
+
+
+def latest_step(directory: str) -> int | None:
+    """The latest complete step saved under ``directory`` (None when there is none)."""
+    try:
+        return locate(directory)[1]
+    except CheckpointError:
+        return None
