@@ -151,6 +151,8 @@ class PoolChange(_Node):
     step: int
     leave: tuple[int, ...] = ()
     join: tuple[int, ...] = ()
+    notice: int = _field(0, "steps before `step` that a leave is announced (a preemption notice): the "
+                            "controller plans and compiles the move off the leaving devices meanwhile")
 
 
 @dataclass(frozen=True)
@@ -400,6 +402,9 @@ def _check_schedule(schedule: Sequence[PoolChange], num_devices: int) -> None:
             f"({previous}): list pool changes in step order",
         )
         previous = change.step
+        require(0 <= change.notice <= change.step,
+                f"{key}.notice ({change.notice}) must be in [0, step={change.step}]: a leave is announced "
+                "at most `step` steps ahead")
         for kind in ("leave", "join"):
             for device in getattr(change, kind):
                 require(

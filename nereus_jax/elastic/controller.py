@@ -83,11 +83,11 @@ class Controller:
 
     def __init__(self, plan_fn: PlanFn, latency_fn: LatencyFn, transition_fn: TransitionFn, *,
                  gamma: float = 0.5, length_drift: float = 0.3, efficiency_drift: float = 0.3,
-                 ema: float = 0.5):
+                 ema: float = 0.5, devices: Sequence[int] | None = None):
         self.plan_fn, self.latency_fn, self.transition_fn = plan_fn, latency_fn, transition_fn
         self.gamma, self.length_drift, self.efficiency_drift, self.ema = gamma, length_drift, efficiency_drift, ema
         self.reference_length: float | None = None
-        self.devices: tuple[int, ...] | None = None
+        self.devices: tuple[int, ...] | None = None if devices is None else tuple(devices)  # the pool at start
         self.horizon = {"length": 1.0, "efficiency": 1.0, "pool": 1.0, "memory": 1.0}
         self._last_crossing: dict[str, int] = {}
         self._seen_twice: set[str] = set()
@@ -95,9 +95,11 @@ class Controller:
 
     # --------------------------------------------------------------------------------- triggers
     def observe(self, obs: Observation) -> Decision | None:
-        if self.reference_length is None:
-            self.reference_length, self.devices = obs.response_length, tuple(obs.devices)
-            return None
+        if self.reference_length is None:  # the first observation sets the references; only a pool change
+            self.reference_length = obs.response_length  # since ``devices`` (if given) can trigger
+            if self.devices is None or tuple(obs.devices) == self.devices:
+                self.devices = tuple(obs.devices)
+                return None
         trigger, urgent = self._trigger(obs)
         if trigger is None:
             return None

@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from nereus_jax.config import Config, ConfigError
 from nereus_jax.elastic.emu import EMU, assemble_replicas, split_replicas
@@ -32,7 +33,7 @@ from nereus_jax.elastic.plan import DEVICE, HOST, ExecutionPlan, ModelStage
 from nereus_jax.elastic.spec import StateSpec
 from nereus_jax.elastic.weight_sync import WeightSync
 from nereus_jax.engine import Generator, JaxEngine, SamplingParams
-from nereus_jax.models import init_params
+from nereus_jax.models import abstract_params, init_params
 from nereus_jax.rl import algorithms as alg
 from nereus_jax.rl.batch import RolloutBatch, left_pad, right_pad
 from nereus_jax.rl.tasks import Problem
@@ -46,10 +47,21 @@ from nereus_jax.runtime.plans import (
     job_stages,
     plan_from_config,
 )
+from nereus_jax.sharding import make_mesh
 
 
 class JobError(ValueError):
     """A job that cannot start: the message names the input and the fix. Raised before any compute."""
+
+
+@dataclasses.dataclass
+class Prepared:
+    """What :meth:`Job.prepare` built for a target plan: compiled programs and warmed engines."""
+
+    plan: ExecutionPlan
+    programs: dict[Any, Any]
+    engines: list[Generator]
+    seconds: float
 
 
 @dataclasses.dataclass
@@ -83,6 +95,7 @@ class Job:
         self.sync = WeightSync(self.plan, self.specs[ACTOR_TRAIN], self.specs[ACTOR_GEN],
                                caps=cfg.cluster.device_memory_bytes)
         self._programs: dict[Any, Any] = {}
+        self._signatures: dict[Any, dict[str, tuple]] = {}  # program -> its host inputs' (shape, dtype)
         self._engines = [self._engine(u) for u in self.units[ACTOR_GEN]]
 
     # ------------------------------------------------------------------------------- construction
@@ -105,12 +118,71 @@ class Job:
         return units
 
     def _engine(self, unit: EMU) -> Generator:
-        cfg = self.cfg
-        slots = max(1, cfg.rollout.max_concurrent_decodes)
-        engine = JaxEngine(cfg.model, unit.mesh, max_concurrent_decodes=slots,
-                           max_prefill_length=self.P, max_target_length=self.P + self.R,
-                           max_prefill_batch=min(16, max(1, cfg.trainer.prompts_per_step)))
+        engine = self._new_engine(unit.mesh)
         return Generator(engine, engine.adopt_params(unit.params), version=self.version, pad_id=self.tok.pad_id)
+
+    def _new_engine(self, mesh) -> JaxEngine:
+        cfg = self.cfg
+        return JaxEngine(cfg.model, mesh, max_concurrent_decodes=max(1, cfg.rollout.max_concurrent_decodes),
+                         max_prefill_length=self.P, max_target_length=self.P + self.R,
+                         max_prefill_batch=min(16, max(1, cfg.trainer.prompts_per_step)))
+
+    # ------------------------------------------------------------------------------ plan changes
+    def prepare(self, plan: ExecutionPlan) -> Prepared:
+        """Everything ``plan`` needs compiled, built without touching the current state: the training and
+        scoring programs lowered and compiled for the target shardings (ahead of time, from the input
+        signatures of the steps run so far) and actor-gen engines on the target meshes, warmed by a
+        generation from zero weights. Safe on a background thread while the current plan keeps stepping."""
+        t = time.perf_counter()
+        _check_plan_devices(plan, len(self.devices))
+        _check_rows(plan, self.rows)
+        programs = {}
+        for (kind, ms, *rest), signature in list(self._signatures.items()):
+            if ms not in plan:
+                continue
+            mesh = _plan_mesh(plan[ms], self.devices)
+            accum = steps.accumulation_steps(self.rows, plan[ms].dp, self.P + self.R,
+                                             self.cfg.trainer.micro_batch_tokens)
+            micro = _abstract_micro(signature, accum, mesh)
+            spec = self.specs[ms]
+            leaves = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
+                      for a, sh in zip(spec.abstract(plan[ms].layout), spec.shardings(mesh), strict=True)]
+            if kind == "train":
+                fn = self._train_program(ms, spec, mesh)
+                programs[self._key("train", ms, mesh, accum)] = fn.lower(leaves, micro).compile()
+            else:
+                fn = _infer_program(spec.model, self.P, rest[0])
+                params = spec.unflatten(leaves)["params"]
+                programs[self._key("infer", ms, mesh, accum, rest[0])] = fn.lower(
+                    params, micro["tokens"], micro["mask"]).compile()
+        engines = []
+        for replica in plan[ACTOR_GEN].replicas:
+            mesh = make_mesh([self.devices[i] for i in replica], plan[ACTOR_GEN].layout)
+            engine = self._new_engine(mesh)
+            gen = Generator(engine, engine.load_params(_zeros(self.cfg.model)), pad_id=self.tok.pad_id)
+            problems, positions = self.problems(0)
+            share = -(-len(problems) // len(plan[ACTOR_GEN].replicas))
+            prompts = [[self.tok.bos_id] + self.tok.encode(p.prompt) for p in problems[:share]]
+            gen.generate(prompts, self._sampling(self.cfg.rollout.temperature, self.n),
+                         prompt_ids=positions[:share] % (2**31))
+            engines.append(gen)
+        return Prepared(plan, programs, engines, time.perf_counter() - t)
+
+    def adopt(self, plan: ExecutionPlan, units: dict[ModelStage, list[EMU]], prepared: Prepared | None = None):
+        """Switch to ``plan`` whose state is ``units`` (the executor's output): the weight sync, the engines
+        (``prepared``'s warmed ones, or new) and the compiled programs follow the plan."""
+        _check_plan_devices(plan, len(self.devices))
+        _check_rows(plan, self.rows)
+        sync = WeightSync(plan, self.specs[ACTOR_TRAIN], self.specs[ACTOR_GEN],
+                          caps=self.cfg.cluster.device_memory_bytes)
+        self.plan, self.units, self.sync = plan, dict(units), sync
+        if prepared is not None and prepared.plan == plan:
+            self._programs.update(prepared.programs)
+            for gen, unit in zip(prepared.engines, self.units[ACTOR_GEN], strict=True):
+                gen.set_params(gen.engine.adopt_params(unit.params), version=self.version)
+            self._engines = list(prepared.engines)
+        else:
+            self._engines = [self._engine(u) for u in self.units[ACTOR_GEN]]
 
     # ----------------------------------------------------------------------------------- one step
     def problems(self, step: int) -> tuple[list[Problem], np.ndarray]:
@@ -141,10 +213,7 @@ class Job:
         n = self.n if n is None else n
         prompts = [[self.tok.bos_id] + self.tok.encode(p.prompt) for p in problems]
         _check_prompt_lengths(prompts, self.P)
-        c = self.cfg.rollout
-        sampling = SamplingParams(temperature=temperature, top_k=c.top_k if temperature else 0,
-                                  top_p=c.top_p if temperature else 1.0, max_new_tokens=self.R,
-                                  stop_tokens=(self.tok.eos_id,), n=n, seed=c.seed)
+        sampling = self._sampling(temperature, n)
         chunks = np.array_split(np.arange(len(prompts)), len(self._engines))
         outs = [g.generate([prompts[i] for i in idx], sampling, prompt_ids=positions[idx] % (2**31))
                 for g, idx in zip(self._engines, chunks, strict=True) if len(idx)]
@@ -158,6 +227,12 @@ class Job:
         return RolloutBatch(prompt, prompt_mask, response, response_mask, logp.astype(np.float32),
                             np.repeat(positions, n), np.tile(np.arange(n), len(prompts)).astype(np.int32),
                             versions.astype(np.int32))
+
+    def _sampling(self, temperature: float, n: int) -> SamplingParams:
+        c = self.cfg.rollout
+        return SamplingParams(temperature=temperature, top_k=c.top_k if temperature else 0,
+                              top_p=c.top_p if temperature else 1.0, max_new_tokens=self.R,
+                              stop_tokens=(self.tok.eos_id,), n=n, seed=c.seed)
 
     def rewards(self, problems: Sequence[Problem], batch: RolloutBatch) -> np.ndarray:
         """[rows] sequence rewards: the reward model's scores (reward-infer), else the task's rule."""
@@ -202,8 +277,10 @@ class Job:
             ExecutionPlan({ms: dataclasses.replace(sp, memory=dst)}), {ms: self.specs[ms]}))
         self.units[ms] = TransitionExecutor().run(graph, {ms: self.units[ms]})[ms]
 
-    def _stage_inputs(self, ms: ModelStage, data: dict):
-        """The stage's replicas as one SPMD state, and ``data`` as token-budget micro-batches on its mesh."""
+    def _stage_inputs(self, ms: ModelStage, data: dict, program: tuple):
+        """The stage's replicas as one SPMD state, and ``data`` as token-budget micro-batches on its mesh.
+        Records the host inputs' signature under ``program`` so :meth:`prepare` can compile it ahead."""
+        self._signatures[program] = {k: (np.shape(v), np.asarray(v).dtype) for k, v in data.items()}
         leaves, mesh = assemble_replicas(self._use(ms))
         accum = steps.accumulation_steps(self.rows, mesh.shape["dp"], self.P + self.R,
                                          self.cfg.trainer.micro_batch_tokens)
@@ -211,9 +288,9 @@ class Job:
 
     def _infer(self, ms: ModelStage, what: str, batch: RolloutBatch) -> np.ndarray:
         data = {"tokens": batch.tokens(), "mask": batch.attention_mask()}
-        leaves, mesh, accum, micro = self._stage_inputs(ms, data)
+        leaves, mesh, accum, micro = self._stage_inputs(ms, data, ("infer", ms, what))
         params = self.specs[ms].unflatten(leaves)["params"]
-        fn = self._program(("infer", ms, what, mesh.devices.shape, accum), lambda: _infer_program(
+        fn = self._program(self._key("infer", ms, mesh, accum, what), lambda: _infer_program(
             self.specs[ms].model, self.P, what))
         out = np.asarray(fn(params, micro["tokens"], micro["mask"]))
         if ms.kind == "infer":
@@ -253,9 +330,9 @@ class Job:
         return metrics
 
     def _train_stage(self, ms: ModelStage, data: dict) -> dict[str, float]:
-        leaves, mesh, accum, micro = self._stage_inputs(ms, data)
+        leaves, mesh, accum, micro = self._stage_inputs(ms, data, ("train", ms))
         spec = self.specs[ms]
-        fn = self._program(("train", ms, mesh.devices.shape, accum), lambda: self._train_program(ms, spec, mesh))
+        fn = self._program(self._key("train", ms, mesh, accum), lambda: self._train_program(ms, spec, mesh))
         new_leaves, metrics = fn(leaves, micro)
         self.units[ms] = split_replicas(new_leaves, mesh, ms, spec)
         if ms != ACTOR_TRAIN:  # the actor's state is read again by the weight sync
@@ -281,6 +358,11 @@ class Job:
         for gen, unit in zip(self._engines, self.units[ACTOR_GEN], strict=True):
             gen.set_params(gen.engine.adopt_params(unit.params), version=self.version)
 
+    @staticmethod
+    def _key(kind: str, ms: ModelStage, mesh, accum: int, *rest) -> tuple:
+        """Programs are bound to devices (their shardings name them): the key holds the mesh's device ids."""
+        return (kind, ms, mesh.devices.shape, tuple(d.id for d in mesh.devices.flat), accum, *rest)
+
     def _program(self, key, build):
         if key not in self._programs:
             self._programs[key] = build()
@@ -294,7 +376,8 @@ class Job:
         step_s = sum(seconds.values())
         tokens = int(mask.sum())
         return {"step": step, "reward_mean": float(scores.mean()), "accuracy": float(np.mean(scores >= 1.0)),
-                "kl": kl, "response_length_mean": float(mask.sum(1).mean()), "response_tokens": tokens,
+                "kl": kl, "response_length_mean": float(mask.sum(1).mean()),
+                "response_length_p95": float(np.percentile(mask.sum(1), 95)), "response_tokens": tokens,
                 "step_seconds": step_s, "tokens_per_s": tokens / max(step_s, 1e-9),
                 "stage_seconds": {k: round(v, 4) for k, v in seconds.items()}, **train_metrics,
                 "policy_version": self.version, "plan": repr(self.plan), "plan_short": plan_short(self.plan)}
@@ -361,6 +444,30 @@ def _infer_program(cfg, prompt_len: int, what: str):
         return jax.lax.map(lambda tm: fn(params, cfg, tm[0], tm[1], prompt_len), (tokens, mask))
 
     return jax.jit(program)
+
+
+def _plan_mesh(sp, devices: Sequence[jax.Device]):
+    """The SPMD mesh of a stage's replicas, exactly as ``assemble_replicas`` builds it."""
+    return make_mesh([devices[i] for r in sp.replicas for i in r], sp.layout, dp=sp.dp)
+
+
+def _abstract_micro(signature: dict[str, tuple], accum: int, mesh) -> dict[str, jax.ShapeDtypeStruct]:
+    """``put_micro(split_micro(data, accum), mesh)`` as shapes, dtypes and shardings (no data)."""
+    rows = NamedSharding(mesh, PartitionSpec(None, "dp"))
+    whole = NamedSharding(mesh, PartitionSpec())
+    out = {}
+    for k, (shape, dtype) in signature.items():
+        dtype = jax.dtypes.canonicalize_dtype(dtype)  # what jit makes of a host array (float64 -> float32)
+        if len(shape) == 0:
+            out[k] = jax.ShapeDtypeStruct((accum,), dtype, sharding=whole)
+        else:
+            out[k] = jax.ShapeDtypeStruct((accum, shape[0] // accum, *shape[1:]), dtype, sharding=rows)
+    return out
+
+
+def _zeros(model) -> dict:
+    """Canonical parameters of ``model``, all zeros (engine warm-up: shapes matter, values do not)."""
+    return jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), abstract_params(model))
 
 
 def _check_plan_devices(plan: ExecutionPlan, available: int) -> None:

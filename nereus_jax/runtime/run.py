@@ -19,6 +19,7 @@ from nereus_jax.engine import Generator, SamplingParams
 from nereus_jax.models import init_params
 from nereus_jax.rl.tasks import PromptDataError, make_task
 from nereus_jax.rl.tokenizer import CharTokenizer, HFTokenizer
+from nereus_jax.runtime.adapt import Adapter
 from nereus_jax.runtime.job import Job, JobError
 from nereus_jax.runtime.report import RunReport
 from nereus_jax.runtime.warmstart import SFT_INDEX_OFFSET, cached_warm_start, run_sft
@@ -69,11 +70,20 @@ def run_job(cfg: Config, run_dir: str, *, started: float | None = None) -> dict:
     held_out = task.eval_problems()
     acc_before = job.evaluate(held_out)
     report.log(f"held-out accuracy after the warm start: {acc_before:.3f}")
-    rl_start, tokens, step_s = time.perf_counter(), 0, 0.0
-    for step in range(cfg.trainer.steps):
-        metrics = job.step(step).metrics
-        tokens, step_s = tokens + metrics["response_tokens"], step_s + metrics["step_seconds"]
-        report.step(metrics)
+    adapter = Adapter(job, log=report.log)
+    job.adapter = adapter
+    rl_start, tokens, step_s, metrics = time.perf_counter(), 0, 0.0, None
+    try:
+        for step in range(cfg.trainer.steps):
+            t = time.perf_counter()
+            adapter.boundary(step, metrics)
+            boundary_s = time.perf_counter() - t
+            metrics = job.step(step).metrics
+            metrics["boundary_seconds"] = boundary_s
+            tokens, step_s = tokens + metrics["response_tokens"], step_s + metrics["step_seconds"]
+            report.step(metrics)
+    finally:
+        adapter.close()
     rl_s = time.perf_counter() - rl_start
     acc_after = job.evaluate(held_out)
     report.log(f"held-out accuracy after {cfg.trainer.steps} RL steps: {acc_after:.3f}")
@@ -86,7 +96,8 @@ def run_job(cfg: Config, run_dir: str, *, started: float | None = None) -> dict:
             control = _sft_control(cfg, task, tok, job, warm, rl_s, held_out)
     summary = {"algorithm": cfg.algorithm.name, "model": cfg.model.name, "task": cfg.task.name,
                "accuracy_before": acc_before, "accuracy_after": acc_after, "accuracy_sft_control": control,
-               "steps": cfg.trainer.steps, "transitions": 0, "tokens_per_s": tokens / max(step_s, 1e-9),
+               "steps": cfg.trainer.steps, "transitions": adapter.transitions,
+               "controller_events": adapter.events, "tokens_per_s": tokens / max(step_s, 1e-9),
                "rl_seconds": rl_s, "warm_start_seconds": sft_s, "warm_start_cache_hit": hit,
                "plan": repr(job.plan), "wall_s": time.perf_counter() - started}
     report.finish(summary)

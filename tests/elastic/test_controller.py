@@ -116,3 +116,14 @@ def test_efficiency_drift_triggers_on_measured_step_time():
     c.observe(_obs(0, 100, seconds=10.0))
     assert c.observe(_obs(1, 100, seconds=12.0)) is None
     assert c.observe(_obs(2, 100, seconds=14.0)).trigger == "efficiency"
+
+
+def test_a_pool_change_before_the_first_observation_triggers_when_the_starting_pool_is_given():
+    """The runtime knows the pool it started on: a leave announced before the controller's first
+    observation is still a (urgent) pool trigger; without ``devices`` the first observation only sets
+    the references."""
+    c = _controller({A: 1.0, B: 50.0}, [B], {B: 1000.0}, devices=(0, 1, 2, 3))
+    d = c.observe(_obs(0, 100, devices=(0, 1, 2)))
+    assert d is not None and d.trigger == "pool" and d.urgent and d.admitted and d.target == B
+    assert _controller({A: 1.0, B: 50.0}, [B], {B: 1000.0}).observe(_obs(0, 100, devices=(0, 1, 2))) is None
+    assert _controller({A: 1.0}, [B], {B: 1.0}, devices=(0, 1, 2, 3)).observe(_obs(0, 100)) is None

@@ -1,0 +1,311 @@
+"""Adapting the running job: the controller asked at every step boundary, admitted transitions executed.
+
+    adapter = Adapter(job, log=print)
+    for step in range(steps):
+        adapter.boundary(step, last_metrics)   # pool changes, re-plan, compile ahead, transition
+        last_metrics = job.step(step).metrics
+
+At each boundary, in order:
+
+1. Calibration: the previous step's measured stage seconds refit the cost model's efficiencies
+   (``CostModel.observe`` over a window of recent steps; steps that compiled are left out).
+2. The device pool: ``cluster.schedule`` changes take effect at their step; a leave with ``notice`` > 0
+   is announced ``notice`` steps early, and the controller plans without those devices from then on.
+   A leave is graceful (the device stays readable until its step, as with a preemption notice); an
+   abrupt loss in the middle of a step is the fault path of checkpoint/restart.
+3. A pending transition whose programs are compiled is executed now: the executor's data movement and
+   the switch to the new engines are the whole pause. If a device the plan uses leaves at this step,
+   the boundary waits for the compile (an urgent move cannot be deferred).
+4. Otherwise the controller observes the step (response length, step time, pool) and may re-plan. An
+   admitted target is compiled ahead on a background thread (``Job.prepare``) while the current plan
+   keeps stepping; the move happens at the first boundary after the compile finishes.
+
+Candidates come from the planner for the pool at hand; each is mapped to the job's model-stages
+(actor-infer and critic-infer run on the training units, so they are priced with the training stage's
+layout) and priced with the calibrated cost model. A transition's predicted cost is the transition
+graph's makespan on the hardware's links; on shared-compute hardware (cpu) the compile competes with
+the steps for the same cores, so the measured compile time of a plan is added to it (on GPUs the
+compile runs on host cores while the devices step, and is hidden).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from nereus_jax.elastic.compile import align_ranks
+from nereus_jax.elastic.controller import Candidate, Controller, Decision, Observation
+from nereus_jax.elastic.costs import CostModel, Measurement, StageChoice, link_bandwidth
+from nereus_jax.elastic.executor import TransitionExecutor
+from nereus_jax.elastic.graph import TransitionGraph
+from nereus_jax.elastic.plan import ExecutionPlan, ModelStage
+from nereus_jax.elastic.planner import InfeasiblePlanError, Planner
+from nereus_jax.elastic.workload import LengthStats, Workload
+from nereus_jax.runtime import steps
+from nereus_jax.runtime.job import Job, Prepared
+from nereus_jax.runtime.plans import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN
+
+# The cost model's name of each timed part of a job step -> the job's model-stage whose layout runs it.
+_PRICED = {"actor-gen": ACTOR_GEN, "actor-infer": ACTOR_TRAIN, "ref-infer": ModelStage("ref", "infer"),
+           "critic-infer": CRITIC_TRAIN, "reward-infer": ModelStage("reward", "infer"),
+           "actor-train": ACTOR_TRAIN, "critic-train": CRITIC_TRAIN}
+CALIBRATION_WINDOW = 8  # steps of measurements the efficiencies are fitted to
+
+
+@dataclasses.dataclass
+class _Pending:
+    decision: Decision
+    target: ExecutionPlan
+    future: concurrent.futures.Future
+    started: float
+    step: int
+    step_seconds: list[float] = dataclasses.field(default_factory=list)  # steps run while compiling
+
+
+class Adapter:
+    """The controller in the job's loop: observes every step, re-plans, compiles ahead, moves the state."""
+
+    def __init__(self, job: Job, log: Callable[[str], None] = print):
+        self.job, self.log = job, log
+        cfg = job.cfg
+        self.enabled = cfg.controller.enabled
+        self.cost = CostModel(cfg.controller.hardware or cfg.cluster.hardware)
+        self.planner = Planner(self.cost, headroom=cfg.controller.memory_headroom)
+        self.pool = tuple(range(cfg.cluster.num_devices))
+        self.controller = Controller(self._candidates, self._latency, self._transition_seconds,
+                                     gamma=cfg.controller.gamma, length_drift=cfg.controller.length_drift,
+                                     devices=self.pool)
+        self.events: list[dict[str, Any]] = []  # decisions and transitions, for the run's log
+        self.transitions = 0
+        self.pending: _Pending | None = None
+        self._window: collections.deque[list[Measurement]] = collections.deque(maxlen=CALIBRATION_WINDOW)
+        self._compiled_last_step = True  # the first step compiles everything
+        self._compile_s: float | None = None  # measured compile time of a whole plan
+        self._compile_step_s: float | None = None
+        self._steady_s: collections.deque[float] = collections.deque(maxlen=CALIBRATION_WINDOW)
+        self._workload: Workload | None = None
+        self._pool_ex = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nereus-compile")
+
+    # ------------------------------------------------------------------------------ the boundary
+    def boundary(self, step: int, metrics: dict[str, Any] | None) -> None:
+        """Run before ``step``; ``metrics`` are the previous step's (None before the first step)."""
+        compiled = self._compiled_last_step  # the previous step compiled programs: its time is not a step's
+        if metrics is not None:
+            self._learn(metrics)
+        gone = self._apply_schedule(step)
+        if not self.enabled:
+            if gone & set(self.job.plan.devices):
+                raise RuntimeError(f"step {step}: devices {sorted(gone)} leave but controller.enabled=false: "
+                                   "enable the controller to move the state off them")
+            return
+        if self.pending is not None and gone & set(self.pending.target.devices):
+            self.pending.future.result()  # planned before this loss: discard it and re-plan below
+            self.log(f"step {step}: devices {sorted(gone)} left before the admitted move ran; re-planning")
+            self.pending = None
+        if self.pending is not None:
+            if self.pending.future.done() or gone & set(self.job.plan.devices):
+                self._execute(step, self.pending)
+            elif metrics is not None:
+                self.pending.step_seconds.append(metrics["step_seconds"])
+            return
+        if metrics is None and not gone:
+            return
+        obs = Observation(step, self.job.plan, self._planning_pool(step),
+                          metrics["response_length_mean"] if metrics else (self._ref_length() or 1.0),
+                          None if compiled or metrics is None else metrics["step_seconds"])
+        decision = self.controller.observe(obs)
+        if decision is None:
+            return
+        self._log_decision(decision)
+        if decision.admitted:
+            target = align_ranks(self.job.plan, decision.target)
+            pending = _Pending(decision, target, self._pool_ex.submit(self.job.prepare, target),
+                               time.perf_counter(), step)
+            self.pending = pending
+            if gone & set(self.job.plan.devices):  # the device is gone now: no time to compile ahead
+                self._execute(step, pending)
+
+    def close(self) -> None:
+        if self.pending is not None:
+            self.pending.future.cancel()
+        self._pool_ex.shutdown(wait=True)
+
+    # ------------------------------------------------------------------------------------- pool
+    def _apply_schedule(self, step: int) -> set[int]:
+        """Applies the changes taking effect at ``step``; returns the devices that leave now."""
+        gone: set[int] = set()
+        pool = set(self.pool)
+        for change in self.job.cfg.cluster.schedule:
+            if change.step == step:
+                gone |= set(change.leave) & pool
+                pool = (pool - set(change.leave)) | set(change.join)
+                self.log(f"step {step}: device pool change: leave {list(change.leave)} join {list(change.join)} "
+                         f"-> {len(pool)} devices")
+        self.pool = tuple(sorted(pool))
+        return gone
+
+    def _planning_pool(self, step: int) -> tuple[int, ...]:
+        """The pool minus devices whose leave has been announced (notice) but not yet happened."""
+        leaving = {d for c in self.job.cfg.cluster.schedule if c.step - c.notice <= step < c.step for d in c.leave}
+        return tuple(d for d in self.pool if d not in leaving)
+
+    # ------------------------------------------------------------------------------- execution
+    def _execute(self, step: int, pending: _Pending) -> None:
+        t0 = time.perf_counter()
+        waited = not pending.future.done()
+        prepared: Prepared = pending.future.result()
+        t1 = time.perf_counter()
+        graph = self._graph(self.job.plan, pending.target)
+        units = TransitionExecutor().run(graph, self.job.units)
+        for us in units.values():
+            for u in us:
+                for leaf in u.leaves:
+                    leaf.block_until_ready()
+        t2 = time.perf_counter()
+        self.job.adopt(pending.target, units, prepared)
+        t3 = time.perf_counter()
+        self.pending, self.transitions = None, self.transitions + 1
+        self._compiled_last_step = True
+        overlapped = pending.step_seconds
+        slowdown = (statistics.median(overlapped) / statistics.median(self._steady_s)
+                    if overlapped and self._steady_s else None)
+        event = {"event": "transition", "step": step, "trigger": pending.decision.trigger,
+                 "admitted_at_step": pending.step, "pause_s": t3 - t0, "wait_for_compile_s": t1 - t0,
+                 "movement_s": t2 - t1, "switch_s": t3 - t2, "compile_s": prepared.seconds,
+                 "compile_hidden": not waited, "steps_during_compile": len(overlapped),
+                 "step_slowdown_during_compile": slowdown,
+                 "predicted_transition_s": pending.decision.transition_s,
+                 "predicted_movement_s": graph.makespan_s, "plan": _short(pending.target)}
+        self.events.append(event)
+        fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
+        self.log(f"step {step}: transition -> {event['plan']}: pause {event['pause_s']:.3f} s = data movement "
+                 f"{event['movement_s']:.3f} s (predicted {graph.makespan_s:.3f}) + switch {event['switch_s']:.3f} s"
+                 f" + waiting for compile {event['wait_for_compile_s']:.3f} s; compile {prepared.seconds:.1f} s "
+                 f"{'hidden behind ' + str(len(overlapped)) + ' steps' if not waited else 'NOT hidden'} "
+                 f"(those steps ran {fmt(slowdown)}x the steady step time)")
+
+    def _graph(self, old: ExecutionPlan, new: ExecutionPlan) -> TransitionGraph:
+        bw, lat = link_bandwidth("intra", self.cost.hardware)
+        return TransitionGraph.build(old, new, self.job.specs, caps=self.job.cfg.cluster.device_memory_bytes,
+                                     bandwidth=bw, latency=lat)
+
+    # --------------------------------------------------------------------------- calibration
+    def _learn(self, metrics: dict[str, Any]) -> None:
+        job = self.job
+        mean = max(1.0, metrics["response_length_mean"])
+        p95 = max(mean, metrics.get("response_length_p95", mean))
+        self._workload = Workload(job.cfg.trainer.prompts_per_step, LengthStats.fixed(job.P),
+                                  LengthStats(mean, p95, job.R), job.n)  # programs pad responses to R
+        if self._compiled_last_step:  # this step compiled its programs: time it, do not calibrate on it
+            self._compile_step_s = metrics["step_seconds"]
+            self._compiled_last_step = False
+            return
+        self._steady_s.append(metrics["step_seconds"])
+        if self._compile_s is None and self._compile_step_s is not None:
+            self._compile_s = max(0.0, self._compile_step_s - statistics.median(self._steady_s))
+        seconds = metrics["stage_seconds"]
+        ms = [Measurement(job.cfg.model, name, self._choice(job.plan, name), self._workload, seconds[name])
+              for name in self._stages() if seconds.get(name, 0) > 0]
+        self._window.append(ms)
+        self.cost.observe([m for step in self._window for m in step])
+
+    def _ref_length(self) -> float | None:
+        return self.controller.reference_length
+
+    # ---------------------------------------------------------------------------------- pricing
+    def _stages(self) -> list[str]:
+        names = ["actor-gen", "actor-infer", "ref-infer"]
+        if CRITIC_TRAIN in self.job.plan:
+            names.append("critic-infer")
+        if ModelStage("reward", "infer") in self.job.plan:
+            names.append("reward-infer")
+        return names + ["actor-train"] + (["critic-train"] if CRITIC_TRAIN in self.job.plan else [])
+
+    def _choice(self, plan: ExecutionPlan, name: str) -> StageChoice:
+        sp = plan[_PRICED[name]]
+        job = self.job
+        if name == "actor-gen":
+            per_replica = -(-job.rows // sp.dp)
+            return StageChoice(sp.layout.tp, sp.layout.pp, sp.dp,
+                               max(1, min(per_replica, job.cfg.rollout.max_concurrent_decodes)))
+        accum = steps.accumulation_steps(job.rows, sp.dp, job.P + job.R, job.cfg.trainer.micro_batch_tokens)
+        return StageChoice(sp.layout.tp, sp.layout.pp, sp.dp, job.rows // sp.dp // accum)
+
+    def _latency(self, plan: ExecutionPlan, obs: Observation | None = None) -> float | None:
+        """Predicted step latency of a job plan: its stages one after another (the job runs them in turn)."""
+        if self._workload is None:
+            return None
+        try:
+            return sum(self.cost.stage_latency(self.job.cfg.model, name, self._choice(plan, name),
+                                               self._workload).total for name in self._stages())
+        except (ValueError, KeyError):
+            return None
+
+    def _candidates(self, obs: Observation) -> list[Candidate]:
+        workload = self._workload or Workload.from_config(self.job.cfg)
+        skip = [s for s in ("reward-infer",) if ModelStage("reward", "infer") not in self.job.plan]
+        try:
+            result = self.planner.plan(self.job.cfg.model, self.job.cfg.algorithm.name, workload, obs.devices,
+                                       skip=skip)
+        except InfeasiblePlanError as e:
+            self.log(f"step {obs.step}: the planner found no plan for {len(obs.devices)} devices: {e}")
+            return []
+        out = {}
+        for r in (result, *result.runners_up):
+            plan = ExecutionPlan({ms: r.plan[ms] for ms in self.job.plan})
+            if any(self.job.rows % plan[ms].dp for ms in plan if ms.kind != "gen"):
+                continue
+            latency = self._latency(plan)
+            if latency is not None and plan not in out:
+                out[plan] = latency
+        return [Candidate(p, lat) for p, lat in sorted(out.items(), key=lambda kv: kv[1])]
+
+    def _transition_seconds(self, old: ExecutionPlan, new: ExecutionPlan) -> float | None:
+        try:
+            graph = self._graph(old, align_ranks(old, new))
+        except ValueError:
+            return None
+        compile_s = self._compile_s or 0.0
+        return graph.makespan_s + (compile_s if self.cost.hardware.shared_compute else 0.0)
+
+    # ------------------------------------------------------------------------------------ log
+    def _log_decision(self, d: Decision) -> None:
+        event = {"event": "decision", "step": d.step, "trigger": d.trigger, "urgent": d.urgent,
+                 "admitted": d.admitted, "reason": d.reason, "current_latency_s": d.current_latency_s,
+                 "target_latency_s": d.target_latency_s, "gain_s": d.gain_s,
+                 "predicted_transition_s": d.transition_s, "horizon": d.horizon,
+                 "target": _short(d.target) if d.target is not None else None,
+                 "rejected": [[_short(p), why] for p, why in d.rejected]}
+        self.events.append(event)
+        self.log(d.log_line() + (f" -> {event['target']}" if d.target is not None else ""))
+        for plan, why in d.rejected:
+            self.log(f"    rejected {_short(plan)}: {why}")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The controller's state, for checkpoints: references, horizons, pool, calibration."""
+        c = self.controller
+        return {"reference_length": c.reference_length, "devices": list(c.devices or ()),
+                "horizon": dict(c.horizon), "last_crossing": dict(c._last_crossing),
+                "seen_twice": sorted(c._seen_twice), "pool": list(self.pool), "efficiency": self.cost.efficiency,
+                "compile_s": self._compile_s, "transitions": self.transitions}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        c = self.controller
+        c.reference_length = d["reference_length"]
+        c.devices = tuple(d["devices"]) or None
+        c.horizon.update(d["horizon"])
+        c._last_crossing.update({k: int(v) for k, v in d["last_crossing"].items()})
+        c._seen_twice = set(d["seen_twice"])
+        self.pool = tuple(d["pool"])
+        self.cost = CostModel(self.cost.hardware, d["efficiency"])
+        self.planner.cost_model = self.cost
+        self._compile_s, self.transitions = d["compile_s"], d["transitions"]
+
+
+def _short(plan: ExecutionPlan) -> str:
+    return " ".join(f"{ms}:{sp.layout}x{sp.dp}@{','.join(map(str, sp.devices))}" for ms, sp in plan.items())
