@@ -1,0 +1,181 @@
+"""The controller's side of a simulated run: what a real job would compute, knowing nothing of the truth.
+
+:class:`PlanningModel` holds a :class:`CostModel` that starts from the hardware table's priors and is
+calibrated only from measured stage seconds (``calibrate``), a :class:`Planner` over it, and the
+transition pricing (the scheduled transition graph priced with the cost model's link times, plus a
+setup term learned from measured transitions). Its ``plan_fn`` / ``latency_fn`` / ``transition_fn``
+are the three callables :class:`nereus_jax.elastic.controller.Controller` takes.
+
+``layouts`` pins every model-stage's (tp, pp) (the "fixed TP/PP with DP scaling" baselines): the
+planner then chooses only dp, micro-batch and remat among the pinned layouts' options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import deque
+from collections.abc import Mapping, MutableMapping
+
+from nereus_jax.config import ModelConfig
+from nereus_jax.elastic.controller import Candidate, Observation
+from nereus_jax.elastic.costs import CostModel, Measurement
+from nereus_jax.elastic.costs.candidates import StageOptions
+from nereus_jax.elastic.hardware import Hardware
+from nereus_jax.elastic.planner import GAP, MAX_NODES, InfeasiblePlanError, Planner, device_memory
+from nereus_jax.elastic.workload import Workload
+from nereus_jax.sim.plans import SimPlan, build_graph, graph_seconds
+
+# The transition setup (communicators, programs) the cost model does not price: a conservative prior until
+# a transition has been measured, then an EMA of measured minus predicted data-movement seconds.
+SETUP_PRIOR_S = 10.0
+SETUP_EMA = 0.5
+CALIBRATION_WINDOW = 2  # steps of measurements each refit uses
+EFFICIENCY_GRID = 0.02  # the planner sees efficiencies rounded to 2% steps (log scale): a cacheable snapshot
+
+Layouts = tuple[tuple[str, int, int], ...]
+
+
+@dataclasses.dataclass
+class SharedCaches:
+    """Caches one simulation's policies share: plans (by cost model snapshot, workload, pool, pinned
+    layouts) and transition graphs (by plan pair). Both are pure functions of their keys."""
+
+    plans: MutableMapping[tuple, tuple[SimPlan, ...] | None] = dataclasses.field(default_factory=dict)
+    graphs: MutableMapping[tuple, object] = dataclasses.field(default_factory=dict)
+    plan_ms: list[float] = dataclasses.field(default_factory=list)
+
+
+class PlanningModel:
+    """Planner + calibrated cost model + transition pricing for one policy's run."""
+
+    def __init__(self, models: Mapping[str, ModelConfig], algorithm: str, hw: Hardware, phases, specs,
+                 caches: SharedCaches, *, layouts: Layouts | None = None, planner: Mapping[str, float] | None = None,
+                 cost_model: CostModel | None = None):
+        self.models, self.algorithm, self.hw, self.phases, self.specs = dict(models), algorithm, hw, phases, specs
+        self.caches, self.layouts = caches, layouts
+        self.cost_model = cost_model or CostModel(hw)
+        self.planner_settings = dict(planner or {})
+        self.observed: Workload | None = None
+        self.setup_s, self.setups_seen = SETUP_PRIOR_S, 0
+        self._window: deque[list[Measurement]] = deque(maxlen=CALIBRATION_WINDOW)
+
+    # ------------------------------------------------------------------------------------ planning
+    def snapshot(self) -> CostModel:
+        """The cost model as the planner sees it: efficiencies rounded on a 2% log grid."""
+        step = math.log1p(EFFICIENCY_GRID)
+        eff = {c: float(math.exp(round(math.log(v) / step) * step)) for c, v in self.cost_model.efficiency.items()}
+        return CostModel(self.hw, eff)
+
+    def plans(self, wl: Workload, pool: tuple[int, ...]) -> tuple[SimPlan, ...]:
+        """The planner's best plan and runners-up (fastest first); empty when nothing fits."""
+        cm = self.snapshot()
+        key = (cm.efficiency_vector, wl, pool, self.layouts, tuple(sorted(self.planner_settings.items())))
+        if key not in self.caches.plans:
+            self.caches.plans[key] = self._solve(cm, wl, pool)
+        return self.caches.plans[key] or ()
+
+    def _solve(self, cm: CostModel, wl: Workload, pool: tuple[int, ...]) -> tuple[SimPlan, ...] | None:
+        s = self.planner_settings
+        planner = Planner(cm, headroom=float(s.get("headroom", 0.1)), gap=float(s.get("gap", GAP)),
+                          max_nodes=int(s.get("max_nodes", MAX_NODES)))
+        start = time.perf_counter()
+        try:
+            problem = planner.problem(self.models, self.algorithm, wl, pool)
+        except InfeasiblePlanError:
+            return None
+        opts = _pinned(problem.options(), self.layouts)
+        result = planner.solve(problem, opts)
+        if result is None and problem.concurrent:
+            result = planner.solve(dataclasses.replace(problem, allow_concurrency=False), opts)
+        self.caches.plan_ms.append((time.perf_counter() - start) * 1e3)
+        if result is None:
+            return None
+        return tuple(SimPlan.of(r, self.phases) for r in (result, *result.runners_up))
+
+    def best(self, wl: Workload, pool: tuple[int, ...]) -> SimPlan | None:
+        found = self.plans(wl, pool)
+        return found[0] if found else None
+
+    # ------------------------------------------------------------------------ controller callables
+    def plan_fn(self, obs: Observation) -> list[Candidate]:
+        wl = self.observed
+        out = []
+        for p in self.plans(wl, tuple(obs.devices)):
+            p = p.aligned_to(obs.plan)
+            out.append(Candidate(p, self.predict(p, wl)))
+        return sorted(out, key=lambda c: c.step_latency_s)
+
+    def latency_fn(self, plan: SimPlan, obs: Observation) -> float | None:
+        return self.predict(plan, self.observed)
+
+    def transition_fn(self, old: SimPlan, new: SimPlan) -> float | None:
+        graph = self.graph(old, new)
+        if graph is None:
+            return None
+        node = self.hw.devices_per_node
+        return graph_seconds(graph, self._link_seconds, node) + (self.setup_s if old != new else 0.0)
+
+    def _link_seconds(self, link: str, nbytes: float) -> float:
+        return self.cost_model.transfer_seconds(nbytes, link)
+
+    # ---------------------------------------------------------------------------------- predictions
+    def predict(self, plan: SimPlan, wl: Workload) -> float:
+        """Predicted step latency of ``plan`` on ``wl`` with the current (calibrated) cost model."""
+        cm = self.cost_model
+        seconds = {s: cm.stage_latency(self.models[s.split("-")[0]], s, c, wl).total for s, c in plan.choices}
+        return plan.latency(seconds)
+
+    def peak_memory(self, plan: SimPlan, wl: Workload) -> float:
+        """Predicted peak bytes on the busiest device of ``plan`` on ``wl``."""
+        return plan_peak_memory(plan, wl, lambda s, c: self.cost_model.stage_memory(self.models[s.split("-")[0]], s,
+                                                                                      c, wl))
+
+    def usable_bytes(self) -> float:
+        return (1 - float(self.planner_settings.get("headroom", 0.1))) * self.hw.memory_bytes
+
+    def graph(self, old: SimPlan, new: SimPlan):
+        key = (old, new)
+        if key not in self.caches.graphs:
+            self.caches.graphs[key] = build_graph(old, new, self.specs, self.hw.memory_bytes)
+        return self.caches.graphs[key]
+
+    # ---------------------------------------------------------------------------------- calibration
+    def calibrate(self, plan: SimPlan, wl: Workload, seconds: Mapping[str, float]) -> None:
+        """Refit the cost model's efficiencies from the measured stage seconds of the last steps."""
+        self._window.append([Measurement(self.models[s.split("-")[0]], s, c, wl, seconds[s]) for s, c in plan.choices])
+        self.cost_model.observe([m for ms in self._window for m in ms])
+
+    def record_transition(self, old: SimPlan, new: SimPlan, measured_s: float) -> None:
+        """Learn the setup part of transitions: measured seconds minus predicted data movement."""
+        graph = self.graph(old, new)
+        if graph is None:
+            return
+        data = graph_seconds(graph, self._link_seconds, self.hw.devices_per_node)
+        setup = max(0.0, measured_s - data)
+        self.setup_s = setup if self.setups_seen == 0 else SETUP_EMA * setup + (1 - SETUP_EMA) * self.setup_s
+        self.setups_seen += 1
+
+
+def plan_peak_memory(plan: SimPlan, wl: Workload, stage_bytes) -> float:
+    """Peak bytes over the plan's devices: every model-stage's resident state + the largest working set."""
+    placed = {str(ms): sp for ms, sp in plan.plan.items()}
+    resident, working = {}, {}
+    for s, c in plan.choices:
+        r, w = stage_bytes(s, c)
+        resident[s], working[s] = r, w
+    return max(device_memory(placed, resident, working).values())
+
+
+def _pinned(opts: Mapping[str, StageOptions], layouts: Layouts | None) -> dict[str, StageOptions]:
+    """Each model-stage's options restricted to its pinned (tp, pp) (all of them when not pinned)."""
+    if layouts is None:
+        return dict(opts)
+    keep = {s: (tp, pp) for s, tp, pp in layouts}
+    out = {}
+    for s, o in opts.items():
+        tp, pp = keep[s]
+        m = (o.raw[:, 0] == tp) & (o.raw[:, 1] == pp)
+        out[s] = StageOptions(s, o.latency[m], o.devices[m], o.resident[m], o.working[m], o.raw[m])
+    return out

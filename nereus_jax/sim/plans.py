@@ -1,0 +1,118 @@
+"""Plans as the simulator handles them, and the two things done to every plan: its step latency (the
+critical path of the execution-overlap graph, from any per-stage seconds) and the price of moving to it
+(the scheduled transition graph, each primitive priced by a link-time function, critical path).
+
+Both the controller's predictions (cost model) and the ground truth (sim.truth) go through the same
+functions here with their own per-stage seconds / link times, so they differ only in their models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from nereus_jax.config import ModelConfig
+from nereus_jax.elastic.compile import align_ranks
+from nereus_jax.elastic.costs import StageChoice, resident_bytes
+from nereus_jax.elastic.graph import TransitionError, TransitionGraph
+from nereus_jax.elastic.plan import ExecutionPlan, ModelStage
+from nereus_jax.elastic.planner import PlanResult, critical_path, overlap_edges
+from nereus_jax.elastic.schedule import Infeasible
+from nereus_jax.elastic.spec import ByteSpec
+from nereus_jax.elastic.steps import COPIES, DESTROY, OFFLOAD, ONLOAD
+
+LinkSeconds = Callable[[str, float], float]  # (link type, bytes per device) -> seconds
+
+
+@dataclass(frozen=True)
+class SimPlan:
+    """An execution plan with each model-stage's choice; hashable, compared by choices and devices."""
+
+    choices: tuple[tuple[str, StageChoice], ...]  # run order
+    plan: ExecutionPlan
+    phases: tuple[tuple[str, ...], ...] = field(compare=False)
+    edges: frozenset[tuple[str, str]] = field(compare=False, repr=False)
+
+    @classmethod
+    def of(cls, result: PlanResult, phases: Sequence[Sequence[str]]) -> SimPlan:
+        return cls.build(dict(result.choices), result.plan, phases)
+
+    @classmethod
+    def build(cls, choices: Mapping[str, StageChoice], plan: ExecutionPlan, phases) -> SimPlan:
+        order = [s for p in phases for s in p]
+        placed = {str(ms): sp for ms, sp in plan.items()}
+        edges = frozenset(overlap_edges(phases, placed, order))
+        return cls(tuple((s, choices[s]) for s in order), plan, tuple(tuple(p) for p in phases), edges)
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return self.plan.devices
+
+    def choice(self, stage: str) -> StageChoice:
+        return dict(self.choices)[stage]
+
+    def layouts(self) -> tuple[tuple[str, int, int], ...]:
+        """(stage, tp, pp) per model-stage: what "fixed TP/PP" keeps."""
+        return tuple((s, c.tp, c.pp) for s, c in self.choices)
+
+    def aligned_to(self, current: SimPlan) -> SimPlan:
+        """This plan with its replicas' ranks ordered to match ``current`` (less data moves)."""
+        plan = align_ranks(current.plan, self.plan)
+        return self if plan == self.plan else SimPlan(self.choices, plan, self.phases, self.edges)
+
+    def latency(self, stage_seconds: Mapping[str, float]) -> float:
+        """Step latency: the critical path through this plan's overlap graph."""
+        return critical_path(stage_seconds, set(self.edges))
+
+    def describe(self) -> str:
+        return ", ".join(f"{s} {c}" for s, c in self.choices)
+
+
+def state_specs(models: Mapping[str, ModelConfig], stages: Sequence[str]) -> dict[ModelStage, ByteSpec]:
+    """A replica's state of each model-stage as bytes (weights; + Adam state for training)."""
+    return {ModelStage.parse(s): ByteSpec(int(resident_bytes(models[s.split("-")[0]], s, 1, 1))) for s in stages}
+
+
+def build_graph(old: SimPlan, new: SimPlan, specs: Mapping[ModelStage, ByteSpec], cap: int) -> TransitionGraph | None:
+    """The scheduled transition graph old -> new, or None when no live transition reaches ``new``."""
+    try:
+        return TransitionGraph.build(old.plan, new.plan, specs, caps=cap)
+    except (Infeasible, TransitionError):
+        return None
+
+
+def _link(graph: TransitionGraph, step, node: int) -> str:
+    """The link a primitive's bytes travel: host, inside a node, or across nodes."""
+    if step.op in (OFFLOAD, ONLOAD):
+        return "host"
+    units = [graph.units[u] for u in (*step.inputs, *step.outputs)]
+    nodes = {d // node for u in units for d in u.devices}
+    if step.op in COPIES:
+        src, dst = graph.units[step.inputs[0]], graph.units[step.outputs[0]]
+        crossing = any(a // node != b // node for a, b in zip(src.devices, dst.devices, strict=False))
+        return "inter" if crossing else "intra"
+    return "intra" if len(nodes) <= 1 else "inter"
+
+
+def graph_seconds(graph: TransitionGraph, link_seconds: LinkSeconds, devices_per_node: int) -> float:
+    """Critical path of the scheduled graph with every primitive priced by ``link_seconds`` (a Destroy
+    is free); dependencies include the scheduler's resource edges."""
+    end: dict[int, float] = {}
+    for s in graph.steps:
+        start = max((end[d] for d in s.all_deps() if d in end), default=0.0)
+        if s.op == DESTROY:
+            end[s.sid] = start
+            continue
+        nbytes = max(s.acquire.values(), default=0)
+        end[s.sid] = start + link_seconds(_link(graph, s, devices_per_node), float(nbytes))
+    return max(end.values(), default=0.0)
+
+
+def changed_stages(old: SimPlan, new: SimPlan) -> dict[str, bool]:
+    """Model-stages whose plan changes -> whether their (tp, pp) layout changes."""
+    out = {}
+    for ms, sp in new.plan.items():
+        before = old.plan[ms]
+        if sp != before:
+            out[str(ms)] = sp.layout != before.layout
+    return out

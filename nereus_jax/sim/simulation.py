@@ -1,0 +1,342 @@
+"""Runs policies over a drift trace on a simulated cluster: the SAME Controller, Planner, cost model and
+transition graph as the real job, against the ground truth of ``sim.truth``.
+
+Each step: the controller observes the previous step (its response length, measured latency, the
+predicted peak memory of the current plan) and the pool for the next step; an admitted decision is
+applied at the step boundary (the ground truth prices the transition); the step runs (ground truth
+seconds per stage, its critical path; an out-of-memory step wastes half its time and forces an urgent
+re-plan); the measured stage seconds calibrate the policy's cost model.
+
+Policies (same trace, same seed, same noise per step and stage):
+- ``fixed``: the planner's first-step (tp, pp) per model-stage kept for the run; dp, micro-batch and
+  remat re-planned by the same controller (the paper's baseline: fixed TP/PP + DP scaling);
+- ``fixed_best``: the best single pinned (tp, pp) assignment in hindsight with DP scaling, among the
+  assignments the oracle uses (the 8 most used) and the first-step one;
+- ``every_K`` (``every_3``): re-plan every K steps and on pool/memory triggers, admit any predicted gain;
+- ``no_admission``: re-plan on every trigger, admit any predicted gain (gamma = infinity);
+- ``nereus``: the controller with Eq. 2 admission (gamma from the trace);
+- ``oracle``: each step the truly fastest plan that fits, among the planner's picks under the truth's
+  efficiencies and every plan any other policy ran at that step, with free transitions: a lower bound
+  of every policy's step latency.
+
+    sim = Simulation(load_trace("paper_drift"))
+    runs = sim.run(["fixed", "nereus", "oracle"])
+    runs["nereus"].summary()
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from nereus_jax.config import resolve_model
+from nereus_jax.elastic.controller import Controller, Decision, Observation
+from nereus_jax.elastic.costs import CostModel
+from nereus_jax.elastic.hardware import get_hardware
+from nereus_jax.elastic.planner import phases_for
+from nereus_jax.elastic.workload import LengthStats, Workload
+from nereus_jax.sim.model import Layouts, PlanningModel, SharedCaches, plan_peak_memory
+from nereus_jax.sim.plans import SimPlan, changed_stages, graph_seconds, state_specs
+from nereus_jax.sim.trace import Trace
+from nereus_jax.sim.truth import GroundTruth, TruthSettings
+
+POLICIES = ("fixed", "fixed_best", "every_3", "no_admission", "nereus", "oracle")
+OOM_WASTE = 0.5  # estimate: an out-of-memory step fails on average halfway through
+FIXED_BEST_CANDIDATES = 8
+BUCKET = 0.02  # the oracle plans for response lengths rounded to a 2% log grid (then prices the exact step)
+
+
+class PolicyError(ValueError):
+    """An unknown policy name (the message lists the valid ones)."""
+
+
+@dataclass
+class StepRecord:
+    step: int
+    pool: int
+    latency_s: float            # ground-truth step latency (noise and stragglers included)
+    transition_s: float = 0.0   # ground-truth transition time at this step's boundary
+    wasted_s: float = 0.0       # out-of-memory attempts and checkpoint/restarts
+    oom: int = 0
+    decision_ms: float = 0.0    # the controller's own time at this boundary
+    plan: SimPlan | None = None
+    events: list[str] = field(default_factory=list)
+    predicted_s: float | None = None  # the policy's cost model's prediction for this step (before it ran)
+
+
+@dataclass
+class PolicyRun:
+    name: str
+    records: list[StepRecord]
+    decisions: list[Decision] = field(default_factory=list)
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def total_s(self) -> float:
+        return sum(r.latency_s + r.transition_s + r.wasted_s for r in self.records)
+
+    def summary(self) -> dict:
+        recs = self.records
+        transition_s = sum(r.transition_s for r in recs)
+        total = self.total_s
+        layout_changes = sum("layout" in e for r in recs for e in r.events)
+        decision = [r.decision_ms for r in recs[1:]] or [0.0]
+        out = {
+            "mean_step_s": total / len(recs),
+            "mean_compute_step_s": sum(r.latency_s for r in recs) / len(recs),
+            "transitions": sum("transition" in e for r in recs for e in r.events),
+            "layout_transitions": layout_changes,
+            "transition_s": transition_s,
+            "overhead_fraction": transition_s / total if total else 0.0,
+            "oom_events": sum(r.oom for r in recs),
+            "restarts": sum("restart" in e for r in recs for e in r.events),
+            "total_s": total,
+            "decision_ms_mean": sum(decision) / len(decision),
+            "decision_ms_max": max(decision),
+            "transition_steps": [r.step for r in recs if any("transition" in e for e in r.events)],
+        }
+        out.update(self.notes)
+        return out
+
+
+class Simulation:
+    """One trace on its simulated cluster; ``run`` plays policies over it."""
+
+    def __init__(self, trace: Trace):
+        self.trace = trace
+        self.hw = get_hardware(trace.hardware)
+        self.phases = phases_for(trace.algorithm)
+        self.stages = [s for p in self.phases for s in p]
+        roles = sorted({s.split("-")[0] for s in self.stages})
+        missing = [r for r in roles if r not in trace.models]
+        if missing:
+            raise ValueError(f"trace '{trace.name}': models needs a preset for role(s) {missing}")
+        self.models = {r: resolve_model(trace.models[r]) for r in roles}
+        self.specs = state_specs(self.models, self.stages)
+        self.truth = GroundTruth(self.hw, trace.seed, TruthSettings.from_mapping(trace.truth))
+        self.caches = SharedCaches()
+
+    # ---------------------------------------------------------------------------- building blocks
+    def model(self, layouts: Layouts | None = None, cost_model: CostModel | None = None) -> PlanningModel:
+        return PlanningModel(self.models, self.trace.algorithm, self.hw, self.phases, self.specs, self.caches,
+                             layouts=layouts, planner=self.trace.planner, cost_model=cost_model)
+
+    def cfg(self, stage: str):
+        return self.models[stage.split("-")[0]]
+
+    def measure(self, plan: SimPlan, wl: Workload, step: int) -> tuple[float, dict[str, float]]:
+        """Ground-truth step latency and per-stage seconds of ``plan`` at ``step``."""
+        seconds = {s: self.truth.stage_seconds(self.cfg(s), s, c, wl, step) for s, c in plan.choices}
+        return plan.latency(seconds), seconds
+
+    def true_peak(self, plan: SimPlan, wl: Workload) -> float:
+        return plan_peak_memory(plan, wl, lambda s, c: self.truth.stage_bytes(self.cfg(s), s, c, wl))
+
+    def fits(self, plan: SimPlan, wl: Workload) -> bool:
+        return self.true_peak(plan, wl) <= self.hw.memory_bytes
+
+    def true_transition(self, model: PlanningModel, old: SimPlan, new: SimPlan) -> float | None:
+        """Ground-truth seconds of old -> new: data movement at true link speeds + concurrent setup."""
+        graph = model.graph(old, new)
+        if graph is None:
+            return None
+        data = graph_seconds(graph, self.truth.link_seconds, self.hw.devices_per_node)
+        changed = changed_stages(old, new)
+        return data + max((self.truth.setup_seconds(v) for v in changed.values()), default=0.0)
+
+    def initial_plan(self) -> SimPlan:
+        """The planner's plan for the first step with the hardware table's priors (every policy starts here)."""
+        plan = self.model().best(self.trace.workload(0), self.trace.pool(0))
+        if plan is None:
+            raise ValueError(f"trace '{self.trace.name}': nothing fits the first step's pool")
+        return plan
+
+    # ---------------------------------------------------------------------------------- policies
+    def run(self, policies: Sequence[str] = POLICIES) -> dict[str, PolicyRun]:
+        for p in policies:
+            _check_policy(p)
+        runs: dict[str, PolicyRun] = {}
+        oracle_picks = self._oracle_picks() if {"fixed_best", "oracle"} & set(policies) else None
+        for name in policies:
+            if name == "fixed_best":
+                runs[name] = self._fixed_best(oracle_picks, runs.get("fixed"))
+            elif name != "oracle":
+                runs[name] = self.run_policy(name)
+        if "oracle" in policies:
+            runs["oracle"] = self._oracle(oracle_picks, list(runs.values()))
+        return {p: runs[p] for p in policies}
+
+    def controller(self, name: str, model: PlanningModel) -> Controller:
+        c = self.trace.controller
+        kw = {k: float(c[k]) for k in ("length_drift", "efficiency_drift", "ema") if k in c}
+        gamma = float(c.get("gamma", 0.5))
+        args = (model.plan_fn, model.latency_fn, model.transition_fn)
+        every = re.fullmatch(r"every_(\d+)", name)
+        if every:
+            return PeriodicController(*args, period=int(every.group(1)), **kw)
+        if name == "no_admission":
+            return Controller(*args, gamma=math.inf, **kw)
+        return Controller(*args, gamma=gamma, **kw)
+
+    def run_policy(self, name: str, layouts: Layouts | None = None) -> PolicyRun:
+        """Play one controller policy over the trace (``fixed``: pinned to the first plan's layouts)."""
+        plan = self.initial_plan()
+        if name == "fixed" and layouts is None:
+            layouts = plan.layouts()
+        model = self.model(layouts)
+        controller = self.controller(name, model)
+        run = PolicyRun(name, [], notes={"layouts": _layout_text(layouts)} if layouts else {})
+        prev: tuple[Workload, float] | None = None
+        for step in range(self.trace.steps):
+            wl, pool = self.trace.workload(step), self.trace.pool(step)
+            rec = StepRecord(step, len(pool), 0.0)
+            if prev is not None:
+                model.observed = prev[0]
+                obs = Observation(step, plan, pool, prev[0].response_length.mean, prev[1],
+                                  model.peak_memory(plan, prev[0]), model.usable_bytes())
+                start = time.perf_counter()
+                decision = controller.observe(obs)
+                rec.decision_ms = (time.perf_counter() - start) * 1e3
+                plan = self._apply(decision, plan, model, rec, run)
+            plan = self._ensure_in_pool(plan, model, pool, rec)
+            plan = self._run_step(plan, wl, step, model, controller, rec, run)
+            run.records.append(rec)
+            prev = (wl, rec.latency_s)
+        return run
+
+    def _apply(self, decision: Decision | None, plan: SimPlan, model: PlanningModel, rec: StepRecord,
+               run: PolicyRun) -> SimPlan:
+        if decision is None:
+            return plan
+        run.decisions.append(decision)
+        if decision.admitted and decision.target is not None:
+            return self._transition(plan, decision.target, model, rec)
+        if decision.urgent:  # no live transition: checkpoint/restart onto the best plan
+            best = model.best(model.observed, tuple(range(rec.pool)))
+            if best is not None:
+                rec.wasted_s += self.truth.restart_seconds()
+                rec.events.append("restart")
+                return best
+        return plan
+
+    def _transition(self, plan: SimPlan, target: SimPlan, model: PlanningModel, rec: StepRecord) -> SimPlan:
+        seconds = self.true_transition(model, plan, target)
+        if seconds is None:
+            rec.wasted_s += self.truth.restart_seconds()
+            rec.events.append("restart")
+            return target
+        layout = any(changed_stages(plan, target).values())
+        model.record_transition(plan, target, seconds)
+        rec.transition_s += seconds
+        rec.events.append("transition" + (" layout" if layout else ""))
+        return target
+
+    def _ensure_in_pool(self, plan: SimPlan, model: PlanningModel, pool: tuple[int, ...], rec: StepRecord) -> SimPlan:
+        """A plan on devices that left the pool cannot run: move it (forced), unpinned if pinning can't fit."""
+        if set(plan.devices) <= set(pool):
+            return plan
+        model.observed = model.observed or self.trace.workload(0)
+        target = model.best(model.observed, pool)
+        if target is None:
+            target = self.model().best(model.observed, pool)
+            rec.events.append("forced relayout")
+        return self._transition(plan, target.aligned_to(plan), model, rec)
+
+    def _run_step(self, plan: SimPlan, wl: Workload, step: int, model: PlanningModel, controller: Controller,
+                  rec: StepRecord, run: PolicyRun) -> SimPlan:
+        for _ in range(3):
+            if self.fits(plan, wl):
+                break
+            rec.oom += 1
+            rec.wasted_s += OOM_WASTE * self.measure(plan, wl, step)[0]
+            model.observed = wl
+            obs = Observation(step, plan, tuple(range(rec.pool)), wl.response_length.mean, None,
+                              self.true_peak(plan, wl), float(self.hw.memory_bytes))
+            plan = self._apply(controller.observe(obs), plan, model, rec, run)
+        rec.predicted_s = model.predict(plan, wl)
+        rec.latency_s, seconds = self.measure(plan, wl, step)
+        rec.plan = plan
+        model.calibrate(plan, wl, seconds)
+        return plan
+
+    # -------------------------------------------------------------------------- hindsight policies
+    def oracle_model(self) -> PlanningModel:
+        """A planner over a cost model with the truth's large-size efficiencies (hindsight knowledge)."""
+        return self.model(cost_model=CostModel(self.hw, self.truth.reference_efficiency()))
+
+    def _oracle_picks(self) -> list[tuple[SimPlan, ...]]:
+        model = self.oracle_model()
+        return [model.plans(_bucket(self.trace.workload(s)), self.trace.pool(s)) for s in range(self.trace.steps)]
+
+    def _oracle(self, picks, others: Sequence[PolicyRun]) -> PolicyRun:
+        run = PolicyRun("oracle", [])
+        for step in range(self.trace.steps):
+            wl, pool = self.trace.workload(step), set(self.trace.pool(step))
+            candidates = set(picks[step]) | {r.records[step].plan for r in others}
+            best = None
+            for p in candidates:
+                if p is None or not set(p.devices) <= pool or not self.fits(p, wl):
+                    continue
+                latency = self.measure(p, wl, step)[0]
+                if best is None or latency < best[0]:
+                    best = (latency, p)
+            assert best is not None, f"oracle: nothing fits step {step}"
+            run.records.append(StepRecord(step, len(pool), best[0], plan=best[1]))
+        return run
+
+    def _fixed_best(self, picks, fixed: PolicyRun | None) -> PolicyRun:
+        counts = Counter(p[0].layouts() for p in picks if p)
+        candidates = [lay for lay, _ in counts.most_common(FIXED_BEST_CANDIDATES)]
+        first = self.initial_plan().layouts()
+        if first not in candidates:
+            candidates.append(first)
+        best = None
+        for layouts in candidates:
+            run = fixed if fixed is not None and layouts == first else self.run_policy("fixed_best", layouts)
+            if any("forced relayout" in e for r in run.records for e in r.events):
+                continue  # that layout cannot run the whole trace
+            if best is None or run.total_s < best.total_s:
+                best = run
+        assert best is not None
+        return PolicyRun("fixed_best", best.records, best.decisions,
+                         {**best.notes, "fixed_best_candidates": len(candidates)})
+
+
+class PeriodicController(Controller):
+    """Re-plan every ``period`` steps (and on pool / memory triggers); admits any predicted gain."""
+
+    def __init__(self, *args, period: int, **kw):
+        super().__init__(*args, gamma=math.inf, **kw)
+        self.period = period
+        self.horizon["schedule"] = 1.0
+
+    def _trigger(self, obs: Observation) -> tuple[str | None, bool]:
+        trigger, urgent = super()._trigger(obs)
+        if trigger in ("pool", "memory"):
+            return trigger, urgent
+        return ("schedule", False) if obs.step % self.period == 0 else (None, False)
+
+
+def _check_policy(name: str) -> None:
+    if name not in POLICIES and not re.fullmatch(r"every_\d+", name):
+        raise PolicyError(f"unknown policy '{name}'; valid: {', '.join(POLICIES)} (every_K for any K)")
+
+
+def _bucket(wl: Workload) -> Workload:
+    step = math.log1p(BUCKET)
+    r = wl.response_length
+
+    def snap(x: float) -> float:
+        return math.exp(round(math.log(x) / step) * step)
+
+    mean, p95 = snap(r.mean), snap(r.p95)
+    top = max(int(math.ceil(snap(r.max))), int(math.ceil(p95)))
+    return wl.with_response_length(LengthStats(min(mean, p95), p95, top))
+
+
+def _layout_text(layouts: Layouts | None) -> str:
+    return "; ".join(f"{s} tp{tp} pp{pp}" for s, tp, pp in layouts) if layouts else ""
