@@ -22,6 +22,8 @@ import dataclasses
 import hashlib
 import json
 import os
+import signal
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -31,7 +33,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nereus_jax.config import Config
+from nereus_jax.config import Config, ConfigError
 from nereus_jax.elastic.emu import EMU, split_replicas
 from nereus_jax.elastic.plan import DEVICE, ExecutionPlan, ModelStage, StagePlan
 from nereus_jax.models import abstract_params
@@ -313,3 +315,116 @@ def latest_step(directory: str) -> int | None:
         return locate(directory)[1]
     except CheckpointError:
         return None
+
+
+# ------------------------------------------------------------------------------------ stops and faults
+class GracefulStop:
+    """Within ``with GracefulStop() as stop:``, SIGTERM / SIGINT set ``stop.signal`` (the signal's name)
+    instead of ending the process, so the loop can finish its step and save; a second SIGINT raises
+    KeyboardInterrupt as usual. The previous handlers come back on exit. Main thread only."""
+
+    def __init__(self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)):
+        self.signals, self.signal, self._old = tuple(signals), None, {}
+
+    def __enter__(self) -> GracefulStop:
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._handle) for s in self.signals}
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+    def __exit__(self, *exc) -> None:
+        for s, old in self._old.items():
+            signal.signal(s, old)
+
+
+class DeviceLost(RuntimeError):
+    """Devices (jax ids) that stopped working during a step; raised by the runtime (or a test)."""
+
+    def __init__(self, device_ids: Sequence[int], message: str = ""):
+        self.device_ids = tuple(sorted(int(d) for d in device_ids))
+        super().__init__(message or f"devices {list(self.device_ids)} were lost")
+
+
+@dataclasses.dataclass
+class Recovery:
+    """How a job came back from a device loss: ``how`` is "survivors" (re-planned from the units left on
+    the surviving devices, the failed step is redone) or "checkpoint" (restored from ``checkpoint``)."""
+
+    job: Job
+    how: str
+    next_step: int
+    reason: str
+    checkpoint: str | None = None
+
+    def describe(self) -> str:
+        src = "the surviving units" if self.how == "survivors" else f"checkpoint {self.checkpoint}"
+        return f"recovered from {src} ({self.reason}); continuing at step {self.next_step} on\n{self.job.plan}"
+
+
+def training_counts(job: Job) -> dict[str, Any]:
+    """Optimizer update counts of the training model-stages (their integer scalars in the optax state)."""
+    return training_counts_of(job.units)
+
+
+def recover_from_device_loss(job: Job, lost: Sequence[int], step: int, counts: Mapping[str, Any],
+                             checkpoint_dir: str | None) -> Recovery:
+    """After ``DeviceLost(lost)`` during ``step`` (``counts`` = :func:`training_counts` at the step's start):
+    re-plan onto the surviving devices from the surviving units when every model-stage still has a complete
+    replica holding its state as of the step's start; otherwise restore the last checkpoint there."""
+    lost = {int(d) for d in lost}
+    alive = [i for i, d in enumerate(job.devices) if d.id not in lost]
+    plan = plan_for_devices(job.cfg, alive, job.rows)
+    survivors = {ms: [u for u in units if not lost & {d.id for d in u.devices}] for ms, units in job.units.items()}
+    gone = sorted(str(ms) for ms, us in survivors.items() if not us)
+    moved = [k for k, v in training_counts_of(survivors).items() if v != counts.get(k)] if not gone else []
+    if not gone and not moved:
+        host = {ms: us[0].to_host() for ms, us in survivors.items()}
+        zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), abstract_params(job.cfg.model))
+        new = Job(job.cfg, job.task, job.tok, actor_params=zeros, plan=plan, devices=job.devices)
+        install(new, {ms: [EMU.create(ms, new.specs[ms], plan[ms].layout, [new.devices[i] for i in r], host[ms])
+                           for r in plan[ms].replicas] for ms in new.units}, job.version)
+        return Recovery(new, "survivors", step, f"devices {sorted(lost)} lost; every model-stage kept a replica")
+    reason = (f"devices {sorted(lost)} lost; no replica of {', '.join(gone)} survived" if gone else
+              f"devices {sorted(lost)} lost after {', '.join(moved)} had updated in step {step}")
+    if checkpoint_dir is None or latest_step(checkpoint_dir) is None:
+        raise CheckpointError(f"{reason}, and there is no checkpoint to restore (checkpoint.dir={checkpoint_dir!r}): "
+                              "set checkpoint.every_steps so that a loss costs at most that many steps")
+    new, meta = restore_job(job.cfg, job.task, job.tok, checkpoint_dir, plan=plan, devices=job.devices)
+    return Recovery(new, "checkpoint", meta["step"], reason, meta["_step_dir"])
+
+
+def training_counts_of(units: Mapping[ModelStage, Sequence[EMU]]) -> dict[str, Any]:
+    """Per training model-stage, its first unit's optimizer counts ("deleted" when a program that failed
+    had taken its buffers)."""
+    out: dict[str, Any] = {}
+    for ms, us in units.items():
+        if ms.kind == "train" and us:
+            leaves = us[0].leaves
+            if any(x.is_deleted() for x in leaves):
+                out[str(ms)] = "deleted"
+                continue
+            ints = [x for x in leaves[us[0].spec.n_params:] if x.ndim == 0 and x.dtype.kind in "iu"]
+            out[str(ms)] = tuple(int(np.asarray(x)) for x in ints)
+    return out
+
+
+def plan_for_devices(cfg: Config, device_ids: Sequence[int], rows: int) -> ExecutionPlan:
+    """The config's plan on the largest prefix of ``device_ids`` it fits (every non-generation stage's dp
+    dividing the ``rows`` rollouts of a step)."""
+    for k in range(len(device_ids), 0, -1):
+        try:
+            plan = plan_from_config(cfg, list(device_ids[:k]))
+        except ConfigError:
+            continue
+        if all(ms.kind == "gen" or rows % sp.dp == 0 for ms, sp in plan.items()):
+            return plan
+    raise CheckpointError(f"no plan of the config fits the surviving devices {list(device_ids)}: lower the "
+                          "plan's dp/tp/pp in the config")

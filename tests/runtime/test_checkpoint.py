@@ -39,7 +39,7 @@ def compilation_cache(tmp_path_factory):
     """A fresh Job traces its programs again; the persistent cache spares compiling them again."""
     keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
     old = {k: getattr(jax.config, k) for k in keys}
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax-cache")))
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.getbasetemp() / "jax-cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     yield
     for k, v in old.items():
@@ -57,7 +57,8 @@ def warm(tmp_path_factory):
         def log(self, _):
             pass
 
-    params, _, _ = _warm_start(cfg, make_task(cfg.task), CharTokenizer(), str(tmp_path_factory.mktemp("c")), _Quiet())
+    cache = str(tmp_path_factory.getbasetemp() / "warm-cache")  # shared with test_faults.py
+    params, _, _ = _warm_start(cfg, make_task(cfg.task), CharTokenizer(), cache, _Quiet())
     return params
 
 
