@@ -203,7 +203,7 @@ def test_to_dict_round_trips_through_config_from_dict_and_yaml():
         ],
     )
     plain = config.to_dict()
-    assert plain["cluster"]["schedule"] == [{"step": 2, "leave": [6, 7], "join": []}]
+    assert plain["cluster"]["schedule"] == [{"step": 2, "leave": [6, 7], "join": [], "notice": 0}]
     assert config_from_dict(plain) == config
     assert config_from_dict(yaml.safe_load(yaml.safe_dump(plain))) == config
 
@@ -323,6 +323,11 @@ def test_file_task_without_prompt_file_names_task_prompt_file():
 def test_schedule_device_id_out_of_range_names_the_change():
     with pytest.raises(ConfigError, match=r"cluster\.schedule\[1\]\.join: device id 8 is outside \[0, 8\)"):
         load_config(None, ["cluster.schedule=[{step: 1, leave: [7]}, {step: 2, join: [8]}]"])
+
+
+def test_schedule_notice_longer_than_the_run_so_far_is_rejected():
+    with pytest.raises(ConfigError, match=r"cluster\.schedule\[0\]\.notice \(5\) must be in \[0, step=3\]"):
+        load_config(None, ["cluster.schedule=[{step: 3, leave: [7], notice: 5}]"])
 
 
 def test_schedule_steps_out_of_order_are_rejected():

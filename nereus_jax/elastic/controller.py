@@ -8,8 +8,9 @@ Triggers:
   - hard: the device pool changed (urgent when a device in use left), or the predicted peak memory of
     the current plan exceeds the memory cap (urgent);
   - soft: mean response length drifted more than ``length_drift`` (30%) from its reference, or the
-    achieved step time drifted more than ``efficiency_drift`` from the prediction. Every re-plan, admitted
-    or not, resets the references.
+    achieved efficiency (measured / predicted step time) drifted more than ``efficiency_drift`` from its
+    value at the last reset (a model with a steady bias does not trigger forever; a change in how the
+    hardware performs does). Every re-plan, admitted or not, resets the references.
 Admission (Eq. 2): a target is admitted when its predicted per-step gain dL > 0 and
 ``transition_s / dL <= gamma * H``, H the EMA of the number of steps between threshold crossings of the
 triggering signal (1 before any is seen). A rejected best target falls back to the runners-up (slightly
@@ -87,6 +88,7 @@ class Controller:
         self.plan_fn, self.latency_fn, self.transition_fn = plan_fn, latency_fn, transition_fn
         self.gamma, self.length_drift, self.efficiency_drift, self.ema = gamma, length_drift, efficiency_drift, ema
         self.reference_length: float | None = None
+        self.reference_ratio: float | None = None  # measured / predicted step time at the last reset
         self.devices: tuple[int, ...] | None = None if devices is None else tuple(devices)  # the pool at start
         self.horizon = {"length": 1.0, "efficiency": 1.0, "pool": 1.0, "memory": 1.0}
         self._last_crossing: dict[str, int] = {}
@@ -97,15 +99,19 @@ class Controller:
     def observe(self, obs: Observation) -> Decision | None:
         if self.reference_length is None:  # the first observation sets the references; only a pool change
             self.reference_length = obs.response_length  # since ``devices`` (if given) can trigger
+            self.reference_ratio = self._ratio(obs)
             if self.devices is None or tuple(obs.devices) == self.devices:
                 self.devices = tuple(obs.devices)
                 return None
+        if self.reference_ratio is None:
+            self.reference_ratio = self._ratio(obs)
         trigger, urgent = self._trigger(obs)
         if trigger is None:
             return None
         self._crossed(trigger, obs.step)
         decision = self._replan(obs, trigger, urgent)
         self.reference_length, self.devices = obs.response_length, tuple(obs.devices)  # reset, admitted or not
+        self.reference_ratio = self._ratio(obs)
         self.decisions.append(decision)
         return decision
 
@@ -119,11 +125,17 @@ class Controller:
         ref = self.reference_length or 0.0
         if ref > 0 and abs(obs.response_length - ref) / ref > self.length_drift:
             return "length", False
-        if obs.step_seconds is not None:
-            predicted = self.latency_fn(obs.plan, obs)
-            if predicted and abs(obs.step_seconds - predicted) / predicted > self.efficiency_drift:
-                return "efficiency", False
+        ratio = self._ratio(obs)
+        if ratio is not None and self.reference_ratio and abs(ratio / self.reference_ratio - 1) > self.efficiency_drift:
+            return "efficiency", False
         return None, False
+
+    def _ratio(self, obs: Observation) -> float | None:
+        """Measured / predicted step time: the inverse of the achieved efficiency relative to the model."""
+        if obs.step_seconds is None:
+            return None
+        predicted = self.latency_fn(obs.plan, obs)
+        return obs.step_seconds / predicted if predicted else None
 
     def _crossed(self, signal: str, step: int) -> None:
         """H: EMA of steps between threshold crossings of this signal (1 until a second crossing)."""
@@ -151,13 +163,15 @@ class Controller:
                                 c.step_latency_s, None, cost, H, tuple(rejected))
             gain = None if current is None else current - c.step_latency_s
             if gain is None or gain <= 0:
-                rejected.append((c.plan, f"no gain (dL={gain})"))
+                rejected.append((c.plan, "no gain" if gain is None else
+                                 f"no gain: dL={gain:.3g} s/step (transition {cost:.3g} s)"))
                 continue
             if cost / gain <= self.gamma * H:
                 return Decision(obs.step, trigger, False, c.plan, True,
                                 f"pays back in {cost / gain:.2f} steps <= gamma*H={self.gamma * H:.2f}",
                                 current, c.step_latency_s, gain, cost, H, tuple(rejected))
-            rejected.append((c.plan, f"pays back in {cost / gain:.2f} steps > gamma*H={self.gamma * H:.2f}"))
+            rejected.append((c.plan, f"gain {gain:.3g} s/step, transition {cost:.3g} s: pays back in "
+                                     f"{cost / gain:.2f} steps > gamma*H={self.gamma * H:.2f}"))
         reason = ("urgent, but no feasible live transition exists: checkpoint/restart is the last resort"
                   if urgent else "no candidate admitted")
         best = candidates[0] if candidates else None

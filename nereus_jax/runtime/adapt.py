@@ -64,6 +64,7 @@ class _Pending:
     future: concurrent.futures.Future
     started: float
     step: int
+    steady_s: float | None  # median step time before the compile started
     step_seconds: list[float] = dataclasses.field(default_factory=list)  # steps run while compiling
 
 
@@ -88,6 +89,9 @@ class Adapter:
         self._compile_s: float | None = None  # measured compile time of a whole plan
         self._compile_step_s: float | None = None
         self._steady_s: collections.deque[float] = collections.deque(maxlen=CALIBRATION_WINDOW)
+        # the priced stages' measured seconds per step (since the last plan change), for the efficiency
+        # trigger: their median over a few steps, because single steps on a shared host are noisy
+        self._priced_s: collections.deque[float] = collections.deque(maxlen=5)
         self._workload: Workload | None = None
         self._pool_ex = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nereus-compile")
 
@@ -115,17 +119,18 @@ class Adapter:
             return
         if metrics is None and not gone:
             return
+        achieved = statistics.median(self._priced_s) if len(self._priced_s) >= 3 and not compiled else None
         obs = Observation(step, self.job.plan, self._planning_pool(step),
-                          metrics["response_length_mean"] if metrics else (self._ref_length() or 1.0),
-                          None if compiled or metrics is None else metrics["step_seconds"])
+                          metrics["response_length_mean"] if metrics else (self._ref_length() or 1.0), achieved)
         decision = self.controller.observe(obs)
         if decision is None:
             return
         self._log_decision(decision)
         if decision.admitted:
             target = align_ranks(self.job.plan, decision.target)
+            steady = statistics.median(self._steady_s) if self._steady_s else None
             pending = _Pending(decision, target, self._pool_ex.submit(self.job.prepare, target),
-                               time.perf_counter(), step)
+                               time.perf_counter(), step, steady)
             self.pending = pending
             if gone & set(self.job.plan.devices):  # the device is gone now: no time to compile ahead
                 self._execute(step, pending)
@@ -169,11 +174,11 @@ class Adapter:
         t2 = time.perf_counter()
         self.job.adopt(pending.target, units, prepared)
         t3 = time.perf_counter()
+        self._priced_s.clear()
         self.pending, self.transitions = None, self.transitions + 1
         self._compiled_last_step = True
         overlapped = pending.step_seconds
-        slowdown = (statistics.median(overlapped) / statistics.median(self._steady_s)
-                    if overlapped and self._steady_s else None)
+        slowdown = statistics.median(overlapped) / pending.steady_s if overlapped and pending.steady_s else None
         event = {"event": "transition", "step": step, "trigger": pending.decision.trigger,
                  "admitted_at_step": pending.step, "pause_s": t3 - t0, "wait_for_compile_s": t1 - t0,
                  "movement_s": t2 - t1, "switch_s": t3 - t2, "compile_s": prepared.seconds,
@@ -183,9 +188,9 @@ class Adapter:
                  "predicted_movement_s": graph.makespan_s, "plan": _short(pending.target)}
         self.events.append(event)
         fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
-        self.log(f"step {step}: transition -> {event['plan']}: pause {event['pause_s']:.3f} s = data movement "
-                 f"{event['movement_s']:.3f} s (predicted {graph.makespan_s:.3f}) + switch {event['switch_s']:.3f} s"
-                 f" + waiting for compile {event['wait_for_compile_s']:.3f} s; compile {prepared.seconds:.1f} s "
+        self.log(f"step {step}: transition -> {event['plan']}: pause {event['pause_s']:.3g} s = data movement "
+                 f"{event['movement_s']:.3g} s (predicted {graph.makespan_s:.3g}) + switch {event['switch_s']:.3g} s"
+                 f" + waiting for compile {event['wait_for_compile_s']:.3g} s; compile {prepared.seconds:.1f} s "
                  f"{'hidden behind ' + str(len(overlapped)) + ' steps' if not waited else 'NOT hidden'} "
                  f"(those steps ran {fmt(slowdown)}x the steady step time)")
 
@@ -208,9 +213,11 @@ class Adapter:
         self._steady_s.append(metrics["step_seconds"])
         if self._compile_s is None and self._compile_step_s is not None:
             self._compile_s = max(0.0, self._compile_step_s - statistics.median(self._steady_s))
-        seconds = metrics["stage_seconds"]
+        seconds = dict(metrics["stage_seconds"])
+        seconds["actor-infer"] = seconds.get("actor-infer", 0.0) + seconds.get("weight-sync", 0.0)  # as priced
         ms = [Measurement(job.cfg.model, name, self._choice(job.plan, name), self._workload, seconds[name])
               for name in self._stages() if seconds.get(name, 0) > 0]
+        self._priced_s.append(sum(m.seconds for m in ms))
         self._window.append(ms)
         self.cost.observe([m for step in self._window for m in step])
 

@@ -118,6 +118,14 @@ def test_efficiency_drift_triggers_on_measured_step_time():
     assert c.observe(_obs(2, 100, seconds=14.0)).trigger == "efficiency"
 
 
+def test_efficiency_drift_is_relative_to_the_achieved_efficiency_at_the_last_reset():
+    """A cost model that is steadily 2x optimistic does not trigger every step; a drift from there does."""
+    c = _controller({A: 10.0, B: 9.0}, [B], {B: 100.0})
+    c.observe(_obs(0, 100, seconds=20.0))
+    assert all(c.observe(_obs(s, 100, seconds=20.0 + (s % 3))) is None for s in range(1, 20))
+    assert c.observe(_obs(20, 100, seconds=27.0)).trigger == "efficiency"
+
+
 def test_a_pool_change_before_the_first_observation_triggers_when_the_starting_pool_is_given():
     """The runtime knows the pool it started on: a leave announced before the controller's first
     observation is still a (urgent) pool trigger; without ``devices`` the first observation only sets
