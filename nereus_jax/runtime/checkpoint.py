@@ -71,7 +71,10 @@ class Checkpointer:
         """Starts saving ``job`` after ``steps_done`` steps (the step it resumes at); ``wait``: until written."""
         if steps_done in self.manager.all_steps():
             return False  # this step's state is already saved (e.g. the periodic save, then a stop)
-        state = {str(ms): canonical_leaves(units[0]) for ms, units in job.units.items()}
+        if jax.process_count() == 1:
+            state = {str(ms): canonical_leaves(units[0]) for ms, units in job.units.items()}
+        else:
+            state = {str(ms): shared_host_leaves(units) for ms, units in job.units.items()}
         meta = _to_json(job_metadata(job, steps_done))
         self.manager.save(steps_done, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                               meta=ocp.args.JsonSave(meta)))
@@ -101,6 +104,26 @@ def canonical_leaves(unit: EMU) -> list[jax.Array]:
         return list(leaves)
     out = [NamedSharding(unit.mesh, PartitionSpec())] * len(leaves)
     return jax.jit(unit.spec.converter(rep, 1), out_shardings=out)(list(leaves))
+
+
+def shared_host_leaves(units: Sequence[EMU]) -> list[np.ndarray]:
+    """Several processes: the canonical state as numpy on every process (Orbax writes it from process 0),
+    read from a replica that one process holds and broadcast to the others. Orbax refuses arrays that live
+    on one process only, which the replicas of a split plan do; this costs one host copy of the state.
+    A replica spanning processes is gathered by all of them instead."""
+    from jax.experimental import multihost_utils
+
+    local = [u for u in units if len({d.process_index for d in u.devices}) == 1]
+    if not local:  # every replica spans processes: each process holds part of it
+        host = multihost_utils.process_allgather(canonical_leaves(units[0]), tiled=True)
+        return [np.asarray(x) for x in host]
+    unit = local[0]
+    owner = unit.devices[0].process_index
+    if jax.process_index() == owner:
+        leaves = [np.asarray(x) for x in canonical_leaves(unit)]
+    else:
+        leaves = [np.zeros(leaf.shape, leaf.dtype) for leaf in unit.spec.leaves]
+    return [np.asarray(x) for x in multihost_utils.broadcast_one_to_all(leaves, is_source=jax.process_index() == owner)]
 
 
 def job_metadata(job: Job, steps_done: int) -> dict[str, Any]:
@@ -255,9 +278,19 @@ def restore_into(job: Job, meta: Mapping[str, Any]) -> None:
         manager.close()
     units = {ms: _units(job, ms, state[str(ms)], targets[str(ms)][1]) for ms in job.units}
     install(job, units, int(meta["policy_version"]))
+    load_controller(job, meta)
+
+
+def load_controller(job: Job, meta: Mapping[str, Any]) -> bool:
+    """Gives ``job.adapter`` (when there is one) the saved controller state, if the checkpoint was written on
+    as many devices as the job has (a controller's pool and references describe that cluster); True if so."""
     adapter = getattr(job, "adapter", None)
-    if meta.get("controller") is not None and adapter is not None and hasattr(adapter, "load_state_dict"):
-        adapter.load_state_dict(meta["controller"])
+    if meta.get("controller") is None or adapter is None or not hasattr(adapter, "load_state_dict"):
+        return False
+    if meta["num_devices"] != len(job.devices):
+        return False
+    adapter.load_state_dict(meta["controller"])
+    return True
 
 
 def _targets(job: Job, ms: ModelStage) -> tuple[list[NamedSharding], Any]:
@@ -343,6 +376,27 @@ class GracefulStop:
     def __exit__(self, *exc) -> None:
         for s, old in self._old.items():
             signal.signal(s, old)
+
+
+def stop_agreed(stop: GracefulStop) -> bool:
+    """Whether to stop after this step: this process's signal, or with several processes any process's
+    (one tiny all-gather a step, so every process stops after the same step and saves together)."""
+    if jax.process_count() == 1:
+        return stop.requested
+    from jax.experimental import multihost_utils
+
+    return bool(np.asarray(multihost_utils.process_allgather(np.int32(stop.requested))).any())
+
+
+def checkpoint_dir(cfg: Config, run_dir: str) -> str:
+    """checkpoint.dir, else RUN_DIR/checkpoints."""
+    return os.path.abspath(cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
+
+
+def resume_command(argv: Sequence[str], directory: str) -> str:
+    """The command line that resumes a run started with ``argv`` (the train CLI's arguments)."""
+    kept = [a for a in argv if not a.startswith("checkpoint.resume_from=")]
+    return " ".join(["python -m nereus_jax.train", *kept, f"checkpoint.resume_from={directory}"])
 
 
 class DeviceLost(RuntimeError):

@@ -1,0 +1,91 @@
+"""Multi-host start-up: every process runs the same program; JAX's multi-controller runtime joins them.
+
+``initialize()`` must run before anything touches a JAX backend. It calls ``jax.distributed.initialize``
+when the launch asks for several processes, and does nothing otherwise:
+
+* under SLURM (``SLURM_NTASKS`` > 1): JAX reads the coordinator, process count and id from SLURM's
+  environment (one task per node or per GPU; see tools/slurm/nereus.sbatch);
+* with a coordinator address: ``NEREUS_COORDINATOR=host:port``, ``NEREUS_NUM_PROCESSES``,
+  ``NEREUS_PROCESS_ID`` (or the same as arguments).
+
+On CPU, ``NEREUS_LOCAL_DEVICES`` (or ``local_devices=``) sets each process's device count and the
+collectives run over gloo. Two processes x 4 CPU devices on one machine::
+
+    NEREUS_COORDINATOR=127.0.0.1:12355 NEREUS_NUM_PROCESSES=2 NEREUS_PROCESS_ID=0 NEREUS_LOCAL_DEVICES=4 \\
+        JAX_PLATFORMS=cpu python -m nereus_jax.train ppo_tiny cluster.num_devices=8 &
+    NEREUS_COORDINATOR=127.0.0.1:12355 NEREUS_NUM_PROCESSES=2 NEREUS_PROCESS_ID=1 NEREUS_LOCAL_DEVICES=4 \\
+        JAX_PLATFORMS=cpu python -m nereus_jax.train ppo_tiny cluster.num_devices=8
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+ENV_COORDINATOR, ENV_PROCESSES, ENV_ID, ENV_LOCAL = (
+    "NEREUS_COORDINATOR", "NEREUS_NUM_PROCESSES", "NEREUS_PROCESS_ID", "NEREUS_LOCAL_DEVICES")
+
+
+class DistributedError(RuntimeError):
+    """A multi-process launch that is incomplete or inconsistent; the message names the variable to set."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How this process was started: ``source`` is "single", "env" (NEREUS_* variables) or "slurm"."""
+
+    source: str
+    coordinator: str | None = None
+    num_processes: int = 1
+    process_id: int = 0
+    local_devices: int | None = None
+
+    @property
+    def multi(self) -> bool:
+        return self.num_processes > 1
+
+
+def detect(env: Mapping[str, str] | None = None) -> Launch:
+    """Reads the launch from the environment (NEREUS_* first, then SLURM); "single" when neither applies."""
+    env = os.environ if env is None else env
+    local = int(env[ENV_LOCAL]) if env.get(ENV_LOCAL) else None
+    if env.get(ENV_COORDINATOR):
+        missing = [k for k in (ENV_PROCESSES, ENV_ID) if not env.get(k)]
+        if missing:
+            raise DistributedError(f"{ENV_COORDINATOR} is set but {', '.join(missing)} is not: set the process "
+                                   "count and this process's id (0-based) too")
+        n, i = int(env[ENV_PROCESSES]), int(env[ENV_ID])
+        if not 0 <= i < n:
+            raise DistributedError(f"{ENV_ID}={i} is outside 0..{n - 1} ({ENV_PROCESSES}={n})")
+        return Launch("env", env[ENV_COORDINATOR], n, i, local)
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and env.get("SLURM_PROCID") is not None:
+        return Launch("slurm", None, int(env["SLURM_NTASKS"]), int(env["SLURM_PROCID"]), local)
+    return Launch("single", local_devices=local)
+
+
+def initialize(launch: Launch | None = None, *, timeout_s: int = 300) -> Launch:
+    """Joins the processes of a multi-process launch (no-op for a single process). Before any JAX use."""
+    import jax
+
+    launch = detect() if launch is None else launch
+    cpu = os.environ.get("JAX_PLATFORMS", "") == "cpu"
+    if cpu and launch.local_devices is not None:
+        jax.config.update("jax_num_cpu_devices", launch.local_devices)
+    if not launch.multi:
+        return launch
+    if cpu:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if launch.source == "slurm":
+        jax.distributed.initialize(initialization_timeout=timeout_s)  # JAX's SLURM cluster detection
+    else:
+        jax.distributed.initialize(coordinator_address=launch.coordinator, num_processes=launch.num_processes,
+                                   process_id=launch.process_id, initialization_timeout=timeout_s)
+    return launch
+
+
+def is_primary() -> bool:
+    """True on the process that writes logs and reports (process 0)."""
+    import jax
+
+    return jax.process_index() == 0
