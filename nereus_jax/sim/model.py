@@ -31,7 +31,8 @@ from nereus_jax.sim.plans import SimPlan, build_graph, graph_seconds
 # a transition has been measured, then an EMA of measured minus predicted data-movement seconds.
 SETUP_PRIOR_S = 10.0
 SETUP_EMA = 0.5
-CALIBRATION_WINDOW = 2  # steps of measurements each refit uses
+CALIBRATION_WINDOW = 8  # steps of measurements each refit uses (as runtime.adapt)
+SKIP_ERROR = 0.05  # no refit while every stage of a settled plan is predicted within 5% (noise level)
 EFFICIENCY_GRID = 0.02  # the planner sees efficiencies rounded to 2% steps (log scale): a cacheable snapshot
 
 Layouts = tuple[tuple[str, int, int], ...]
@@ -42,7 +43,7 @@ class SharedCaches:
     """Caches one simulation's policies share: plans (by cost model snapshot, workload, pool, pinned
     layouts) and transition graphs (by plan pair). Both are pure functions of their keys."""
 
-    plans: MutableMapping[tuple, tuple[SimPlan, ...] | None] = dataclasses.field(default_factory=dict)
+    plans: MutableMapping[tuple, tuple[tuple[SimPlan, ...] | None, float]] = dataclasses.field(default_factory=dict)
     graphs: MutableMapping[tuple, object] = dataclasses.field(default_factory=dict)
     plan_ms: list[float] = dataclasses.field(default_factory=list)
 
@@ -59,6 +60,8 @@ class PlanningModel:
         self.planner_settings = dict(planner or {})
         self.observed: Workload | None = None
         self.setup_s, self.setups_seen = SETUP_PRIOR_S, 0
+        self.planner_ms = 0.0  # planner time charged to this policy (cached solves included)
+        self.since_change = 0
         self._window: deque[list[Measurement]] = deque(maxlen=CALIBRATION_WINDOW)
 
     # ------------------------------------------------------------------------------------ planning
@@ -73,14 +76,19 @@ class PlanningModel:
         cm = self.snapshot()
         key = (cm.efficiency_vector, wl, pool, self.layouts, tuple(sorted(self.planner_settings.items())))
         if key not in self.caches.plans:
-            self.caches.plans[key] = self._solve(cm, wl, pool)
-        return self.caches.plans[key] or ()
+            start = time.perf_counter()
+            found = self._solve(cm, wl, pool)
+            ms = (time.perf_counter() - start) * 1e3
+            self.caches.plans[key] = (found, ms)
+            self.caches.plan_ms.append(ms)
+        found, ms = self.caches.plans[key]
+        self.planner_ms += ms  # a cache hit is charged what the planner took: each policy "plans" alone
+        return found or ()
 
     def _solve(self, cm: CostModel, wl: Workload, pool: tuple[int, ...]) -> tuple[SimPlan, ...] | None:
         s = self.planner_settings
         planner = Planner(cm, headroom=float(s.get("headroom", 0.1)), gap=float(s.get("gap", GAP)),
                           max_nodes=int(s.get("max_nodes", MAX_NODES)))
-        start = time.perf_counter()
         try:
             problem = planner.problem(self.models, self.algorithm, wl, pool)
         except InfeasiblePlanError:
@@ -89,7 +97,6 @@ class PlanningModel:
         result = planner.solve(problem, opts)
         if result is None and problem.concurrent:
             result = planner.solve(dataclasses.replace(problem, allow_concurrency=False), opts)
-        self.caches.plan_ms.append((time.perf_counter() - start) * 1e3)
         if result is None:
             return None
         return tuple(SimPlan.of(r, self.phases) for r in (result, *result.runners_up))
@@ -142,10 +149,20 @@ class PlanningModel:
         return self.caches.graphs[key]
 
     # ---------------------------------------------------------------------------------- calibration
-    def calibrate(self, plan: SimPlan, wl: Workload, seconds: Mapping[str, float]) -> None:
-        """Refit the cost model's efficiencies from the measured stage seconds of the last steps."""
+    def calibrate(self, plan: SimPlan, wl: Workload, seconds: Mapping[str, float], changed: bool) -> bool:
+        """Refit the cost model's efficiencies from the measured stage seconds of the last steps. Skipped
+        (returns False) once the window holds only this plan and every stage is predicted within
+        ``SKIP_ERROR``: the refit would barely move (a saving for 1,000-step simulations)."""
         self._window.append([Measurement(self.models[s.split("-")[0]], s, c, wl, seconds[s]) for s, c in plan.choices])
+        self.since_change = 0 if changed else self.since_change + 1
+        if self.since_change >= CALIBRATION_WINDOW:
+            cm = self.cost_model
+            worst = max(abs(cm.stage_latency(m.model, m.stage, m.choice, m.workload).total / m.seconds - 1)
+                        for m in self._window[-1])
+            if worst < SKIP_ERROR:
+                return False
         self.cost_model.observe([m for ms in self._window for m in ms])
+        return True
 
     def record_transition(self, old: SimPlan, new: SimPlan, measured_s: float) -> None:
         """Learn the setup part of transitions: measured seconds minus predicted data movement."""

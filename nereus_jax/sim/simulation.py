@@ -198,9 +198,11 @@ class Simulation:
                 model.observed = prev[0]
                 obs = Observation(step, plan, pool, prev[0].response_length.mean, prev[1],
                                   model.peak_memory(plan, prev[0]), model.usable_bytes())
-                start = time.perf_counter()
+                start, charged, fresh = time.perf_counter(), model.planner_ms, len(self.caches.plan_ms)
                 decision = controller.observe(obs)
-                rec.decision_ms = (time.perf_counter() - start) * 1e3
+                wall = (time.perf_counter() - start) * 1e3
+                solved = sum(self.caches.plan_ms[fresh:])  # fresh solves are in the wall time already
+                rec.decision_ms = wall - solved + (model.planner_ms - charged)
                 plan = self._apply(decision, plan, model, rec, run)
             plan = self._ensure_in_pool(plan, model, pool, rec)
             plan = self._run_step(plan, wl, step, model, controller, rec, run)
@@ -260,7 +262,7 @@ class Simulation:
         rec.predicted_s = model.predict(plan, wl)
         rec.latency_s, seconds = self.measure(plan, wl, step)
         rec.plan = plan
-        model.calibrate(plan, wl, seconds)
+        model.calibrate(plan, wl, seconds, changed=bool(rec.events))
         return plan
 
     # -------------------------------------------------------------------------- hindsight policies

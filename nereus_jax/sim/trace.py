@@ -3,7 +3,8 @@
 A trace says what the simulated job runs (models, algorithm, batch), on which simulated cluster
 (a hardware table entry), and what drifts step by step: the response-length distribution (mean, p95;
 keyframes linearly interpolated, the max a fixed multiple of p95, a seeded per-step jitter) and the
-device pool (keyframes: the device count available from that step on, ids 0..n-1). It also carries
+device pool (keyframes: the device count available from that step on, ids 0..n-1). Keyframes past the last
+step still shape the interpolation, so ``steps`` may be overridden to simulate a prefix. It also carries
 the controller and planner settings and the ground truth's seed and noise. Unknown keys are errors.
 
     trace = load_trace("configs/sim/paper_drift.yaml", overrides={"controller.gamma": 0.25})
@@ -144,8 +145,6 @@ def _keyframes(frames: Any, steps: int, what: str) -> list[dict]:
     frames = sorted((dict(f) for f in frames), key=lambda f: f["step"])
     if frames[0]["step"] != 0:
         raise TraceError(f"'{what}': the first keyframe must be at step 0, got {frames[0]['step']}")
-    if frames[-1]["step"] >= steps:
-        raise TraceError(f"'{what}': keyframe at step {frames[-1]['step']} is past the last step {steps - 1}")
     return frames
 
 

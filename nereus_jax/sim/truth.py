@@ -4,7 +4,7 @@ controller gets measured seconds only and calibrates its one-efficiency-per-clas
 
 How it differs from the cost model:
 - achieved efficiency varies with the size of each operation (GEMM rows and sharded width, attention
-  length, message size of a collective), where the cost model has one constant per class;
+  length), where the cost model has one constant per class;
 - every stage run has run-to-run noise (lognormal) and, rarely, a straggler device that slows its
   whole stage (the slowest replica dominates);
 - a transition pays per changed model-stage a setup (new communicators, the new layout's program)
@@ -35,8 +35,6 @@ from nereus_jax.elastic.costs.latency import Breakdown
 from nereus_jax.elastic.hardware import EFFICIENCY_CLASSES, Hardware
 from nereus_jax.elastic.workload import Workload
 
-_MB = 2**20
-
 # ---------------------------------------------------------------------------------------------- constants
 # GEMM: large bf16 GEMMs reach ~80% of dense peak on A100/H100 (NVIDIA Deep Learning Performance Guide,
 # "Matrix Multiplication Background": large GEMMs are math-limited near peak; cuBLAS A100 bf16 ~250 of 312
@@ -50,10 +48,12 @@ ATTENTION_HALF_LENGTH = 512.0  # FlashAttention-2 paper, Fig. 4: throughput roug
 # HBM streams: BabelStream-class kernels reach ~85-90% of datasheet bandwidth on A100/H100.
 MEMORY_EFFICIENCY = 0.85
 # NCCL: nccl-tests all_reduce bus bandwidth on DGX A100 NVLink ~230 of 300 GB/s at large messages (~0.77);
-# InfiniBand reaches ~90% of line rate. Small messages are latency-bound: half efficiency at a few MB.
+# InfiniBand reaches ~90% of line rate. Small messages are latency-bound; the work count already charges a
+# per-hop latency (alpha-beta model), so the efficiency applies to large-message bandwidth only. (A first
+# version also scaled small messages down by size: that counted the latency twice and made a Llama-8B TP8
+# decode step spend ~80 ms in all-reduces, against ~10-15 ms whole decode steps in public vLLM benchmarks.)
 COLLECTIVE_INTRA_EFFICIENCY = 0.77
 COLLECTIVE_INTER_EFFICIENCY = 0.90
-COLLECTIVE_HALF_BYTES = 4.0 * _MB  # estimate, from the shape of nccl-tests bus-bandwidth curves
 HOST_EFFICIENCY = 0.80        # CUDA bandwidthTest pinned PCIe Gen4 x16: ~25 of 32 GB/s
 OVERHEAD_EFFICIENCY = 1.0     # launch/per-layer overheads as the hardware table estimates them
 # Run-to-run noise of a stage (coefficient of variation): estimate from the 1-3% step-time spread
@@ -112,15 +112,13 @@ class GroundTruth:
         else:
             rows = choice.micro_batch * tokens / max(1, min(choice.micro_batch, 4 * choice.pp))
             length = wl.prompt_length.p95 + wl.response_length.p95
-        message = rows * cfg.hidden_size * 2.0  # one bf16 TP all-reduce of the rows' hidden states
-        coll = _saturating(message, COLLECTIVE_HALF_BYTES)
         eff = {
             "gemm": GEMM_PEAK_EFFICIENCY * _saturating(rows, GEMM_HALF_ROWS)
             * _saturating(cfg.intermediate_size / choice.tp, GEMM_HALF_WIDTH),
             "attention": ATTENTION_PEAK_EFFICIENCY * _saturating(length, ATTENTION_HALF_LENGTH),
             "memory": MEMORY_EFFICIENCY,
-            "collective_intra": COLLECTIVE_INTRA_EFFICIENCY * coll,
-            "collective_inter": COLLECTIVE_INTER_EFFICIENCY * coll,
+            "collective_intra": COLLECTIVE_INTRA_EFFICIENCY,
+            "collective_inter": COLLECTIVE_INTER_EFFICIENCY,
             "host": HOST_EFFICIENCY,
             "overhead": OVERHEAD_EFFICIENCY,
         }
@@ -172,10 +170,9 @@ class GroundTruth:
         if link == "local":
             rate = hw.memory_bandwidth / 2 * MEMORY_EFFICIENCY
         elif link == "intra":
-            rate = hw.intra_node_bandwidth * COLLECTIVE_INTRA_EFFICIENCY * _saturating(nbytes, COLLECTIVE_HALF_BYTES)
+            rate = hw.intra_node_bandwidth * COLLECTIVE_INTRA_EFFICIENCY
         elif link == "inter":
-            rate = (hw.inter_node_bandwidth_per_device() * COLLECTIVE_INTER_EFFICIENCY
-                    * _saturating(nbytes, COLLECTIVE_HALF_BYTES))
+            rate = hw.inter_node_bandwidth_per_device() * COLLECTIVE_INTER_EFFICIENCY
         else:
             rate = hw.host_bandwidth * HOST_EFFICIENCY
         return PRIMITIVE_LATENCY_S + nbytes / rate
