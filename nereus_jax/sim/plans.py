@@ -32,6 +32,7 @@ class SimPlan:
     plan: ExecutionPlan
     phases: tuple[tuple[str, ...], ...] = field(compare=False)
     edges: frozenset[tuple[str, str]] = field(compare=False, repr=False)
+    device_set: frozenset[int] = field(compare=False, repr=False, default=frozenset())
 
     @classmethod
     def of(cls, result: PlanResult, phases: Sequence[Sequence[str]]) -> SimPlan:
@@ -42,11 +43,12 @@ class SimPlan:
         order = [s for p in phases for s in p]
         placed = {str(ms): sp for ms, sp in plan.items()}
         edges = frozenset(overlap_edges(phases, placed, order))
-        return cls(tuple((s, choices[s]) for s in order), plan, tuple(tuple(p) for p in phases), edges)
+        return cls(tuple((s, choices[s]) for s in order), plan, tuple(tuple(p) for p in phases), edges,
+                   frozenset(plan.devices))
 
     @property
-    def devices(self) -> tuple[int, ...]:
-        return self.plan.devices
+    def devices(self) -> frozenset[int]:
+        return self.device_set
 
     def choice(self, stage: str) -> StageChoice:
         return dict(self.choices)[stage]
@@ -58,7 +60,7 @@ class SimPlan:
     def aligned_to(self, current: SimPlan) -> SimPlan:
         """This plan with its replicas' ranks ordered to match ``current`` (less data moves)."""
         plan = align_ranks(current.plan, self.plan)
-        return self if plan == self.plan else SimPlan(self.choices, plan, self.phases, self.edges)
+        return self if plan == self.plan else SimPlan(self.choices, plan, self.phases, self.edges, self.device_set)
 
     def latency(self, stage_seconds: Mapping[str, float]) -> float:
         """Step latency: the critical path through this plan's overlap graph."""

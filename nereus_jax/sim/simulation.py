@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from nereus_jax.config import resolve_model
 from nereus_jax.elastic.controller import Controller, Decision, Observation
 from nereus_jax.elastic.costs import CostModel
+from nereus_jax.elastic.graph import TransitionGraph
 from nereus_jax.elastic.hardware import get_hardware
 from nereus_jax.elastic.planner import phases_for
 from nereus_jax.elastic.workload import LengthStats, Workload
@@ -142,11 +143,7 @@ class Simulation:
     def true_transition(self, model: PlanningModel, old: SimPlan, new: SimPlan) -> float | None:
         """Ground-truth seconds of old -> new: data movement at true link speeds + concurrent setup."""
         graph = model.graph(old, new)
-        if graph is None:
-            return None
-        data = graph_seconds(graph, self.truth.link_seconds, self.hw.devices_per_node)
-        changed = changed_stages(old, new)
-        return data + max((self.truth.setup_seconds(v) for v in changed.values()), default=0.0)
+        return None if graph is None else true_transition_seconds(self.truth, graph)
 
     def initial_plan(self) -> SimPlan:
         """The planner's plan for the first step with the hardware table's priors (every policy starts here)."""
@@ -182,8 +179,10 @@ class Simulation:
             return Controller(*args, gamma=math.inf, **kw)
         return Controller(*args, gamma=gamma, **kw)
 
-    def run_policy(self, name: str, layouts: Layouts | None = None) -> PolicyRun:
-        """Play one controller policy over the trace (``fixed``: pinned to the first plan's layouts)."""
+    def run_policy(self, name: str, layouts: Layouts | None = None,
+                   give_up_above: float = math.inf) -> PolicyRun | None:
+        """Play one controller policy over the trace (``fixed``: pinned to the first plan's layouts). None
+        once its running total exceeds ``give_up_above`` (a fixed_best candidate that cannot win)."""
         plan = self.initial_plan()
         if name == "fixed" and layouts is None:
             layouts = plan.layouts()
@@ -208,6 +207,8 @@ class Simulation:
             plan = self._run_step(plan, wl, step, model, controller, rec, run)
             run.records.append(rec)
             prev = (wl, rec.latency_s)
+            if run.total_s > give_up_above:
+                return None
         return run
 
     def _apply(self, decision: Decision | None, plan: SimPlan, model: PlanningModel, rec: StepRecord,
@@ -298,14 +299,23 @@ class Simulation:
             candidates.append(first)
         best = None
         for layouts in candidates:
-            run = fixed if fixed is not None and layouts == first else self.run_policy("fixed_best", layouts)
-            if any("forced relayout" in e for r in run.records for e in r.events):
+            limit = best.total_s if best is not None else math.inf
+            run = fixed if fixed is not None and layouts == first else self.run_policy("fixed_best", layouts, limit)
+            if run is None or any("forced relayout" in e for r in run.records for e in r.events):
                 continue  # that layout cannot run the whole trace
             if best is None or run.total_s < best.total_s:
                 best = run
         assert best is not None
         return PolicyRun("fixed_best", best.records, best.decisions,
                          {**best.notes, "fixed_best_candidates": len(candidates)})
+
+
+def true_transition_seconds(truth: GroundTruth, graph: TransitionGraph) -> float:
+    """Ground-truth seconds of a scheduled transition graph: its critical path at the truth's link speeds,
+    plus the setup of the changed model-stages (paid concurrently: the slowest one counts)."""
+    data = graph_seconds(graph, truth.link_seconds, truth.hw.devices_per_node)
+    changed = [sp.layout != graph.old_plan[ms].layout for ms, sp in graph.new_plan.items() if sp != graph.old_plan[ms]]
+    return data + max((truth.setup_seconds(v) for v in changed), default=0.0)
 
 
 class PeriodicController(Controller):
