@@ -21,6 +21,13 @@ SMALL = {
 }
 
 
+@pytest.fixture(scope="module")
+def small_module_data():
+    import copy
+
+    return copy.deepcopy(SMALL)
+
+
 @pytest.fixture
 def small_data():
     import copy

@@ -11,10 +11,8 @@ from nereus_jax.sim import POLICIES, PolicyError, Simulation, build_trace
 
 
 @pytest.fixture(scope="module")
-def small_runs():
-    from tests.sim.conftest import SMALL
-
-    sim = Simulation(build_trace(SMALL))
+def small_runs(small_module_data):
+    sim = Simulation(build_trace(small_module_data))
     return sim, sim.run(POLICIES)
 
 
