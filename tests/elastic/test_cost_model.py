@@ -28,6 +28,7 @@ from nereus_jax.elastic.costs import (
     working_bytes,
 )
 from nereus_jax.elastic.costs.candidates import Pricer
+from nereus_jax.elastic.costs.counts import layer_activation_bytes_per_token
 from nereus_jax.elastic.costs.latency import call_latency, efficiency_vector, step_terms_latency
 from nereus_jax.elastic.hardware import (
     CONSERVATIVE_EFFICIENCY,
@@ -120,6 +121,24 @@ def test_train_step_is_three_forwards_and_remat_four():
         head = 3 * 4 * s * 2 * SMALL.hidden_size * SMALL.vocab_size  # the head is not recomputed
         assert b.gemm * COMPUTE_ONLY.peak_flops == pytest.approx(passes * 4 * s * (per_token - 2 * 64 * 128) + head)
         assert b.attention * COMPUTE_ONLY.peak_flops == pytest.approx(passes * 4 * attn)
+
+
+def test_train_moves_its_saved_activations_and_infer_does_not():
+    # Compute-bound (free weight reads), finite memory bandwidth: a train call's memory time is exactly the
+    # saved activations written and read back; an infer call has none. On shared compute it scales with the
+    # step's tokens, not with the replicas.
+    hw = dataclasses.replace(COMPUTE_ONLY, memory_bandwidth=1e12, peak_flops=1e12)
+    wl = Workload.fixed(4, 24, 40)
+    s = wl.max_tokens
+    layer = s * layer_activation_bytes_per_token(SMALL, 1, SMALL.compute_dtype)
+    saved = 4 * (SMALL.num_layers * layer + s * SMALL.vocab_size * 4.0)  # + the lm head's float32 logits
+    train = call_latency(SMALL, "actor-train", 1, 1, 4, False, wl, hw, ONES, 1)
+    assert train.memory * hw.memory_bandwidth == pytest.approx(2 * saved)
+    assert call_latency(SMALL, "actor-infer", 1, 1, 4, False, wl, hw, ONES, 1).memory == 0.0
+    cpu = dataclasses.replace(hw, shared_compute=True)
+    per_step = [stage_latency(SMALL, "critic-train", StageChoice(1, 1, dp, 4 // dp), wl, cpu, ONES).memory
+                - step_terms_latency(SMALL, "critic-train", 1, 1, dp, 1, wl, cpu, ONES).memory for dp in (1, 2, 4)]
+    assert per_step == pytest.approx([per_step[0]] * 3)
 
 
 def test_pipeline_bubble_gpipe():

@@ -10,8 +10,10 @@ memory-bound (decode, small calls) the roofline takes the larger side and charge
 - infer: calls of ``micro_batch`` sequences; each call a GPipe pass of m + pp - 1 ticks; the output head
   runs data-parallel over pp after the stack (as ``sharding.pipeline`` does).
 - train: the same calls with forward + backward = 3 x forward FLOPs (4 x with remat), TP all-reduces
-  4 per layer (6 with remat), the optimizer update (memory-bound) and the DP gradient all-reduce
-  (hierarchical: inside a node, then across nodes at the node NICs' per-device share).
+  4 per layer (6 with remat), the saved activations written by the forward and read back by the
+  backward (memory traffic that scales with tokens), the optimizer update (memory-bound, per replica)
+  and the DP gradient all-reduce (hierarchical: inside a node, then across nodes at the node NICs'
+  per-device share).
 
 TP all-reduces run inside a node; PP hand-offs cross nodes once a replica spans more than one node.
 On shared-compute hardware (cpu) the stage's devices split the host's FLOP/s and memory bandwidth, and
@@ -199,6 +201,23 @@ def _head_pass(x: _Ctx, acc: _Acc, rows: float, passes: float) -> None:
         acc.add(COLL_INTRA, 2 * allreduce_seconds(rows * s / x.pp * 4.0, x.tp, "intra", x.hw))
 
 
+def saved_activation_bytes(x: _Ctx, micro_batch, remat: bool) -> float:
+    """Bytes one device of a train call keeps from its forward for its backward: every layer's saved
+    tensors (norm, SwiGLU and residual inputs; the [t, s] scores without a fused kernel) and the lm head's
+    float32 logits; with remat, the layer inputs, then each layer's tensors again when it is recomputed.
+    The forward writes them to device memory and the backward reads them back (2 x this in traffic),
+    which scales with the call's tokens, not with parameters or replicas; an inference forward consumes
+    its activations as it makes them."""
+    s = x.rows_length()
+    per_row = s * counts.layer_activation_bytes_per_token(x.cfg, x.tp, x.cfg.compute_dtype)
+    if not x.hw.fused_attention:
+        per_row += counts.attention_score_bytes(x.cfg, x.tp, s, x.attention_keys(), x.cfg.compute_dtype)
+    if remat:
+        per_row += s * x.cfg.hidden_size * x.act_bytes
+    logits = s / x.pp * x.cfg.vocab_size / x.tp * 4.0 if x.head == "lm" else 0.0
+    return micro_batch * (x.layers * per_row + logits)
+
+
 def call_latency(cfg: ModelConfig, stage: str, tp: int, pp: int, micro_batch, remat: bool, workload: Workload,
                  hw: Hardware, efficiency: Sequence[float], devices: int) -> Breakdown:
     """One forward (infer) or forward+backward (train) call of ``micro_batch`` sequences on one replica:
@@ -214,6 +233,8 @@ def call_latency(cfg: ModelConfig, stage: str, tp: int, pp: int, micro_batch, re
     weight_dtype = cfg.compute_dtype if kind == "infer" else cfg.param_dtype
     _forward_ticks(x, acc, micro_batch / m, m + pp - 1, passes, allreduces, weight_dtype)
     _head_pass(x, acc, micro_batch, 1.0 if kind == "infer" else 3.0)
+    if kind == "train":
+        acc.add(MEM, 2.0 * saved_activation_bytes(x, micro_batch, remat) / x.rates[1])
     acc.add(OVERHEAD, x.launch)
     return acc.result()
 
