@@ -82,19 +82,22 @@ class TransitionGraph:
     @classmethod
     def weight_sync(cls, plan: ExecutionPlan, src: ModelStage, dst: ModelStage, units: Mapping[ModelStage, Any],
                     *, caps: int | Mapping[int, int] | None = None, host_cap: int | None = None,
-                    bandwidth: float = 10e9, latency: float = 1e-4) -> TransitionGraph:
+                    bandwidth: float = 10e9, latency: float = 1e-4, keep_old: bool = False) -> TransitionGraph:
         """The per-step sync ``src`` (e.g. actor-train) -> ``dst`` (actor-gen) within ``plan``: the stale
-        ``dst`` units are destroyed, fresh ones derived from ``src`` (cast to ``dst``'s dtypes)."""
+        ``dst`` units are destroyed, fresh ones derived from ``src`` (cast to ``dst``'s dtypes).
+        ``keep_old``: the stale ``dst`` units are outside the graph and stay alive (double buffering: an
+        engine still decoding with them drops them itself); the graph starts with no ``dst`` units."""
         with _gc_paused():
-            return cls._weight_sync(plan, src, dst, units, caps, host_cap, bandwidth, latency)
+            return cls._weight_sync(plan, src, dst, units, caps, host_cap, bandwidth, latency, keep_old)
 
     @classmethod
-    def _weight_sync(cls, plan, src, dst, units, caps, host_cap, bandwidth, latency):
+    def _weight_sync(cls, plan, src, dst, units, caps, host_cap, bandwidth, latency, keep_old=False):
         b = Builder()
         initial = {ms: [b.unit(ms, sp.layout, r, sp.memory, units[ms]) for r in sp.replicas]
-                   for ms, sp in plan.items() if ms in (src, dst)}
+                   for ms, sp in plan.items() if ms == src or (ms == dst and not keep_old)}
         _check_layouts(units[dst], dst, plan[dst].layout)
-        new_dst = compile_stage(b, dst, initial[src], plan[dst], units[dst], derive=True, stale=initial[dst])
+        new_dst = compile_stage(b, dst, initial[src], plan[dst], units[dst], derive=True,
+                                stale=() if keep_old else initial[dst])
         final = {src: initial[src], dst: new_dst}
         sub = ExecutionPlan({src: plan[src], dst: plan[dst]})
         g = cls._scheduled(sub, sub, b, initial, final, caps, host_cap, True, bandwidth, latency)

@@ -29,13 +29,14 @@ class WeightSync:
 
     def __init__(self, plan: ExecutionPlan, train_spec: StateSpec, gen_spec: StateSpec, *,
                  src: ModelStage = ACTOR_TRAIN, dst: ModelStage = ACTOR_GEN, caps: int | None = None,
-                 executor: TransitionExecutor | None = None):
+                 executor: TransitionExecutor | None = None, keep_old: bool = False):
         check_derivable(train_spec, gen_spec)
-        self.src, self.dst = src, dst
-        self.graph = TransitionGraph.weight_sync(plan, src, dst, {src: train_spec, dst: gen_spec}, caps=caps)
+        self.src, self.dst, self.keep_old = src, dst, keep_old
+        self.graph = TransitionGraph.weight_sync(plan, src, dst, {src: train_spec, dst: gen_spec}, caps=caps,
+                                                 keep_old=keep_old)
         self.executor = executor or TransitionExecutor()
 
     def __call__(self, train_units: Sequence[EMU], gen_units: Sequence[EMU]) -> list[EMU]:
         """Fresh generation units (``gen_units`` are consumed; ``train_units`` stay as they are)."""
-        out = self.executor.run(self.graph, {self.src: train_units, self.dst: gen_units})
+        out = self.executor.run(self.graph, {self.src: train_units, self.dst: [] if self.keep_old else gen_units})
         return out[self.dst]

@@ -87,6 +87,23 @@ class SortingTask(_GeneratedTask):
         return Problem(f"sort:{digits}=", "".join(sorted(digits)))
 
 
+class CopyTask(_GeneratedTask):
+    """``copy:4071=`` -> ``4071``: copy a digit string whose length has a long tail (most are short, a few
+    are up to ``num_digits`` long: P(length > n) ~ 1/n), the shape of reasoning-length distributions that
+    makes a generation step wait for its longest response."""
+
+    name = "copy"
+
+    def __init__(self, seed: int = 0, eval_size: int = 256, num_digits: int = 16):
+        self.num_digits = num_digits
+        super().__init__(seed, eval_size)
+
+    def _make(self, rng):
+        length = min(self.num_digits, int(1.0 / (1.0 - rng.random())))  # Pareto(1): P(L >= n) = 1/n
+        digits = "".join(rng.choice("0123456789") for _ in range(length))
+        return Problem(f"copy:{digits}=", digits)
+
+
 class CountdownTask(_GeneratedTask):
     """``3,5,7>22=``: an expression using each given number at most once with + - * reaching the target."""
 
@@ -190,5 +207,6 @@ def make_task(task_cfg, seed: int = 0):
     """The task a TaskConfig names."""
     if task_cfg.name == "file":
         return PromptFileTask(task_cfg.prompt_file, task_cfg.eval_size)
-    cls = {"addition": AdditionTask, "sorting": SortingTask, "countdown": CountdownTask}[task_cfg.name]
+    cls = {"addition": AdditionTask, "sorting": SortingTask, "countdown": CountdownTask,
+           "copy": CopyTask}[task_cfg.name]
     return cls(seed=seed, eval_size=task_cfg.eval_size, num_digits=task_cfg.num_digits)

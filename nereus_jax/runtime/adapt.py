@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
+from nereus_jax.config import ConfigError
 from nereus_jax.elastic.compile import align_ranks
 from nereus_jax.elastic.controller import Candidate, Controller, Decision, Observation
 from nereus_jax.elastic.costs import CostModel, Measurement, StageChoice, link_bandwidth
@@ -48,13 +50,17 @@ from nereus_jax.elastic.planner import InfeasiblePlanError, Planner
 from nereus_jax.elastic.workload import LengthStats, Workload
 from nereus_jax.runtime import steps
 from nereus_jax.runtime.job import Job, Prepared
-from nereus_jax.runtime.plans import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN
+from nereus_jax.runtime.plans import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, plan_from_config
 
 # The cost model's name of each timed part of a job step -> the job's model-stage whose layout runs it.
 _PRICED = {"actor-gen": ACTOR_GEN, "actor-infer": ACTOR_TRAIN, "ref-infer": ModelStage("ref", "infer"),
            "critic-infer": CRITIC_TRAIN, "reward-infer": ModelStage("reward", "infer"),
            "actor-train": ACTOR_TRAIN, "critic-train": CRITIC_TRAIN}
 CALIBRATION_WINDOW = 8  # steps of measurements the efficiencies are fitted to
+
+
+class LiveTransitionError(RuntimeError):
+    """Devices the plan uses are gone and no live transition exists: checkpoint/restart is the way on."""
 
 
 @dataclasses.dataclass
@@ -94,6 +100,8 @@ class Adapter:
         self._priced_s: collections.deque[float] = collections.deque(maxlen=5)
         self._workload: Workload | None = None
         self._pool_ex = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nereus-compile")
+        self.async_mode = cfg.trainer.mode == "async"
+        self.before_move: Callable[[], None] | None = None  # async: pauses generation before state moves
 
     # ------------------------------------------------------------------------------ the boundary
     def boundary(self, step: int, metrics: dict[str, Any] | None) -> None:
@@ -126,6 +134,11 @@ class Adapter:
         if decision is None:
             return
         self._log_decision(decision)
+        if not decision.admitted and gone & set(self.job.plan.devices):
+            raise LiveTransitionError(
+                f"step {step}: devices {sorted(gone)} left and no live transition reaches a plan without them "
+                f"({decision.reason}); restart from the last checkpoint on the remaining devices "
+                "(checkpoint.resume_from=...)")
         if decision.admitted:
             target = align_ranks(self.job.plan, decision.target)
             steady = statistics.median(self._steady_s) if self._steady_s else None
@@ -164,6 +177,8 @@ class Adapter:
         t0 = time.perf_counter()
         waited = not pending.future.done()
         prepared: Prepared = pending.future.result()
+        if self.before_move is not None:
+            self.before_move()
         t1 = time.perf_counter()
         graph = self._graph(self.job.plan, pending.target)
         units = TransitionExecutor().run(graph, self.job.units)
@@ -217,7 +232,8 @@ class Adapter:
         seconds["actor-infer"] = seconds.get("actor-infer", 0.0) + seconds.get("weight-sync", 0.0)  # as priced
         ms = [Measurement(job.cfg.model, name, self._choice(job.plan, name), self._workload, seconds[name])
               for name in self._stages() if seconds.get(name, 0) > 0]
-        self._priced_s.append(sum(m.seconds for m in ms))
+        # achieved step latency: async, the wall interval between updates (generation overlapped)
+        self._priced_s.append(metrics["step_seconds"] if self.async_mode else sum(m.seconds for m in ms))
         self._window.append(ms)
         self.cost.observe([m for step in self._window for m in step])
 
@@ -248,10 +264,14 @@ class Adapter:
         if self._workload is None:
             return None
         try:
-            return sum(self.cost.stage_latency(self.job.cfg.model, name, self._choice(plan, name),
-                                               self._workload).total for name in self._stages())
+            seconds = {name: self.cost.stage_latency(self.job.cfg.model, name, self._choice(plan, name),
+                                                     self._workload).total for name in self._stages()}
         except (ValueError, KeyError):
             return None
+        if self.async_mode:  # generation overlaps scoring and training (disjoint devices)
+            gen = seconds.pop("actor-gen")
+            return max(gen, sum(seconds.values()))
+        return sum(seconds.values())
 
     def _candidates(self, obs: Observation) -> list[Candidate]:
         workload = self._workload or Workload.from_config(self.job.cfg)
@@ -261,12 +281,18 @@ class Adapter:
                                        skip=skip)
         except InfeasiblePlanError as e:
             self.log(f"step {obs.step}: the planner found no plan for {len(obs.devices)} devices: {e}")
-            return []
+            result = None
+        plans = [ExecutionPlan({ms: r.plan[ms] for ms in self.job.plan})
+                 for r in ((result, *result.runners_up) if result is not None else ())]
+        with contextlib.suppress(ConfigError):  # the configured layouts on the devices present: a candidate
+            plans.append(plan_from_config(self.job.cfg, device_ids=list(obs.devices)))
         out = {}
-        for r in (result, *result.runners_up):
-            plan = ExecutionPlan({ms: r.plan[ms] for ms in self.job.plan})
+        for plan in plans:
             if any(self.job.rows % plan[ms].dp for ms in plan if ms.kind != "gen"):
                 continue
+            gen = set(plan[ACTOR_GEN].devices)
+            if self.async_mode and any(gen & set(sp.devices) for ms, sp in plan.items() if ms != ACTOR_GEN):
+                continue  # async generation needs its own devices
             latency = self._latency(plan)
             if latency is not None and plan not in out:
                 out[plan] = latency

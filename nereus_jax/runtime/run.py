@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 
 import jax
 import numpy as np
@@ -20,7 +21,8 @@ from nereus_jax.models import init_params
 from nereus_jax.rl.tasks import PromptDataError, make_task
 from nereus_jax.rl.tokenizer import CharTokenizer, HFTokenizer
 from nereus_jax.runtime.adapt import Adapter
-from nereus_jax.runtime.job import Job, JobError
+from nereus_jax.runtime.async_rl import AsyncRunner
+from nereus_jax.runtime.job import Job, JobError, StepResult
 from nereus_jax.runtime.report import RunReport
 from nereus_jax.runtime.warmstart import SFT_INDEX_OFFSET, cached_warm_start, run_sft
 from nereus_jax.sharding import Layout, make_mesh, shard_params
@@ -72,14 +74,10 @@ def run_job(cfg: Config, run_dir: str, *, started: float | None = None) -> dict:
     report.log(f"held-out accuracy after the warm start: {acc_before:.3f}")
     adapter = Adapter(job, log=report.log)
     job.adapter = adapter
-    rl_start, tokens, step_s, metrics = time.perf_counter(), 0, 0.0, None
+    rl_start, tokens, step_s = time.perf_counter(), 0, 0.0
     try:
-        for step in range(cfg.trainer.steps):
-            t = time.perf_counter()
-            adapter.boundary(step, metrics)
-            boundary_s = time.perf_counter() - t
-            metrics = job.step(step).metrics
-            metrics["boundary_seconds"] = boundary_s
+        for result in rl_steps(job, adapter, cfg.trainer.steps):
+            metrics = result.metrics
             tokens, step_s = tokens + metrics["response_tokens"], step_s + metrics["step_seconds"]
             report.step(metrics)
     finally:
@@ -102,6 +100,23 @@ def run_job(cfg: Config, run_dir: str, *, started: float | None = None) -> dict:
                "plan": repr(job.plan), "wall_s": time.perf_counter() - started}
     report.finish(summary)
     return summary
+
+
+def rl_steps(job: Job, adapter: Adapter, steps: int, first: int = 0) -> Iterator[StepResult]:
+    """The learner's updates in order: sync steps with the controller asked at every boundary, or (
+    ``trainer.mode=async``) the asynchronous runner, which asks it at weight syncs."""
+    if job.cfg.trainer.mode == "async":
+        yield from AsyncRunner(job, adapter, log=adapter.log).run(steps, first=first)
+        return
+    metrics = None
+    for step in range(first, steps):
+        t = time.perf_counter()
+        adapter.boundary(step, metrics)
+        boundary_s = time.perf_counter() - t
+        result = job.step(step)
+        result.metrics["boundary_seconds"] = boundary_s
+        metrics = result.metrics
+        yield result
 
 
 def _warm_start(cfg: Config, task, tok, cache_dir: str, report: RunReport):

@@ -3,6 +3,7 @@ prompt files fail with clear errors; the character tokenizer round-trips."""
 
 import json
 
+import numpy as np
 import pytest
 
 from nereus_jax.rl.tasks import (
@@ -95,3 +96,13 @@ def test_a_held_out_set_covering_the_problem_space_is_an_error_not_a_hang():
     task = AdditionTask(seed=0, eval_size=3000, num_digits=1)  # only 100 distinct problems exist
     with pytest.raises(ValueError, match="task.eval_size"):
         task.problem(0)
+
+
+def test_copy_task_lengths_have_a_long_tail_and_the_reward_checks_the_copy():
+    from nereus_jax.rl.tasks import CopyTask
+
+    task = CopyTask(eval_size=16, num_digits=24)
+    lengths = np.array([len(task.problem(i).answer) for i in range(2000)])
+    assert np.median(lengths) <= 4 and (lengths == 24).mean() > 0.05  # mostly short, a heavy tail at the cap
+    p = task.problem(5)
+    assert p.prompt == f"copy:{p.answer}=" and task.reward(p, p.answer) == 1.0 and task.reward(p, p.answer + "1") == 0
