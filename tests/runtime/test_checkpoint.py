@@ -19,7 +19,7 @@ from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
 from nereus_jax.runtime.checkpoint import Checkpointer, CheckpointError, plan_from_json, read_metadata, restore_job
 from nereus_jax.runtime.job import Job
-from nereus_jax.runtime.plans import ACTOR_TRAIN, CRITIC_TRAIN
+from nereus_jax.runtime.plans import ACTOR_TRAIN, CRITIC_TRAIN, plan_from_config
 
 pytestmark = pytest.mark.resume
 
@@ -161,6 +161,24 @@ def test_checkpoint_written_on_4_devices_resumes_on_8(reference, on_four):
     job, _, got = _resume(os.path.join(four_dir, "4"), range(4, 6))
     assert job.plan == reference["plan"]  # the config's plan for the 8 devices present now
     _close(got, reference["results"][4:], _train_state(job), reference["state"])
+
+
+def test_layouts_that_repeat_kv_heads_save_and_restore_the_canonical_state(reference, tmp_path):
+    """tp=4 over 2 kv heads stores each kv head twice: restored into it, saved from it, and restored into
+    tp=1 again, every model-stage's state is bit for bit the checkpoint's (checksums are layout-free)."""
+    path = os.path.join(reference["dir"], "3")
+    plain, _ = _restore(path)
+    cfg = _cfg("plan.stages.actor-train.tp=4", "plan.stages.ref-infer.tp=4")
+    # on as many devices as it was written on, a checkpoint resumes into its own plan unless given one
+    wide, _ = restore_job(cfg, make_task(cfg.task), CharTokenizer(), path, plan=plan_from_config(cfg))
+    assert wide.specs[ACTOR_TRAIN].repeat(wide.plan[ACTOR_TRAIN].layout) == 2
+    ckpt = Checkpointer(str(tmp_path / "wide"))
+    ckpt.save(wide, 3, wait=True)
+    ckpt.close()
+    back, _ = _restore(str(tmp_path / "wide"))
+    for ms in plain.units:
+        want = plain.units[ms][0].checksum().tolist()
+        assert wide.units[ms][0].checksum().tolist() == want and back.units[ms][0].checksum().tolist() == want, ms
 
 
 # ------------------------------------------------------------------------------------ clear errors
