@@ -42,9 +42,10 @@ from typing import Any
 from nereus_jax.config import ConfigError
 from nereus_jax.elastic.compile import align_ranks
 from nereus_jax.elastic.controller import Candidate, Controller, Decision, Observation
-from nereus_jax.elastic.costs import CostModel, Measurement, StageChoice, link_bandwidth
+from nereus_jax.elastic.costs import CostModel, Measurement, StageChoice, device_peak_bytes, link_bandwidth
 from nereus_jax.elastic.executor import TransitionExecutor
 from nereus_jax.elastic.graph import TransitionGraph
+from nereus_jax.elastic.hardware import get_hardware
 from nereus_jax.elastic.plan import ExecutionPlan, ModelStage
 from nereus_jax.elastic.planner import InfeasiblePlanError, Planner
 from nereus_jax.elastic.workload import LengthStats, Workload
@@ -81,7 +82,10 @@ class Adapter:
         self.job, self.log = job, log
         cfg = job.cfg
         self.enabled = cfg.controller.enabled
-        self.cost = CostModel(cfg.controller.hardware or cfg.cluster.hardware)
+        hardware = get_hardware(cfg.controller.hardware or cfg.cluster.hardware)
+        if cfg.cluster.device_memory_bytes:  # plan against the cap the cluster sets, not the datasheet's
+            hardware = dataclasses.replace(hardware, memory_bytes=cfg.cluster.device_memory_bytes)
+        self.cost = CostModel(hardware)
         self.planner = Planner(self.cost, headroom=cfg.controller.memory_headroom)
         self.pool = tuple(range(cfg.cluster.num_devices))
         self.controller = Controller(self._candidates, self._latency, self._transition_seconds,
@@ -129,7 +133,8 @@ class Adapter:
             return
         achieved = statistics.median(self._priced_s) if len(self._priced_s) >= 3 and not compiled else None
         obs = Observation(step, self.job.plan, self._planning_pool(step),
-                          metrics["response_length_mean"] if metrics else (self._ref_length() or 1.0), achieved)
+                          metrics["response_length_mean"] if metrics else (self._ref_length() or 1.0), achieved,
+                          self.peak_bytes(self.job.plan), self.memory_cap_bytes)
         decision = self.controller.observe(obs)
         if decision is None:
             return
@@ -149,9 +154,8 @@ class Adapter:
                 self._execute(step, pending)
 
     def close(self) -> None:
-        if self.pending is not None:
-            self.pending.future.cancel()
-        self._pool_ex.shutdown(wait=True)
+        """Stops taking work; a compile still running finishes in the background (its result is unused)."""
+        self._pool_ex.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------------------------- pool
     def _apply_schedule(self, step: int) -> set[int]:
@@ -273,6 +277,27 @@ class Adapter:
             return max(gen, sum(seconds.values()))
         return sum(seconds.values())
 
+    @property
+    def memory_cap_bytes(self) -> float:
+        """Usable bytes per device: the cap (cluster.device_memory_bytes or the hardware's) less the headroom."""
+        cap = self.job.cfg.cluster.device_memory_bytes or self.cost.hardware.memory_bytes
+        return cap * (1 - self.job.cfg.controller.memory_headroom)
+
+    def peak_bytes(self, plan: ExecutionPlan) -> float | None:
+        """Predicted peak bytes per device of a job plan on the observed workload: on each device, the
+        resident state of every model-stage there plus the largest working set (they run in turn)."""
+        if self._workload is None:
+            return None
+        per_device: dict[int, list] = collections.defaultdict(list)
+        for name in self._stages():
+            ms = _PRICED[name]
+            m = self.cost.stage_memory(self.job.cfg.model, name, self._choice(plan, name), self._workload)
+            if name in ("actor-infer", "critic-infer"):  # they run on the training units: no state of their own
+                m = m._replace(resident=0.0)
+            for d in plan[ms].devices:
+                per_device[d].append(m)
+        return max(device_peak_bytes(ms) for ms in per_device.values())
+
     def _candidates(self, obs: Observation) -> list[Candidate]:
         workload = self._workload or Workload.from_config(self.job.cfg)
         skip = [s for s in ("reward-infer",) if ModelStage("reward", "infer") not in self.job.plan]
@@ -293,6 +318,9 @@ class Adapter:
             gen = set(plan[ACTOR_GEN].devices)
             if self.async_mode and any(gen & set(sp.devices) for ms, sp in plan.items() if ms != ACTOR_GEN):
                 continue  # async generation needs its own devices
+            peak = self.peak_bytes(plan)
+            if peak is not None and peak > self.memory_cap_bytes:
+                continue  # the job runs actor/critic-infer on the training units: the planner's plan differs
             latency = self._latency(plan)
             if latency is not None and plan not in out:
                 out[plan] = latency

@@ -103,3 +103,22 @@ def test_an_announced_leave_is_compiled_ahead_and_the_move_is_data_movement_only
     assert move["compile_hidden"] and move["wait_for_compile_s"] < 0.05 and move["step"] < 5
     assert 7 not in job.plan.devices
     assert job._programs == before and job._engines == engines  # the step after the move built nothing
+
+
+def test_a_predicted_memory_violation_is_an_urgent_trigger_toward_a_plan_that_fits():
+    """cluster.device_memory_bytes below the current plan's predicted peak: the controller admits, without
+    the profitability test, a plan whose predicted peak per device fits the cap less the headroom."""
+    job = _job(["cluster.device_memory_bytes=80000000"])
+    adapter = Adapter(job, log=lambda _: None)
+    try:
+        metrics = None
+        for s in range(3):
+            adapter.boundary(s, metrics)
+            if s < 2:
+                metrics = job.step(s).metrics
+        assert adapter.peak_bytes(job.plan) > adapter.memory_cap_bytes
+        decision = next(e for e in adapter.events if e["event"] == "decision")
+        assert decision["trigger"] == "memory" and decision["urgent"] and decision["admitted"]
+        assert adapter.peak_bytes(adapter.pending.target) <= adapter.memory_cap_bytes
+    finally:
+        adapter.close()
