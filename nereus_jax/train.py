@@ -45,6 +45,10 @@ def _set_platform(cfg: Config) -> None:
     if cfg.cluster.platform != "cpu":
         return
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from nereus_jax.runtime.distributed import detect
+
+    if detect().multi:  # several processes: each one's CPU devices come from NEREUS_LOCAL_DEVICES
+        return
     flag = f"--xla_force_host_platform_device_count={cfg.cluster.num_devices}"
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
@@ -57,7 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    _set_platform(cfg)
+    from nereus_jax.runtime.distributed import DistributedError, initialize
+
+    try:
+        _set_platform(cfg)
+        initialize()  # joins the other processes under SLURM or NEREUS_COORDINATOR; no-op otherwise
+    except DistributedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     run_dir = args.run_dir or cfg.logging.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     start = time.perf_counter()
     try:
@@ -66,6 +77,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps({k: v for k, v in summary.items() if k != "plan"}))
+    if summary.get("stopped_by"):
+        from nereus_jax.runtime.checkpoint import resume_command
+
+        argv = sys.argv[1:] if argv is None else argv
+        print(f"stopped by {summary['stopped_by']} after step {summary['resume_step'] - 1}; resume with:\n  "
+              f"{resume_command(argv, summary['resume_from'])}", file=sys.stderr)
     return 0 if summary.get("ok", True) else 1
 
 

@@ -22,6 +22,14 @@ from nereus_jax.rl.tasks import PromptDataError, make_task
 from nereus_jax.rl.tokenizer import CharTokenizer, HFTokenizer
 from nereus_jax.runtime.adapt import Adapter
 from nereus_jax.runtime.async_rl import AsyncRunner
+from nereus_jax.runtime.checkpoint import (
+    Checkpointer,
+    GracefulStop,
+    checkpoint_dir,
+    load_controller,
+    restore_job,
+    stop_agreed,
+)
 from nereus_jax.runtime.job import Job, JobError, StepResult
 from nereus_jax.runtime.report import RunReport
 from nereus_jax.runtime.warmstart import SFT_INDEX_OFFSET, cached_warm_start, run_sft
@@ -66,27 +74,39 @@ def run_job(cfg: Config, run_dir: str, *, started: float | None = None) -> dict:
     report = RunReport(run_dir, cfg.trainer.steps, progress=cfg.logging.progress,
                        tensorboard=cfg.logging.tensorboard)
     cache_dir = cfg.logging.cache_dir or os.path.join(os.path.dirname(os.path.abspath(run_dir)), "cache")
-    warm, hit, sft_s = _warm_start(cfg, task, tok, cache_dir, report)
-    job = Job(cfg, task, tok, actor_params=warm)
+    resume = cfg.checkpoint.resume_from
+    warm, hit, sft_s = (None, False, 0.0) if resume else _warm_start(cfg, task, tok, cache_dir, report)
+    job, first, meta = _start_job(cfg, task, tok, warm, report)
     report.log(f"plan:\n{job.plan}")
     held_out = task.eval_problems()
     acc_before = job.evaluate(held_out)
     report.log(f"held-out accuracy after the warm start: {acc_before:.3f}")
     adapter = Adapter(job, log=report.log)
     job.adapter = adapter
-    rl_start, tokens, step_s = time.perf_counter(), 0, 0.0
-    try:
-        for result in rl_steps(job, adapter, cfg.trainer.steps):
-            metrics = result.metrics
-            tokens, step_s = tokens + metrics["response_tokens"], step_s + metrics["step_seconds"]
-            report.step(metrics)
-    finally:
-        adapter.close()
+    if meta is not None and not load_controller(job, meta):
+        report.log("the controller starts afresh (the checkpoint was written on another device count)")
+    ckpt = Checkpointer(checkpoint_dir(cfg, run_dir), every_steps=cfg.checkpoint.every_steps,
+                        keep=cfg.checkpoint.keep)
+    rl_start, tokens, step_s, stopped = time.perf_counter(), 0, 0.0, None
+    with GracefulStop() as stop:
+        try:
+            for result in rl_steps(job, adapter, cfg.trainer.steps, first=first):
+                metrics = result.metrics
+                tokens, step_s = tokens + metrics["response_tokens"], step_s + metrics["step_seconds"]
+                report.step(metrics)
+                stopped = _after_step(cfg, job, ckpt, stop, metrics["step"] + 1)
+                if stopped is not None:
+                    break
+        finally:
+            adapter.close()
+            ckpt.close()
     rl_s = time.perf_counter() - rl_start
+    if stopped is not None:
+        return _stopped(cfg, job, report, ckpt.directory, stopped, started)
     acc_after = job.evaluate(held_out)
     report.log(f"held-out accuracy after {cfg.trainer.steps} RL steps: {acc_after:.3f}")
     control = None
-    if cfg.trainer.warmup_sft_steps and cfg.trainer.sft_control:
+    if cfg.trainer.warmup_sft_steps and cfg.trainer.sft_control and warm is not None:  # not on a resume
         if _jax_cpu_collectives_hang():
             report.log("SFT control skipped: on jax < 0.11 (CPU) its 8-device all-reduce deadlocks after the RL "
                         "steps (XLA rendezvous timeout); accuracy_sft_control is null")
@@ -97,6 +117,41 @@ def run_job(cfg: Config, run_dir: str, *, started: float | None = None) -> dict:
                "steps": cfg.trainer.steps, "transitions": adapter.transitions,
                "controller_events": adapter.events, "tokens_per_s": tokens / max(step_s, 1e-9),
                "rl_seconds": rl_s, "warm_start_seconds": sft_s, "warm_start_cache_hit": hit,
+               "plan": repr(job.plan), "wall_s": time.perf_counter() - started}
+    report.finish(summary)
+    return summary
+
+
+def _start_job(cfg: Config, task, tok, warm: dict | None, report: RunReport) -> tuple[Job, int, dict | None]:
+    """(job, first step, checkpoint metadata): from checkpoint.resume_from, laid out in the plan for the
+    devices present now, else a fresh job from the warm-started actor."""
+    if not cfg.checkpoint.resume_from:
+        return Job(cfg, task, tok, actor_params=warm), 0, None
+    job, meta = restore_job(cfg, task, tok, cfg.checkpoint.resume_from)
+    report.log(f"resumed from {meta['_step_dir']} at step {meta['step']} (written on {meta['num_devices']} "
+               f"devices, now {len(job.devices)})")
+    return job, meta["step"], meta
+
+
+def _after_step(cfg: Config, job: Job, ckpt: Checkpointer, stop: GracefulStop, done: int):
+    """Periodic and end-of-run checkpoints; after SIGTERM / SIGINT (on any process) a save, and
+    (signal name, step to resume at) to stop the loop."""
+    ckpt.maybe_save(job, done)
+    if done == cfg.trainer.steps and cfg.checkpoint.every_steps:
+        ckpt.save(job, done)
+    if done < cfg.trainer.steps and stop_agreed(stop):
+        ckpt.save(job, done)
+        return stop.signal or "a signal to another process", done
+    return None
+
+
+def _stopped(cfg: Config, job: Job, report: RunReport, directory: str, stopped, started: float) -> dict:
+    """The summary of a run that a signal stopped after saving (no final evaluation)."""
+    name, step = stopped
+    report.log(f"stopped by {name} after step {step - 1}; saved {directory}/{step}. Resume: the same command "
+               f"with checkpoint.resume_from={directory}")
+    summary = {"algorithm": cfg.algorithm.name, "model": cfg.model.name, "task": cfg.task.name,
+               "steps": cfg.trainer.steps, "stopped_by": name, "resume_step": step, "resume_from": directory,
                "plan": repr(job.plan), "wall_s": time.perf_counter() - started}
     report.finish(summary)
     return summary

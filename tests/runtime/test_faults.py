@@ -1,0 +1,242 @@
+"""The job survives stops and faults: SIGTERM finishes the step, saves and exits 0 naming the resume
+command; kill -9 during an asynchronous save leaves the previous checkpoint as the one resumed; a device
+lost during a step is survived from the surviving units when a full copy of every state is left, else from
+the last checkpoint, and the two recoveries continue identically.
+
+Subprocesses get 8 CPU devices, a hard timeout, and SIGKILL when they hang (JAX traps SIGTERM); they
+run last and share the module's persistent compilation cache, so they mostly reuse its programs.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from nereus_jax.config import load_config
+from nereus_jax.rl.tasks import make_task
+from nereus_jax.rl.tokenizer import CharTokenizer
+from nereus_jax.runtime.checkpoint import (
+    Checkpointer,
+    DeviceLost,
+    read_metadata,
+    recover_from_device_loss,
+    restore_job,
+    training_counts,
+)
+from nereus_jax.runtime.job import Job
+from nereus_jax.runtime.plans import ACTOR_TRAIN, CRITIC_TRAIN
+
+pytestmark = pytest.mark.fault
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=16",
+        "rollout.samples_per_prompt=2", "trainer.actor_lr=1e-3", "trainer.critic_lr=1e-3", "logging.progress=false",
+        "task.num_digits=1", "task.eval_size=16", "plan.stages.actor-gen.dp=2"]
+KEYS = ("reward_mean", "kl", "loss", "policy_loss", "value_loss", "response_length_mean", "policy_version")
+
+
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory):
+    """One persistent compilation cache for this module and its subprocesses."""
+    path = str(tmp_path_factory.getbasetemp() / "jax-cache")
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    old = {k: getattr(jax.config, k) for k in keys}
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    yield path
+    for k, v in old.items():
+        jax.config.update(k, v)
+
+
+def _env(jax_cache: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+            "JAX_COMPILATION_CACHE_DIR": jax_cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "PYTHONPATH": str(ROOT)}
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # SIGKILL: JAX installs a SIGTERM handler
+        out, err = proc.communicate()
+        pytest.fail(f"subprocess hung for {timeout} s and was killed; stderr tail:\n{err[-3000:]}")
+    return proc.returncode, out, err
+
+
+# -------------------------------------------------------------------------------------- device loss
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+    from nereus_jax.runtime.run import _warm_start
+
+    cfg = load_config(None, BASE + ["trainer.warmup_sft_steps=150"])
+
+    class _Quiet:
+        def log(self, _):
+            pass
+
+    cache = str(tmp_path_factory.getbasetemp() / "warm-cache")
+    return _warm_start(cfg, make_task(cfg.task), CharTokenizer(), cache, _Quiet())[0]
+
+
+def _lose_during_step(tmp_path, warm, lost, where):
+    """Steps 0, 1 (checkpointed after each), then ``lost`` devices fail in step 2 at ``where``; recovers
+    and runs steps up to 3. Returns (recovery, results of the recovered steps)."""
+    cfg = load_config(None, BASE)
+    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor_params=warm)
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), every_steps=1, keep=2)
+    for s in range(2):
+        job.step(s)
+        ckpt.maybe_save(job, s + 1)
+    ckpt.wait()
+    counts = training_counts(job)
+    _inject(job, lost, where)
+    with pytest.raises(DeviceLost) as failure:
+        job.step(2)
+    rec = recover_from_device_loss(job, failure.value.device_ids, 2, counts, ckpt.directory)
+    ckpt.close()
+    return rec, [rec.job.step(s) for s in range(rec.next_step, 4)]
+
+
+def _inject(job, lost, where):
+    if where == "reward":  # after generation, before any state changes
+        def fail(*a, **k):
+            raise DeviceLost(lost)
+
+        job.rewards = fail
+    else:  # after actor-train stepped, while the critic trains
+        original = job._train_stage
+
+        def train_stage(ms, data):
+            if ms == CRITIC_TRAIN:
+                raise DeviceLost(lost)
+            return original(ms, data)
+
+        job._train_stage = train_stage
+
+
+@pytest.fixture(scope="module")
+def from_checkpoint(warm, tmp_path_factory, jax_cache):
+    """Devices 0 and 1 hold every actor-gen replica: losing them leaves no copy, so the checkpoint is used."""
+    return _lose_during_step(tmp_path_factory.mktemp("loss"), warm, (0, 1), "reward")
+
+
+def test_device_loss_without_a_surviving_copy_restores_the_last_checkpoint(from_checkpoint):
+    rec, results = from_checkpoint
+    assert rec.how == "checkpoint" and rec.next_step == 2 and "actor-gen" in rec.reason
+    assert rec.checkpoint.endswith("/2") and "checkpoint" in rec.describe()
+    assert not {0, 1} & set(rec.job.plan.devices) and len(rec.job.plan.devices) == 4
+    assert [r.metrics["step"] for r in results] == [2, 3]
+
+
+def test_device_loss_with_a_full_copy_left_replans_from_the_survivors(tmp_path, warm, from_checkpoint):
+    """Losing devices 6 and 7 before any update of step 2 leaves a complete replica of every model-stage;
+    the job continues on 4 surviving devices without a checkpoint, bit for bit as the restored one does
+    (same layouts, same state)."""
+    rec, results = _lose_during_step(tmp_path, warm, (6, 7), "reward")
+    assert rec.how == "survivors" and rec.next_step == 2 and rec.checkpoint is None
+    assert rec.job.plan.devices == (0, 1, 2, 3)
+    _, restored = from_checkpoint
+    for a, b in zip(results, restored, strict=True):
+        np.testing.assert_array_equal(a.batch.response_br, b.batch.response_br)
+        assert {k: a.metrics[k] for k in KEYS} == {k: b.metrics[k] for k in KEYS}
+    for ms in (ACTOR_TRAIN, CRITIC_TRAIN):
+        assert rec.job.units[ms][0].checksum().tolist() == from_checkpoint[0].job.units[ms][0].checksum().tolist()
+
+
+def test_device_loss_after_a_partial_update_restores_the_checkpoint(tmp_path, warm, from_checkpoint):
+    """actor-train has stepped but critic-train has not: the survivors are not one consistent state."""
+    rec, results = _lose_during_step(tmp_path, warm, (6, 7), "critic")
+    assert rec.how == "checkpoint" and rec.next_step == 2 and "actor-train" in rec.reason
+    _, restored = from_checkpoint
+    for a, b in zip(results, restored, strict=True):
+        assert {k: a.metrics[k] for k in KEYS} == {k: b.metrics[k] for k in KEYS}
+
+
+# ------------------------------------------------------------------------------------------ SIGTERM
+def _train(args, jax_cache, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "nereus_jax.train", "default", *BASE, *args], cwd=ROOT,
+                            env=_env(jax_cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_0_naming_the_resume_command(tmp_path, jax_cache):
+    ckdir, run_dir = tmp_path / "ckpt", tmp_path / "run"
+    args = ["trainer.steps=200", "logging.tensorboard=false", f"checkpoint.dir={ckdir}", "--run-dir", str(run_dir)]
+    proc = _train(args, jax_cache)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the run ended or hung before its first step: {proc.communicate()[1][-3000:]}")
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    rc, out, err = _wait(proc, 120)
+    assert rc == 0, err[-3000:]
+    done = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    assert done == list(range(len(done))) and len(done) < 200
+    meta = read_metadata(str(ckdir))
+    assert meta["step"] == len(done)  # the step in flight finished and was saved
+    assert f"checkpoint.resume_from={ckdir}" in err and "SIGTERM" in err
+    # the named command resumes at the next step
+    proc = _train([f"trainer.steps={len(done) + 1}", "logging.tensorboard=false", f"checkpoint.dir={ckdir}",
+                   f"checkpoint.resume_from={ckdir}", "--run-dir", str(run_dir)], jax_cache)
+    rc, out, err = _wait(proc, 240)
+    assert rc == 0, err[-3000:]
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == done + [len(done)]
+
+
+# ------------------------------------------------------------------------------- kill -9 mid-save
+CHILD = textwrap.dedent("""
+    import os, signal, sys
+    import jax, numpy as np
+    jax.config.update("jax_default_matmul_precision", "highest")
+    from nereus_jax.config import load_config
+    from nereus_jax.rl.tasks import make_task
+    from nereus_jax.rl.tokenizer import CharTokenizer
+    from nereus_jax.runtime.checkpoint import Checkpointer
+    from nereus_jax.runtime.job import Job
+    ckdir, base = sys.argv[1], sys.argv[2:]
+    cfg = load_config(None, base)
+    job = Job(cfg, make_task(cfg.task), CharTokenizer())
+    ckpt = Checkpointer(ckdir, every_steps=1, keep=3)
+    for s in range(10):
+        job.step(s)
+        if s == 0:
+            ckpt.save(job, 1, wait=True)
+            np.savez(os.path.join(ckdir, "..", "step1.npz"), *jax.tree.leaves(job.actor_host_params()))
+            continue
+        ckpt.save(job, s + 1)  # returns once the arrays are off the devices; files are written behind
+        if not os.path.exists(os.path.join(ckdir, str(s + 1))):
+            print("KILLED_DURING_SAVE", s + 1, sorted(os.listdir(ckdir)), flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        ckpt.wait()  # too late to catch it unfinished: wait, then try again on the next step
+""")
+
+
+def test_kill_9_during_an_async_save_resumes_from_the_previous_complete_checkpoint(tmp_path, jax_cache):
+    ckdir = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(ckdir), *BASE],
+                            cwd=ROOT, env=_env(jax_cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rc, out, err = _wait(proc, 240)
+    assert rc == -signal.SIGKILL, err[-3000:]
+    killed_at = int(out.split("KILLED_DURING_SAVE")[1].split()[0])
+    assert not (ckdir / str(killed_at)).exists()
+    assert any(".orbax-checkpoint-tmp" in n for n in os.listdir(ckdir))  # the unfinished save
+    cfg = load_config(None, BASE)
+    job, meta = restore_job(cfg, make_task(cfg.task), CharTokenizer(), str(ckdir))
+    assert meta["step"] == killed_at - 1
+    if killed_at == 2:  # the child dumped the actor after step 1
+        want = np.load(tmp_path / "step1.npz")
+        for i, x in enumerate(jax.tree.leaves(job.actor_host_params())):
+            np.testing.assert_array_equal(x, want[f"arr_{i}"])
+    assert job.step(meta["step"]).metrics["policy_version"] == meta["step"] + 1
