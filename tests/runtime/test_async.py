@@ -99,3 +99,11 @@ def test_double_buffered_weight_sync_keeps_the_generating_copy():
     job = _job([])
     graph = TransitionGraph.weight_sync(job.plan, ACTOR_TRAIN, ACTOR_GEN, job.specs, keep_old=True)
     assert ACTOR_GEN not in graph.initial and graph.is_acyclic()
+
+
+def test_the_last_weight_sync_reaches_actor_gen_when_the_run_ends():
+    """finish mode applies a sync at the next batch; after the last update there is none, so the runner
+    applies it on the way out: evaluation after the run sees the final policy."""
+    job, _, _ = _run(["trainer.mode=async", "trainer.max_staleness=1"], steps=2)
+    pending = [g._pending[1] if g._pending is not None else g.version for g in job._engines]
+    assert job.version == 2 and pending == [2] * len(job._engines)
