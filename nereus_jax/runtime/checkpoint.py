@@ -35,6 +35,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nereus_jax.config import Config, ConfigError
 from nereus_jax.elastic.emu import EMU, split_replicas
+from nereus_jax.elastic.executor import TransitionExecutor
+from nereus_jax.elastic.graph import TransitionGraph
 from nereus_jax.elastic.plan import DEVICE, ExecutionPlan, ModelStage, StagePlan
 from nereus_jax.models import abstract_params
 from nereus_jax.runtime.job import Job, JobError
@@ -431,21 +433,21 @@ def training_counts(job: Job) -> dict[str, Any]:
 def recover_from_device_loss(job: Job, lost: Sequence[int], step: int, counts: Mapping[str, Any],
                              checkpoint_dir: str | None) -> Recovery:
     """After ``DeviceLost(lost)`` during ``step`` (``counts`` = :func:`training_counts` at the step's start):
-    re-plan onto the surviving devices from the surviving units when every model-stage still has a complete
-    replica holding its state as of the step's start; otherwise restore the last checkpoint there."""
+    when every model-stage still has a complete replica holding its state as of the step's start, ``job``
+    itself moves onto the surviving devices (a transition graph from the surviving units, run by the
+    executor: no checkpoint read); otherwise a new Job there restores the last checkpoint."""
     lost = {int(d) for d in lost}
     alive = [i for i, d in enumerate(job.devices) if d.id not in lost]
     plan = plan_for_devices(job.cfg, alive, job.rows)
     survivors = {ms: [u for u in units if not lost & {d.id for d in u.devices}] for ms, units in job.units.items()}
     gone = sorted(str(ms) for ms, us in survivors.items() if not us)
     moved = [k for k, v in training_counts_of(survivors).items() if v != counts.get(k)] if not gone else []
-    if not gone and not moved:
-        host = {ms: us[0].to_host() for ms, us in survivors.items()}
-        zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), abstract_params(job.cfg.model))
-        new = Job(job.cfg, job.task, job.tok, actor_params=zeros, plan=plan, devices=job.devices)
-        install(new, {ms: [EMU.create(ms, new.specs[ms], plan[ms].layout, [new.devices[i] for i in r], host[ms])
-                           for r in plan[ms].replicas] for ms in new.units}, job.version)
-        return Recovery(new, "survivors", step, f"devices {sorted(lost)} lost; every model-stage kept a replica")
+    if not gone and not moved:  # the urgent path: a transition from what survived, device to device
+        left = ExecutionPlan({ms: StagePlan(us[0].layout, tuple(u.device_ids for u in us), us[0].memory)
+                              for ms, us in survivors.items()})
+        graph = TransitionGraph.build(left, plan, job.specs, caps=job.cfg.cluster.device_memory_bytes)
+        job.adopt(plan, TransitionExecutor().run(graph, survivors))
+        return Recovery(job, "survivors", step, f"devices {sorted(lost)} lost; every model-stage kept a replica")
     reason = (f"devices {sorted(lost)} lost; no replica of {', '.join(gone)} survived" if gone else
               f"devices {sorted(lost)} lost after {', '.join(moved)} had updated in step {step}")
     if checkpoint_dir is None or latest_step(checkpoint_dir) is None:

@@ -90,7 +90,7 @@ def warm(tmp_path_factory):
 
 def _lose_during_step(tmp_path, warm, lost, where):
     """Steps 0, 1 (checkpointed after each), then ``lost`` devices fail in step 2 at ``where``; recovers
-    and runs steps up to 3. Returns (recovery, results of the recovered steps)."""
+    and runs steps up to 3. Returns (recovery, results of the recovered steps, the job that failed)."""
     cfg = load_config(None, BASE)
     job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor_params=warm)
     ckpt = Checkpointer(str(tmp_path / "ckpt"), every_steps=1, keep=2)
@@ -102,9 +102,10 @@ def _lose_during_step(tmp_path, warm, lost, where):
     _inject(job, lost, where)
     with pytest.raises(DeviceLost) as failure:
         job.step(2)
+    vars(job).pop("rewards", None), vars(job).pop("_train_stage", None)  # the injection is over
     rec = recover_from_device_loss(job, failure.value.device_ids, 2, counts, ckpt.directory)
     ckpt.close()
-    return rec, [rec.job.step(s) for s in range(rec.next_step, 4)]
+    return rec, [rec.job.step(s) for s in range(rec.next_step, 4)], job
 
 
 def _inject(job, lost, where):
@@ -131,7 +132,7 @@ def from_checkpoint(warm, tmp_path_factory, jax_cache):
 
 
 def test_device_loss_without_a_surviving_copy_restores_the_last_checkpoint(from_checkpoint):
-    rec, results = from_checkpoint
+    rec, results, _ = from_checkpoint
     assert rec.how == "checkpoint" and rec.next_step == 2 and "actor-gen" in rec.reason
     assert rec.checkpoint.endswith("/2") and "checkpoint" in rec.describe()
     assert not {0, 1} & set(rec.job.plan.devices) and len(rec.job.plan.devices) == 4
@@ -142,10 +143,11 @@ def test_device_loss_with_a_full_copy_left_replans_from_the_survivors(tmp_path, 
     """Losing devices 6 and 7 before any update of step 2 leaves a complete replica of every model-stage;
     the job continues on 4 surviving devices without a checkpoint, bit for bit as the restored one does
     (same layouts, same state)."""
-    rec, results = _lose_during_step(tmp_path, warm, (6, 7), "reward")
+    rec, results, failed = _lose_during_step(tmp_path, warm, (6, 7), "reward")
     assert rec.how == "survivors" and rec.next_step == 2 and rec.checkpoint is None
+    assert rec.job is failed  # moved in place by a transition, no new job
     assert rec.job.plan.devices == (0, 1, 2, 3)
-    _, restored = from_checkpoint
+    _, restored, _ = from_checkpoint
     for a, b in zip(results, restored, strict=True):
         np.testing.assert_array_equal(a.batch.response_br, b.batch.response_br)
         assert {k: a.metrics[k] for k in KEYS} == {k: b.metrics[k] for k in KEYS}
@@ -155,9 +157,9 @@ def test_device_loss_with_a_full_copy_left_replans_from_the_survivors(tmp_path, 
 
 def test_device_loss_after_a_partial_update_restores_the_checkpoint(tmp_path, warm, from_checkpoint):
     """actor-train has stepped but critic-train has not: the survivors are not one consistent state."""
-    rec, results = _lose_during_step(tmp_path, warm, (6, 7), "critic")
+    rec, results, _ = _lose_during_step(tmp_path, warm, (6, 7), "critic")
     assert rec.how == "checkpoint" and rec.next_step == 2 and "actor-train" in rec.reason
-    _, restored = from_checkpoint
+    _, restored, _ = from_checkpoint
     for a, b in zip(results, restored, strict=True):
         assert {k: a.metrics[k] for k in KEYS} == {k: b.metrics[k] for k in KEYS}
 
