@@ -170,6 +170,7 @@ class Simulation:
     def controller(self, name: str, model: PlanningModel) -> Controller:
         c = self.trace.controller
         kw = {k: float(c[k]) for k in ("length_drift", "efficiency_drift", "ema") if k in c}
+        kw["devices"] = self.trace.pool(0)  # the pool at start: a change before the first observation triggers
         gamma = float(c.get("gamma", 0.5))
         args = (model.plan_fn, model.latency_fn, model.transition_fn)
         every = re.fullmatch(r"every_(\d+)", name)
