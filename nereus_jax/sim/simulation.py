@@ -84,7 +84,7 @@ class PolicyRun:
         recs = self.records
         transition_s = sum(r.transition_s for r in recs)
         total = self.total_s
-        layout_changes = sum("layout" in e for r in recs for e in r.events)
+        layout_changes = sum(e == "transition layout" for r in recs for e in r.events)
         decision = [r.decision_ms for r in recs[1:]] or [0.0]
         out = {
             "mean_step_s": total / len(recs),
@@ -95,6 +95,7 @@ class PolicyRun:
             "overhead_fraction": transition_s / total if total else 0.0,
             "oom_events": sum(r.oom for r in recs),
             "restarts": sum("restart" in e for r in recs for e in r.events),
+            "forced_relayouts": sum("forced relayout" in e for r in recs for e in r.events),
             "total_s": total,
             "decision_ms_mean": sum(decision) / len(decision),
             "decision_ms_max": max(decision),
