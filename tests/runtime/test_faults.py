@@ -165,6 +165,46 @@ def test_device_loss_after_a_partial_update_restores_the_checkpoint(tmp_path, wa
 
 
 # ------------------------------------------------------------------------------------------ SIGTERM
+def test_run_stopped_by_sigterm_and_resumed_logs_the_metrics_of_the_straight_run(tmp_path, warm, jax_cache,
+                                                                                monkeypatch):
+    """run_job end to end, in this process: 4 steps straight vs SIGTERM during step 1 (the step finishes
+    and is saved), then the same run with checkpoint.resume_from. The resumed run logs steps 2 and 3
+    exactly as the straight run does (same plan: the controller is off, since its timing-driven choices
+    differ between any two runs)."""
+    from nereus_jax.runtime import report as report_mod
+    from nereus_jax.runtime.run import run_job
+
+    args = BASE + ["trainer.steps=4", "trainer.warmup_sft_steps=150", "trainer.sft_control=false",
+                   "controller.enabled=false", f"logging.cache_dir={tmp_path.parent / 'warm-cache'}"]
+    straight = run_job(load_config(None, args), str(tmp_path / "a"))
+    assert "stopped_by" not in straight
+
+    step = report_mod.RunReport.step
+
+    def step_then_signal(self, metrics):
+        step(self, metrics)
+        if metrics["step"] == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(report_mod.RunReport, "step", step_then_signal)
+    ckdir = tmp_path / "b" / "checkpoints"
+    stopped = run_job(load_config(None, args), str(tmp_path / "b"))
+    assert stopped["stopped_by"] == "SIGTERM" and stopped["resume_step"] == 2
+    assert stopped["resume_from"] == str(ckdir) and read_metadata(str(ckdir))["step"] == 2
+    monkeypatch.setattr(report_mod.RunReport, "step", step)
+    resumed = run_job(load_config(None, args + [f"checkpoint.resume_from={ckdir}"]), str(tmp_path / "b"))
+    assert "stopped_by" not in resumed
+
+    def logged(run):
+        return [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+
+    a, b = logged("a"), logged("b")
+    assert [m["step"] for m in b] == [0, 1, 2, 3]
+    for ma, mb in zip(a, b, strict=True):
+        assert {k: ma[k] for k in KEYS} == {k: mb[k] for k in KEYS}, ma["step"]
+
+
+
 def _train(args, jax_cache, **kw) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "nereus_jax.train", "default", *BASE, *args], cwd=ROOT,
                             env=_env(jax_cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
