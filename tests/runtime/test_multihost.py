@@ -1,7 +1,7 @@
 """Two JAX processes x 4 CPU devices on localhost (jax.distributed, gloo collectives) against one process
 with 8 devices: the processes join into one 8-device runtime, a data-parallel training program whose
-all-reduce crosses the process boundary computes what the single process computes, and a job checkpoint
-the two processes write together resumes in one process.
+all-reduce crosses the process boundary computes what the single process computes, a job checkpoint the
+two processes write together resumes in one process, and a SIGTERM to one process stops both.
 
 The children get their own XLA_FLAGS (no 8-device flag from tests/conftest.py: 4 devices each through
 NEREUS_LOCAL_DEVICES), a hard timeout, and SIGKILL when they hang (JAX traps SIGTERM).
@@ -70,6 +70,14 @@ CHILD = textwrap.dedent("""
     ckpt = Checkpointer(os.path.join(out, "ckpt"))
     ckpt.save(job, 0, wait=True)
     ckpt.close()
+    # 4. a SIGTERM to one process stops every process after the same step
+    import signal
+    from nereus_jax.runtime.checkpoint import GracefulStop, stop_agreed
+    with GracefulStop() as stop:
+        before = stop_agreed(stop)
+        if me == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        print("STOP", before, stop_agreed(stop), stop.signal, flush=True)
     print("DONE", me, flush=True)
 """)
 
@@ -153,6 +161,11 @@ def test_checkpoint_written_by_two_processes_resumes_in_one(two_processes):
     ref = Job(cfg, make_task(cfg.task), CharTokenizer(), actor_params=warm)  # the state it was written from
     for ms in ref.units:
         assert job.units[ms][0].checksum().tolist() == ref.units[ms][0].checksum().tolist(), ms
+
+
+def test_a_signal_to_one_process_stops_every_process_after_the_same_step(two_processes):
+    _, outs = two_processes
+    assert "STOP False True None" in outs[0] and "STOP False True SIGTERM" in outs[1]
 
 
 def test_launch_is_read_from_the_environment():
