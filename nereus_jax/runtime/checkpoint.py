@@ -9,7 +9,13 @@ so a crash mid-save leaves the previous checkpoint as the latest one); the last 
 
 Restore reads every array straight into the shardings of the plan chosen for the devices present now
 (all replicas of a model-stage at once, on the mesh (dp, pp, tp)), so a checkpoint written on 8 devices
-resumes on 4 and the reverse.
+resumes on 4 and the reverse. With several processes (jax.distributed) every process calls the same
+functions; a checkpoint written by N processes resumes in M.
+
+Stops and faults: :class:`GracefulStop` turns SIGTERM / SIGINT into "finish the step, save, exit 0"
+(run_job); :func:`recover_from_device_loss` survives devices lost during a step, by a transition from
+the surviving units when every model-stage kept a full replica of its state as of the step's start, else
+by restoring the last checkpoint onto the surviving devices, and says which (:class:`Recovery`).
 
     ckpt = Checkpointer(cfg.checkpoint.dir, every_steps=10, keep=2)
     ckpt.maybe_save(job, steps_done=10)               # async; ckpt.close() waits for the last one
