@@ -31,7 +31,11 @@ Figures (medians over runs; seconds are wall seconds of the RL phase, ``rl_secon
 - ``profile``: where the time goes per mode: the generator's working seconds (sum of actor-gen) and waiting
   seconds (rl_seconds - working), the learner's working seconds (the other stages) and waiting seconds, and
   the process's CPU seconds over the RL phase (``cores_used`` = CPU seconds / wall seconds).
-- ``simulator_async``: the simulator's sync-vs-async step latency when ``nereus_jax.sim`` offers one, else null.
+- ``simulator_async``: SIMULATED, not measured: the simulator's async (one-step-off, actor-gen on its own
+  devices) policies ``async_fixed`` / ``async_nereus`` against sync ``nereus`` on the first ``--sim-steps``
+  steps of ``configs/sim/paper_drift.yaml`` on the a100 hardware table (``simulated: true``, ``hardware``);
+  mean step latency per policy (async: the interval between weight syncs) and the reductions. Null with
+  ``--sim-steps 0``.
 
 Reading it (two default runs on this 2-core machine at load average 9-14): speedup 1.40 and 1.46, steady
 1.55, against an ideal of 1.38-1.41 (steady 1.25-1.29: generation is only ~20% of a steady PPO step here)
@@ -138,10 +142,26 @@ def machine_overlap(iters: int = 3000) -> float:
     return serial / (time.perf_counter() - t)
 
 
-def simulated() -> dict | None:
-    """The simulator's sync-vs-async step latency on a paper-shaped trace. None: ``nereus_jax.sim`` has no
-    asynchronous policy yet (its POLICIES are all synchronous); issue 10 asks for one."""
-    return None
+SIM_TRACE, SIM_POLICIES = "paper_drift", ("nereus", "async_fixed", "async_nereus")
+
+
+def simulated(steps: int = 12) -> dict | None:
+    """SIMULATED sync-vs-async step latency on a prefix of the paper-shaped drift trace (~10 s; the whole
+    trace: ``python -m nereus_jax.simulate paper_drift --policies async_fixed,async_nereus,nereus``). None
+    when ``steps`` is 0."""
+    if steps <= 0:
+        return None
+    from nereus_jax.sim import Simulation, load_trace, report
+
+    start = time.perf_counter()
+    sim = Simulation(load_trace(SIM_TRACE, {"steps": steps}))
+    runs = sim.run(SIM_POLICIES)
+    keys = ("mean_step_s", "transitions", "transition_s", "oom_events", "sync_fallback_steps")
+    return {"simulated": True, "hardware": sim.hw.name, "hardware_description": sim.hw.description,
+            "trace": sim.trace.name, "steps": steps, "note": report.headline(sim),
+            "policies": {n: {k: r.summary()[k] for k in keys if k in r.summary()} for n, r in runs.items()},
+            "comparison": report.async_comparison({n: r.summary() for n, r in runs.items()}),
+            "wall_s": round(time.perf_counter() - start, 1)}
 
 
 def _median(runs: list[dict], key: str) -> float:
@@ -162,7 +182,7 @@ def summarize(sync: list[dict], asyn: list[dict], overlap: list[float], args) ->
     steady = {m: statistics.median(sum(r["interval_s"][skip:]) for r in runs) for m, runs in (("s", sync), ("a", asyn))}
     ideal_steady = statistics.median(ideal_speedup(r["gen_s"][skip:], r["rest_s"][skip:]) for r in sync)
     piped = statistics.median(ideal_pipelined(r["gen_s"], r["rest_s"]) for r in sync)
-    sim = simulated()
+    sim = simulated(getattr(args, "sim_steps", 0))  # a namespace without the flag skips the simulation
     acc_sync = statistics.mean(r["accuracy_after"] for r in sync)  # mean over the paired seeds
     acc_async = statistics.mean(r["accuracy_after"] for r in asyn)
     return {"sync_s": round(sync_s, 3), "async_s": round(async_s, 3), "speedup": round(speedup, 4),
@@ -180,7 +200,7 @@ def summarize(sync: list[dict], asyn: list[dict], overlap: list[float], args) ->
                          if k not in ("gen_s", "rest_s", "interval_s")} for r in _interleave(sync, asyn)],
             "steps": args.steps, "runs": args.runs, "config": args.config, "overrides": args.overrides,
             "simulator_async": sim,
-            **({} if sim else {"simulator_note": "nereus_jax.sim has no sync-vs-async comparison yet (issue 10)"}),
+            **({} if sim else {"simulator_note": "skipped (--sim-steps 0)"}),
             "load_avg": [round(x, 2) for x in os.getloadavg()], "cpu_count": os.cpu_count(), "jax": jax.__version__}
 
 
@@ -194,6 +214,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--runs", type=int, default=3, help="runs per mode (interleaved; medians reported)")
     parser.add_argument("--warmup-steps", type=int, default=8, help="steps of the uncounted warm-up pair (0: none)")
     parser.add_argument("--config", default="async_tiny")
+    parser.add_argument("--sim-steps", type=int, default=12,
+                        help="steps of the simulated paper_drift async comparison (0: skip)")
     parser.add_argument("--out", default="runs/bench_async", help="run folders, warm-start and compilation caches")
     parser.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     args = parser.parse_args(argv)

@@ -74,7 +74,8 @@ class PlanningModel:
     def plans(self, wl: Workload, pool: tuple[int, ...]) -> tuple[SimPlan, ...]:
         """The planner's best plan and runners-up (fastest first); empty when nothing fits."""
         cm = self.snapshot()
-        key = (cm.efficiency_vector, wl, pool, self.layouts, tuple(sorted(self.planner_settings.items())))
+        key = (type(self).__name__, cm.efficiency_vector, wl, pool, self.layouts,
+               tuple(sorted(self.planner_settings.items())))
         if key not in self.caches.plans:
             start = time.perf_counter()
             found = self._solve(cm, wl, pool)
@@ -149,11 +150,15 @@ class PlanningModel:
         return self.caches.graphs[key]
 
     # ---------------------------------------------------------------------------------- calibration
-    def calibrate(self, plan: SimPlan, wl: Workload, seconds: Mapping[str, float], changed: bool) -> bool:
+    def calibrate(self, plan: SimPlan, wl: Workload, seconds: Mapping[str, float], changed: bool,
+                  workloads: Mapping[str, Workload | None] | None = None) -> bool:
         """Refit the cost model's efficiencies from the measured stage seconds of the last steps. Skipped
         (returns False) once the window holds only this plan and every stage is predicted within
-        ``SKIP_ERROR``: the refit would barely move (a saving for 1,000-step simulations)."""
-        self._window.append([Measurement(self.models[s.split("-")[0]], s, c, wl, seconds[s]) for s, c in plan.choices])
+        ``SKIP_ERROR``: the refit would barely move (a saving for 1,000-step simulations). ``workloads``:
+        per stage, the batch it ran when not ``wl`` (async actor-gen: the next one; None: it did not run)."""
+        per = {s: (workloads or {}).get(s, wl) for s, _ in plan.choices}
+        self._window.append([Measurement(self.models[s.split("-")[0]], s, c, per[s], seconds[s])
+                             for s, c in plan.choices if per[s] is not None and seconds[s] > 0])
         self.since_change = 0 if changed else self.since_change + 1
         if self.since_change >= CALIBRATION_WINDOW:
             cm = self.cost_model

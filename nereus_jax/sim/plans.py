@@ -33,18 +33,22 @@ class SimPlan:
     phases: tuple[tuple[str, ...], ...] = field(compare=False)
     edges: frozenset[tuple[str, str]] = field(compare=False, repr=False)
     device_set: frozenset[int] = field(compare=False, repr=False, default=frozenset())
+    overlapped: bool = False  # async: actor-gen on its own devices, beside scoring + training (no edge to them)
 
     @classmethod
     def of(cls, result: PlanResult, phases: Sequence[Sequence[str]]) -> SimPlan:
         return cls.build(dict(result.choices), result.plan, phases)
 
     @classmethod
-    def build(cls, choices: Mapping[str, StageChoice], plan: ExecutionPlan, phases) -> SimPlan:
+    def build(cls, choices: Mapping[str, StageChoice], plan: ExecutionPlan, phases,
+              overlapped: bool = False) -> SimPlan:
+        """``overlapped``: the first phase (actor-gen) gets no edge to the others, so the critical path is
+        max(actor-gen, scoring + training): one-step-off async on disjoint devices (``sim.asynchronous``)."""
         order = [s for p in phases for s in p]
         placed = {str(ms): sp for ms, sp in plan.items()}
-        edges = frozenset(overlap_edges(phases, placed, order))
+        edges = frozenset(overlap_edges(phases[1:] if overlapped else phases, placed, order))
         return cls(tuple((s, choices[s]) for s in order), plan, tuple(tuple(p) for p in phases), edges,
-                   frozenset(plan.devices))
+                   frozenset(plan.devices), overlapped)
 
     @property
     def devices(self) -> frozenset[int]:
@@ -60,11 +64,13 @@ class SimPlan:
     def aligned_to(self, current: SimPlan) -> SimPlan:
         """This plan with its replicas' ranks ordered to match ``current`` (less data moves)."""
         plan = align_ranks(current.plan, self.plan)
-        return self if plan == self.plan else SimPlan(self.choices, plan, self.phases, self.edges, self.device_set)
+        return self if plan == self.plan else SimPlan(self.choices, plan, self.phases, self.edges, self.device_set,
+                                                      self.overlapped)
 
-    def latency(self, stage_seconds: Mapping[str, float]) -> float:
-        """Step latency: the critical path through this plan's overlap graph."""
-        return critical_path(stage_seconds, set(self.edges))
+    def latency(self, stage_seconds: Mapping[str, float], sync_s: float = 0.0) -> float:
+        """Step latency: the critical path through this plan's overlap graph (+ ``sync_s``, the weight sync
+        that closes an async step)."""
+        return critical_path(stage_seconds, set(self.edges)) + sync_s
 
     def describe(self) -> str:
         return ", ".join(f"{s} {c}" for s, c in self.choices)

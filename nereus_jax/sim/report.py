@@ -45,20 +45,29 @@ def result_json(sim: Simulation, runs: Mapping[str, PolicyRun], **extra: Any) ->
 
 
 def comparison(policies: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
-    """nereus against each other policy: the fractional reduction of mean step latency (positive: nereus
-    faster) and its excess over the oracle."""
+    """nereus against each other synchronous policy: the fractional reduction of mean step latency
+    (positive: nereus faster) and its excess over the oracle; async_nereus against async_fixed (the
+    paper's async figure) and against sync nereus (the same fraction)."""
+    out = async_comparison(policies)
     if "nereus" not in policies:
-        return {}
+        return out
     ours = policies["nereus"]["mean_step_s"]
-    out = {}
     for name, s in policies.items():
-        if name == "nereus":
+        if name == "nereus" or name.startswith("async_"):
             continue
         if name == "oracle":
             out["nereus_over_oracle"] = ours / s["mean_step_s"] - 1.0
         else:
             out[f"reduction_vs_{name}"] = 1.0 - ours / s["mean_step_s"]
     return out
+
+
+def async_comparison(policies: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+    if "async_nereus" not in policies:
+        return {}
+    ours = policies["async_nereus"]["mean_step_s"]
+    return {f"async_nereus_reduction_vs_{name}": 1.0 - ours / policies[name]["mean_step_s"]
+            for name in ("async_fixed", "nereus", "fixed") if name in policies}
 
 
 def table(sim: Simulation, runs: Mapping[str, PolicyRun]) -> str:

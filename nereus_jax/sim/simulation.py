@@ -17,7 +17,10 @@ Policies (same trace, same seed, same noise per step and stage):
 - ``nereus``: the controller with Eq. 2 admission (gamma from the trace);
 - ``oracle``: each step the truly fastest plan that fits, among the planner's picks under the truth's
   efficiencies and every plan any other policy ran at that step, with free transitions: a lower bound
-  of every policy's step latency.
+  of every policy's step latency (of the synchronous ones: it never runs async plans);
+- ``async_fixed`` / ``async_nereus``: one-step-off async with actor-gen on its own devices, the step latency
+  the interval between weight syncs (``sim.asynchronous``): the async baseline (first disjoint plan's tp/pp,
+  DP scaling) and the controller with Eq. 2 admitting transitions only at weight syncs.
 
     sim = Simulation(load_trace("paper_drift"))
     runs = sim.run(["fixed", "nereus", "oracle"])
@@ -40,6 +43,7 @@ from nereus_jax.elastic.graph import TransitionGraph
 from nereus_jax.elastic.hardware import get_hardware
 from nereus_jax.elastic.planner import phases_for
 from nereus_jax.elastic.workload import LengthStats, Workload
+from nereus_jax.sim.asynchronous import ASYNC_POLICIES, AsyncPlanningModel, interval_seconds
 from nereus_jax.sim.model import Layouts, PlanningModel, SharedCaches, plan_peak_memory
 from nereus_jax.sim.plans import SimPlan, changed_stages, graph_seconds, state_specs
 from nereus_jax.sim.trace import Trace
@@ -62,6 +66,7 @@ class StepRecord:
     latency_s: float            # ground-truth step latency (noise and stragglers included)
     transition_s: float = 0.0   # ground-truth transition time at this step's boundary
     wasted_s: float = 0.0       # out-of-memory attempts and checkpoint/restarts
+    fill_s: float = 0.0         # async, first step: generating batch 0 before the pipeline overlaps
     oom: int = 0
     decision_ms: float = 0.0    # the controller's own time at this boundary
     plan: SimPlan | None = None
@@ -78,7 +83,7 @@ class PolicyRun:
 
     @property
     def total_s(self) -> float:
-        return sum(r.latency_s + r.transition_s + r.wasted_s for r in self.records)
+        return sum(r.latency_s + r.transition_s + r.wasted_s + r.fill_s for r in self.records)
 
     def summary(self) -> dict:
         recs = self.records
@@ -101,6 +106,9 @@ class PolicyRun:
             "decision_ms_max": max(decision),
             "transition_steps": [r.step for r in recs if any("transition" in e for e in r.events)],
         }
+        if any(r.plan is not None and r.plan.overlapped for r in recs) or self.name in ASYNC_POLICIES:
+            out["sync_fallback_steps"] = sum(r.plan is not None and not r.plan.overlapped for r in recs)
+            out["fill_s"] = sum(r.fill_s for r in recs)
         out.update(self.notes)
         return out
 
@@ -123,9 +131,11 @@ class Simulation:
         self.caches = SharedCaches()
 
     # ---------------------------------------------------------------------------- building blocks
-    def model(self, layouts: Layouts | None = None, cost_model: CostModel | None = None) -> PlanningModel:
-        return PlanningModel(self.models, self.trace.algorithm, self.hw, self.phases, self.specs, self.caches,
-                             layouts=layouts, planner=self.trace.planner, cost_model=cost_model)
+    def model(self, layouts: Layouts | None = None, cost_model: CostModel | None = None,
+              asynchronous: bool = False) -> PlanningModel:
+        kind = AsyncPlanningModel if asynchronous else PlanningModel
+        return kind(self.models, self.trace.algorithm, self.hw, self.phases, self.specs, self.caches,
+                    layouts=layouts, planner=self.trace.planner, cost_model=cost_model)
 
     def cfg(self, stage: str):
         return self.models[stage.split("-")[0]]
@@ -135,23 +145,62 @@ class Simulation:
         seconds = {s: self.truth.stage_seconds(self.cfg(s), s, c, wl, step) for s, c in plan.choices}
         return plan.latency(seconds), seconds
 
+    def measure_step(self, plan: SimPlan, step: int, generated: bool = False
+                     ) -> tuple[float, dict[str, float], dict[str, Workload | None]]:
+        """Ground-truth step latency, per-stage seconds and per-stage batch of ``plan`` at ``step``: a
+        synchronous plan runs step's batch (``generated``: an async step before it generated it already); an
+        async (overlapped) one scores and trains batch ``step`` while actor-gen generates batch ``step + 1``
+        (none at the last step), then syncs weights."""
+        wl = self.trace.workload(step)
+        if not plan.overlapped:
+            seconds = {s: self.truth.stage_seconds(self.cfg(s), s, c, wl, step) for s, c in plan.choices}
+            if generated:
+                seconds["actor-gen"] = 0.0
+            return plan.latency(seconds), seconds, ({"actor-gen": None} if generated else {})
+        nxt = step + 1 if step + 1 < self.trace.steps else None
+        workloads = {s: wl for s, _ in plan.choices}
+        workloads["actor-gen"] = None if nxt is None else self.trace.workload(nxt)
+        steps = {s: (nxt if s == "actor-gen" else step) for s, _ in plan.choices}
+        latency, seconds = interval_seconds(self.truth, self.cfg, plan, workloads, steps)
+        return latency, seconds, workloads
+
     def true_peak(self, plan: SimPlan, wl: Workload) -> float:
         return plan_peak_memory(plan, wl, lambda s, c: self.truth.stage_bytes(self.cfg(s), s, c, wl))
 
     def fits(self, plan: SimPlan, wl: Workload) -> bool:
         return self.true_peak(plan, wl) <= self.hw.memory_bytes
 
+    def step_peak(self, plan: SimPlan, step: int) -> float:
+        """True peak bytes of ``plan`` at ``step``; async: actor-gen holds the next batch (its KV cache)."""
+        wl = self.trace.workload(step)
+        if not plan.overlapped:
+            return self.true_peak(plan, wl)
+        nxt = self.trace.workload(min(step + 1, self.trace.steps - 1))
+        return plan_peak_memory(plan, wl, lambda s, c: self.truth.stage_bytes(
+            self.cfg(s), s, c, nxt if s == "actor-gen" else wl))
+
     def true_transition(self, model: PlanningModel, old: SimPlan, new: SimPlan) -> float | None:
         """Ground-truth seconds of old -> new: data movement at true link speeds + concurrent setup."""
         graph = model.graph(old, new)
         return None if graph is None else true_transition_seconds(self.truth, graph)
 
-    def initial_plan(self) -> SimPlan:
-        """The planner's plan for the first step with the hardware table's priors (every policy starts here)."""
-        plan = self.model().best(self.trace.workload(0), self.trace.pool(0))
+    def initial_plan(self, asynchronous: bool = False) -> SimPlan:
+        """The planner's plan for the first step with the hardware table's priors (every policy of a mode
+        starts here; async: the first disjoint plan)."""
+        plan = self.model(asynchronous=asynchronous).best(self.trace.workload(0), self.trace.pool(0))
         if plan is None:
             raise ValueError(f"trace '{self.trace.name}': nothing fits the first step's pool")
         return plan
+
+    def first_disjoint_plan(self) -> SimPlan:
+        """The planner's first async plan with actor-gen on its own devices (hardware-table priors), at the
+        first step whose pool admits one (``async_fixed`` pins its layouts)."""
+        model = self.model(asynchronous=True)
+        for step in range(self.trace.steps):
+            plan = model.best(self.trace.workload(step), self.trace.pool(step))
+            if plan is not None and plan.overlapped:
+                return plan
+        raise ValueError(f"trace '{self.trace.name}': no step's pool fits actor-gen on devices of its own")
 
     # ---------------------------------------------------------------------------------- policies
     def run(self, policies: Sequence[str] = POLICIES) -> dict[str, PolicyRun]:
@@ -185,10 +234,13 @@ class Simulation:
                    give_up_above: float = math.inf) -> PolicyRun | None:
         """Play one controller policy over the trace (``fixed``: pinned to the first plan's layouts). None
         once its running total exceeds ``give_up_above`` (a fixed_best candidate that cannot win)."""
-        plan = self.initial_plan()
+        asynchronous = name in ASYNC_POLICIES
+        plan = self.initial_plan(asynchronous)
         if name == "fixed" and layouts is None:
             layouts = plan.layouts()
-        model = self.model(layouts)
+        if name == "async_fixed" and layouts is None:
+            layouts = self.first_disjoint_plan().layouts()
+        model = self.model(layouts, asynchronous=asynchronous)
         controller = self.controller(name, model)
         run = PolicyRun(name, [], notes={"layouts": _layout_text(layouts)} if layouts else {})
         prev: tuple[Workload, float] | None = None
@@ -247,25 +299,29 @@ class Simulation:
         model.observed = model.observed or self.trace.workload(0)
         target = model.best(model.observed, pool)
         if target is None:
-            target = self.model().best(model.observed, pool)
+            target = self.model(asynchronous=plan.overlapped).best(model.observed, pool)
             rec.events.append("forced relayout")
         return self._transition(plan, target.aligned_to(plan), model, rec)
 
     def _run_step(self, plan: SimPlan, wl: Workload, step: int, model: PlanningModel, controller: Controller,
                   rec: StepRecord, run: PolicyRun) -> SimPlan:
         for _ in range(3):
-            if self.fits(plan, wl):
+            if self.step_peak(plan, step) <= self.hw.memory_bytes:
                 break
             rec.oom += 1
-            rec.wasted_s += OOM_WASTE * self.measure(plan, wl, step)[0]
+            rec.wasted_s += OOM_WASTE * self.measure_step(plan, step)[0]
             model.observed = wl
             obs = Observation(step, plan, tuple(range(rec.pool)), wl.response_length.mean, None,
-                              self.true_peak(plan, wl), float(self.hw.memory_bytes))
+                              self.step_peak(plan, step), float(self.hw.memory_bytes))
             plan = self._apply(controller.observe(obs), plan, model, rec, run)
         rec.predicted_s = model.predict(plan, wl)
-        rec.latency_s, seconds = self.measure(plan, wl, step)
+        pipelined = bool(run.records) and run.records[-1].plan.overlapped  # batch ``step`` is generated already
+        rec.latency_s, seconds, workloads = self.measure_step(plan, step, generated=pipelined)
+        if plan.overlapped and not pipelined:  # (re)filling the pipeline: this step's batch is generated first
+            rec.fill_s = self.truth.stage_seconds(self.cfg("actor-gen"), "actor-gen", plan.choice("actor-gen"), wl,
+                                                  step)
         rec.plan = plan
-        model.calibrate(plan, wl, seconds, changed=bool(rec.events))
+        model.calibrate(plan, wl, seconds, changed=bool(rec.events), workloads=workloads)
         return plan
 
     # -------------------------------------------------------------------------- hindsight policies
@@ -281,7 +337,8 @@ class Simulation:
         run = PolicyRun("oracle", [])
         for step in range(self.trace.steps):
             wl, pool = self.trace.workload(step), set(self.trace.pool(step))
-            candidates = set(picks[step]) | {r.records[step].plan for r in others}
+            candidates = set(picks[step]) | {r.records[step].plan for r in others
+                                             if not r.records[step].plan.overlapped}
             best = None
             for p in candidates:
                 if p is None or not set(p.devices) <= pool or not self.fits(p, wl):
@@ -336,8 +393,9 @@ class PeriodicController(Controller):
 
 
 def _check_policy(name: str) -> None:
-    if name not in POLICIES and not re.fullmatch(r"every_\d+", name):
-        raise PolicyError(f"unknown policy '{name}'; valid: {', '.join(POLICIES)} (every_K for any K)")
+    if name not in POLICIES + ASYNC_POLICIES and not re.fullmatch(r"every_\d+", name):
+        raise PolicyError(f"unknown policy '{name}'; valid: {', '.join(POLICIES + ASYNC_POLICIES)} "
+                          "(every_K for any K)")
 
 
 def _bucket(wl: Workload) -> Workload:
