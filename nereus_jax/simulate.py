@@ -6,11 +6,15 @@ graph against a simulated cluster's ground truth (nereus_jax/sim). No GPUs neede
     python -m nereus_jax.simulate paper_drift --policies fixed,nereus,oracle   # a bare name finds configs/sim
     python -m nereus_jax.simulate paper_drift --sweep controller.gamma=0,0.25,0.5,0.75,1
     python -m nereus_jax.simulate paper_drift --set truth.noise_cv=0.05 --seed 3
+    python -m nereus_jax.simulate paper_drift --policies async_fixed,async_nereus,nereus --json   # async vs sync
 
 Policies: fixed (first-step TP/PP kept, DP scaled), fixed_best (best pinned TP/PP in hindsight), every_K
 (re-plan every K steps), no_admission (admit any gain), nereus (Eq. 2 admission), oracle (best plan each
-step, free transitions). The JSON has ``simulated: true``, ``hardware`` and, per policy, ``mean_step_s``,
-``transitions``, ``transition_s``, ``overhead_fraction`` (a fraction) and ``oom_events``.
+step, free transitions); async_fixed / async_nereus (one-step-off, actor-gen on its own devices, the step
+latency the interval between weight syncs; nereus_jax/sim/asynchronous.py). The JSON has ``simulated: true``,
+``hardware`` and, per policy, ``mean_step_s``, ``transitions``, ``transition_s``, ``overhead_fraction`` (a
+fraction) and ``oom_events`` (async policies also ``sync_fallback_steps``, ``fill_s``); ``comparison`` has
+``async_nereus_reduction_vs_async_fixed`` and ``..._vs_nereus`` when those ran.
 """
 
 from __future__ import annotations
