@@ -123,3 +123,26 @@ def test_a_pool_too_small_for_a_split_runs_colocated_and_says_so():
     run = sim.run(["async_nereus"])["async_nereus"]
     assert not run.records[0].plan.overlapped and run.summary()["sync_fallback_steps"] == 1
     assert run.records[0].fill_s == 0.0
+
+
+@pytest.fixture(scope="module")
+def drift_async():
+    """The paper-shaped drift trace, async policies and sync nereus (slow: ~30 s on 2 shared cores)."""
+    return simulate.main(["paper_drift", "--policies", "async_fixed,async_nereus,nereus", "--json", "--no-plot"])
+
+
+@pytest.mark.slow
+def test_paper_drift_async_nereus_beats_the_async_baseline_and_never_runs_out_of_memory_twice(drift_async):
+    p = drift_async["policies"]
+    assert p["async_nereus"]["mean_step_s"] < p["async_fixed"]["mean_step_s"]
+    assert p["async_nereus"]["oom_events"] <= 1  # one measured: the plan is chosen for the last observed batch
+    assert p["async_nereus"]["sync_fallback_steps"] == 4  # steps 0-3: 8 A100s cannot split PPO's 8B models
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="simulated: async_nereus is ~3.9% faster than async_fixed on paper_drift "
+                   "(~0.9% on paper_1024), not 37.3%: generation is ~15-25% of a step under this ground truth, "
+                   "so splitting it off and re-planning around it gains little")
+def test_paper_drift_async_nereus_is_at_least_37_3pct_faster_than_the_async_baseline(drift_async):
+    p = drift_async["policies"]
+    assert p["async_nereus"]["mean_step_s"] <= (1 - 0.373) * p["async_fixed"]["mean_step_s"]
