@@ -112,7 +112,7 @@ def plot(sim: Simulation, runs: Mapping[str, PolicyRun], out: str | Path) -> Pat
     ax = fig.add_subplot(1, 1, 1)
     for name, run in runs.items():
         steps = [r.step for r in run.records]
-        ys = [r.latency_s + r.transition_s + r.wasted_s for r in run.records]
+        ys = [r.latency_s + r.transition_s + r.wasted_s + r.fill_s for r in run.records]
         (line,) = ax.plot(steps, ys, label=f"{name} ({run.summary()['mean_step_s']:.0f} s/step)",
                           linestyle="--" if name == "oracle" else "-")
         moved = [(r.step, y, any("layout" in e for e in r.events)) for r, y in zip(run.records, ys, strict=True)
