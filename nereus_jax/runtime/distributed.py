@@ -8,8 +8,10 @@ when the launch asks for several processes, and does nothing otherwise:
 * with a coordinator address: ``NEREUS_COORDINATOR=host:port``, ``NEREUS_NUM_PROCESSES``,
   ``NEREUS_PROCESS_ID`` (or the same as arguments).
 
-On CPU, ``NEREUS_LOCAL_DEVICES`` (or ``local_devices=``) sets each process's device count and the
-collectives run over gloo. Two processes x 4 CPU devices on one machine::
+On CPU, ``NEREUS_LOCAL_DEVICES`` sets each process's device count and the collectives run over gloo.
+``NEREUS_TRANSFER_ADDRESS=host:port`` (one per process) enables ``jax.device_put`` from one process's
+devices to another's (what a transition moving a unit across hosts does); the sender must stay up until
+the receiver has the data. Two processes x 4 CPU devices on one machine::
 
     NEREUS_COORDINATOR=127.0.0.1:12355 NEREUS_NUM_PROCESSES=2 NEREUS_PROCESS_ID=0 NEREUS_LOCAL_DEVICES=4 \\
         JAX_PLATFORMS=cpu python -m nereus_jax.train ppo_tiny cluster.num_devices=8 &
@@ -23,8 +25,9 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
-ENV_COORDINATOR, ENV_PROCESSES, ENV_ID, ENV_LOCAL = (
-    "NEREUS_COORDINATOR", "NEREUS_NUM_PROCESSES", "NEREUS_PROCESS_ID", "NEREUS_LOCAL_DEVICES")
+ENV_COORDINATOR, ENV_PROCESSES, ENV_ID, ENV_LOCAL, ENV_TRANSFER = (
+    "NEREUS_COORDINATOR", "NEREUS_NUM_PROCESSES", "NEREUS_PROCESS_ID", "NEREUS_LOCAL_DEVICES",
+    "NEREUS_TRANSFER_ADDRESS")
 
 
 class DistributedError(RuntimeError):
@@ -74,6 +77,8 @@ def initialize(launch: Launch | None = None, *, timeout_s: int = 300) -> Launch:
         jax.config.update("jax_num_cpu_devices", launch.local_devices)
     if not launch.multi:
         return launch
+    if os.environ.get(ENV_TRANSFER):
+        jax.config.update("jax_cross_host_transfer_socket_address", os.environ[ENV_TRANSFER])
     if cpu:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if launch.source == "slurm":
