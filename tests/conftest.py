@@ -1,6 +1,9 @@
 """Test setup: 8 CPU virtual devices, set before JAX is imported anywhere; float32 matmuls exact."""
 
+import json
 import os
+import sys
+from pathlib import Path
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -16,3 +19,56 @@ def devices():
     devs = jax.devices()
     assert len(devs) == 8, f"tests need 8 CPU devices, got {len(devs)}: XLA_FLAGS was set too late"
     return devs
+
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+
+
+class NotebookRun:
+    """Executes ``notebooks/NAME`` top to bottom in a fresh kernel on this interpreter; ``text``/``cell`` read
+    a tagged cell's stream output and the cell itself."""
+
+    def __init__(self, kernel: str):
+        self.kernel = kernel
+
+    def __call__(self, name: str):
+        import nbclient
+        import nbformat
+
+        nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+        # The notebook's own folder as the working directory, as in Jupyter: it finds the checkout from there.
+        nbclient.NotebookClient(nb, kernel_name=self.kernel, timeout=600,
+                                resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+        errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+        assert not errors, errors
+        return nb
+
+    @staticmethod
+    def cell(nb, tag: str):
+        (cell,) = [c for c in nb.cells if tag in c.metadata.get("tags", [])]
+        return cell
+
+    @classmethod
+    def text(cls, nb, tag: str) -> str:
+        return "".join(o.get("text", "") for o in cls.cell(nb, tag).outputs if o.output_type == "stream")
+
+
+@pytest.fixture
+def run_notebook(tmp_path, monkeypatch) -> NotebookRun:
+    """A kernelspec running ipykernel on sys.executable, found first on a temporary JUPYTER_PATH (so a
+    ``python3`` kernelspec installed elsewhere can't pick another interpreter); TMPDIR is the test's
+    tmp_path, so what a notebook writes with tempfile lands there. Skips without the notebook packages."""
+    pytest.importorskip("nbformat")
+    pytest.importorskip("nbclient")
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    kernel = "nereus-test-python"
+    spec_dir = tmp_path / "jupyter" / "kernels" / kernel
+    spec_dir.mkdir(parents=True)
+    (spec_dir / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": f"Python ({sys.executable})", "language": "python"}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    assert KernelSpecManager().get_kernel_spec(kernel).argv[0] == sys.executable
+    return NotebookRun(kernel)

@@ -46,22 +46,6 @@ def compilation_cache(tmp_path_factory):
         jax.config.update(k, v)
 
 
-@pytest.fixture(scope="module")
-def warm(tmp_path_factory):
-    """A warm-started actor, so the steps have reward signal and the updates are not float noise."""
-    from nereus_jax.runtime.run import _warm_start
-
-    cfg = load_config(None, BASE + ["trainer.warmup_sft_steps=150"])
-
-    class _Quiet:
-        def log(self, _):
-            pass
-
-    cache = str(tmp_path_factory.getbasetemp() / "warm-cache")  # shared with test_faults.py
-    params, _, _ = _warm_start(cfg, make_task(cfg.task), CharTokenizer(), cache, _Quiet())
-    return params
-
-
 def _cfg(*extra):
     return load_config(None, BASE + list(extra))
 

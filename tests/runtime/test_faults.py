@@ -74,20 +74,6 @@ def _wait(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
 
 
 # -------------------------------------------------------------------------------------- device loss
-@pytest.fixture(scope="module")
-def warm(tmp_path_factory):
-    from nereus_jax.runtime.run import _warm_start
-
-    cfg = load_config(None, BASE + ["trainer.warmup_sft_steps=150"])
-
-    class _Quiet:
-        def log(self, _):
-            pass
-
-    cache = str(tmp_path_factory.getbasetemp() / "warm-cache")
-    return _warm_start(cfg, make_task(cfg.task), CharTokenizer(), cache, _Quiet())[0]
-
-
 def _lose_during_step(tmp_path, warm, lost, where):
     """Steps 0, 1 (checkpointed after each), then ``lost`` devices fail in step 2 at ``where``; recovers
     and runs steps up to 3. Returns (recovery, results of the recovered steps, the job that failed)."""

@@ -19,22 +19,6 @@ BASE = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "traine
         "task.num_digits=1", "task.eval_size=16", "plan.stages.actor-gen.dp=2"]
 
 
-@pytest.fixture(scope="module")
-def warm(tmp_path_factory):
-    """A warm-started actor (1-digit addition), so RL steps have real reward signal: with none, the update
-    is pure float noise that advantage whitening and Adam scale up, and nothing is compared."""
-    from nereus_jax.runtime.run import _warm_start
-
-    cfg = load_config(None, BASE + ["trainer.warmup_sft_steps=150"])
-
-    class _Quiet:
-        def log(self, _):
-            pass
-
-    params, _, _ = _warm_start(cfg, make_task(cfg.task), CharTokenizer(), str(tmp_path_factory.mktemp("c")), _Quiet())
-    return params
-
-
 def _three_steps(overrides, warm):
     cfg = load_config(None, BASE + overrides)
     job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor_params=warm)

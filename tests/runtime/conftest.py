@@ -1,0 +1,29 @@
+"""Shared by the runtime tests: the tiny job's overrides and one warm-started actor per session."""
+
+import pytest
+
+from nereus_jax.config import load_config
+from nereus_jax.rl.tasks import make_task
+from nereus_jax.rl.tokenizer import CharTokenizer
+
+# 1-digit addition, 16 prompts x 2 samples a step, short sequences: the tiny job most runtime tests run
+TINY_JOB = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=16",
+            "rollout.samples_per_prompt=2", "trainer.actor_lr=1e-3", "trainer.critic_lr=1e-3",
+            "logging.progress=false", "task.num_digits=1", "task.eval_size=16", "plan.stages.actor-gen.dp=2"]
+
+
+@pytest.fixture(scope="session")
+def warm(tmp_path_factory):
+    """A warm-started actor (150 supervised steps of the tiny job), so RL steps have real reward signal: with
+    none, the update is float noise that advantage whitening and Adam scale up, and nothing is compared.
+    Cached in BASETEMP/warm-cache, where subprocess tests (test_faults) find it too."""
+    from nereus_jax.runtime.run import _warm_start
+
+    cfg = load_config(None, TINY_JOB + ["trainer.warmup_sft_steps=150"])
+
+    class _Quiet:
+        def log(self, _):
+            pass
+
+    cache = str(tmp_path_factory.getbasetemp() / "warm-cache")
+    return _warm_start(cfg, make_task(cfg.task), CharTokenizer(), cache, _Quiet())[0]
