@@ -136,14 +136,15 @@ class Adapter:
                           metrics["response_length_mean"] if metrics else (self._ref_length() or 1.0), achieved,
                           self.peak_bytes(self.job.plan), self.memory_cap_bytes)
         decision = self.controller.observe(obs)
-        if decision is None:
-            return
-        self._log_decision(decision)
-        if not decision.admitted and gone & set(self.job.plan.devices):
+        if decision is not None:
+            self._log_decision(decision)
+        if (decision is None or not decision.admitted) and gone & set(self.job.plan.devices):
+            why = decision.reason if decision is not None else "the move planned at its announcement was not admitted"
             raise LiveTransitionError(
                 f"step {step}: devices {sorted(gone)} left and no live transition reaches a plan without them "
-                f"({decision.reason}); restart from the last checkpoint on the remaining devices "
-                "(checkpoint.resume_from=...)")
+                f"({why}); restart from the last checkpoint on the remaining devices (checkpoint.resume_from=...)")
+        if decision is None:
+            return
         if decision.admitted:
             target = align_ranks(self.job.plan, decision.target)
             steady = statistics.median(self._steady_s) if self._steady_s else None

@@ -122,3 +122,20 @@ def test_a_predicted_memory_violation_is_an_urgent_trigger_toward_a_plan_that_fi
         assert adapter.peak_bytes(adapter.pending.target) <= adapter.memory_cap_bytes
     finally:
         adapter.close()
+
+
+def test_a_device_in_use_leaving_with_no_live_transition_fails_naming_the_restart():
+    """A leave the controller cannot plan around (here it is given no candidate) stops the job with the
+    restart command instead of letting it run on devices that are gone."""
+    from nereus_jax.runtime.adapt import LiveTransitionError
+
+    job = _job(["cluster.schedule=[{step: 1, leave: [1, 2, 3, 4, 5, 6, 7]}]", "plan.stages.actor-gen.dp=1"])
+    adapter = Adapter(job, log=lambda _: None)
+    adapter.controller.plan_fn = lambda obs: []  # nothing reaches the 1-device pool
+    try:
+        adapter.boundary(0, None)
+        metrics = job.step(0).metrics
+        with pytest.raises(LiveTransitionError, match=r"devices \[1, 2, 3, 4, 5, 6, 7\] left .*resume_from"):
+            adapter.boundary(1, metrics)
+    finally:
+        adapter.close()
