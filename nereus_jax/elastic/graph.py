@@ -8,6 +8,7 @@ training tie-break under the per-device caps, adds resource edges and, when it m
 
     graph = TransitionGraph.build(old_plan, new_plan, specs, caps=2 * 2**30)
     print(graph)                         # one line per step: op, model-stage, units, bytes
+    seconds = transition_seconds(graph, lambda link, n: cost.transfer_seconds(n, link), devices_per_node=8)
     TransitionExecutor().run(graph, emus)
 
 ``build`` raises :class:`Infeasible` (naming the device and the bytes short) before anything moves.
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from nereus_jax.sharding import LayoutError
@@ -26,7 +27,9 @@ from .compile import compile_stage
 from .ledger import Ledger, describe_key, fmt_bytes, key
 from .plan import DEVICE, ExecutionPlan, ModelStage
 from .schedule import Infeasible, Scheduler, replay_peak
-from .steps import Builder, Step, Unit
+from .steps import COPIES, DESTROY, OFFLOAD, ONLOAD, Builder, Step, Unit
+
+LinkSeconds = Callable[[str, float], float]  # (link type, bytes per device) -> seconds
 
 
 class TransitionError(ValueError):
@@ -188,6 +191,38 @@ def plan_usage(plan: ExecutionPlan, units: Mapping[ModelStage, Any]) -> dict[int
     return out
 
 
+def step_link(graph: TransitionGraph, step: Step, devices_per_node: int) -> str:
+    """The link a primitive's bytes travel: "host" (Offload / Onload), "intra" (inside one node) or
+    "inter" (a copy whose source and target ranks sit on different nodes, or a Split / Merge whose units
+    span nodes)."""
+    if step.op in (OFFLOAD, ONLOAD):
+        return "host"
+    if step.op in COPIES:
+        src, dst = graph.units[step.inputs[0]], graph.units[step.outputs[0]]
+        crossing = any(a // devices_per_node != b // devices_per_node
+                       for a, b in zip(src.devices, dst.devices, strict=False))
+        return "inter" if crossing else "intra"
+    units = [graph.units[u] for u in (*step.inputs, *step.outputs)]
+    nodes = {d // devices_per_node for u in units for d in u.devices}
+    return "intra" if len(nodes) <= 1 else "inter"
+
+
+def transition_seconds(graph: TransitionGraph, link_seconds: LinkSeconds, devices_per_node: int) -> float:
+    """Predicted seconds of a scheduled transition: the critical path of ``graph`` (data and the
+    scheduler's resource edges) with every primitive priced by ``link_seconds(link, bytes per device)``
+    on its :func:`step_link`; a Destroy is free. The controller's price (a cost model's link times) and
+    a simulator's ground truth (its own link times) both come from here."""
+    end: dict[int, float] = {}
+    for s in graph.steps:
+        start = max((end[d] for d in s.all_deps() if d in end), default=0.0)
+        if s.op == DESTROY:
+            end[s.sid] = start
+            continue
+        nbytes = max(s.acquire.values(), default=0)
+        end[s.sid] = start + link_seconds(step_link(graph, s, devices_per_node), float(nbytes))
+    return max(end.values(), default=0.0)
+
+
 def _bytes_note(s: Step) -> str:
     parts = []
     for sign, table in (("+", s.acquire), ("-", s.release)):
@@ -229,4 +264,5 @@ def _check_layouts(spec: Any, ms: ModelStage, *layouts) -> None:
             raise TransitionError(f"{ms}: {error}") from None
 
 
-__all__ = ["DEVICE", "Infeasible", "TransitionError", "TransitionGraph", "plan_usage"]
+__all__ = ["DEVICE", "Infeasible", "LinkSeconds", "TransitionError", "TransitionGraph", "plan_usage", "step_link",
+           "transition_seconds"]

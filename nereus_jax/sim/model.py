@@ -22,10 +22,11 @@ from nereus_jax.config import ModelConfig
 from nereus_jax.elastic.controller import Candidate, Observation
 from nereus_jax.elastic.costs import CostModel, Measurement
 from nereus_jax.elastic.costs.candidates import StageOptions
+from nereus_jax.elastic.graph import transition_seconds
 from nereus_jax.elastic.hardware import Hardware
 from nereus_jax.elastic.planner import GAP, MAX_NODES, InfeasiblePlanError, Planner, device_memory
 from nereus_jax.elastic.workload import Workload
-from nereus_jax.sim.plans import SimPlan, build_graph, graph_seconds
+from nereus_jax.sim.plans import SimPlan, build_graph
 
 # The transition setup (communicators, programs) the cost model does not price: a conservative prior until
 # a transition has been measured, then an EMA of measured minus predicted data-movement seconds.
@@ -123,7 +124,7 @@ class PlanningModel:
         if graph is None:
             return None
         node = self.hw.devices_per_node
-        return graph_seconds(graph, self._link_seconds, node) + (self.setup_s if old != new else 0.0)
+        return transition_seconds(graph, self._link_seconds, node) + (self.setup_s if old != new else 0.0)
 
     def _link_seconds(self, link: str, nbytes: float) -> float:
         return self.cost_model.transfer_seconds(nbytes, link)
@@ -174,7 +175,7 @@ class PlanningModel:
         graph = self.graph(old, new)
         if graph is None:
             return
-        data = graph_seconds(graph, self._link_seconds, self.hw.devices_per_node)
+        data = transition_seconds(graph, self._link_seconds, self.hw.devices_per_node)
         setup = max(0.0, measured_s - data)
         self.setup_s = setup if self.setups_seen == 0 else SETUP_EMA * setup + (1 - SETUP_EMA) * self.setup_s
         self.setups_seen += 1

@@ -1,6 +1,6 @@
 """Plans as the simulator handles them, and the two things done to every plan: its step latency (the
 critical path of the execution-overlap graph, from any per-stage seconds) and the price of moving to it
-(the scheduled transition graph, each primitive priced by a link-time function, critical path).
+(the scheduled transition graph, priced by ``elastic.graph.transition_seconds`` with a link-time function).
 
 Both the controller's predictions (cost model) and the ground truth (sim.truth) go through the same
 functions here with their own per-stage seconds / link times, so they differ only in their models.
@@ -8,7 +8,7 @@ functions here with their own per-stage seconds / link times, so they differ onl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from nereus_jax.config import ModelConfig
@@ -19,9 +19,6 @@ from nereus_jax.elastic.plan import ExecutionPlan, ModelStage
 from nereus_jax.elastic.planner import PlanResult, critical_path, overlap_edges
 from nereus_jax.elastic.schedule import Infeasible
 from nereus_jax.elastic.spec import ByteSpec
-from nereus_jax.elastic.steps import COPIES, DESTROY, OFFLOAD, ONLOAD
-
-LinkSeconds = Callable[[str, float], float]  # (link type, bytes per device) -> seconds
 
 
 @dataclass(frozen=True)
@@ -87,33 +84,6 @@ def build_graph(old: SimPlan, new: SimPlan, specs: Mapping[ModelStage, ByteSpec]
         return TransitionGraph.build(old.plan, new.plan, specs, caps=cap)
     except (Infeasible, TransitionError):
         return None
-
-
-def _link(graph: TransitionGraph, step, node: int) -> str:
-    """The link a primitive's bytes travel: host, inside a node, or across nodes."""
-    if step.op in (OFFLOAD, ONLOAD):
-        return "host"
-    units = [graph.units[u] for u in (*step.inputs, *step.outputs)]
-    nodes = {d // node for u in units for d in u.devices}
-    if step.op in COPIES:
-        src, dst = graph.units[step.inputs[0]], graph.units[step.outputs[0]]
-        crossing = any(a // node != b // node for a, b in zip(src.devices, dst.devices, strict=False))
-        return "inter" if crossing else "intra"
-    return "intra" if len(nodes) <= 1 else "inter"
-
-
-def graph_seconds(graph: TransitionGraph, link_seconds: LinkSeconds, devices_per_node: int) -> float:
-    """Critical path of the scheduled graph with every primitive priced by ``link_seconds`` (a Destroy
-    is free); dependencies include the scheduler's resource edges."""
-    end: dict[int, float] = {}
-    for s in graph.steps:
-        start = max((end[d] for d in s.all_deps() if d in end), default=0.0)
-        if s.op == DESTROY:
-            end[s.sid] = start
-            continue
-        nbytes = max(s.acquire.values(), default=0)
-        end[s.sid] = start + link_seconds(_link(graph, s, devices_per_node), float(nbytes))
-    return max(end.values(), default=0.0)
 
 
 def changed_stages(old: SimPlan, new: SimPlan) -> dict[str, bool]:

@@ -39,13 +39,13 @@ from dataclasses import dataclass, field
 from nereus_jax.config import resolve_model
 from nereus_jax.elastic.controller import Controller, Decision, Observation
 from nereus_jax.elastic.costs import CostModel
-from nereus_jax.elastic.graph import TransitionGraph
+from nereus_jax.elastic.graph import TransitionGraph, transition_seconds
 from nereus_jax.elastic.hardware import get_hardware
 from nereus_jax.elastic.planner import phases_for
 from nereus_jax.elastic.workload import LengthStats, Workload
 from nereus_jax.sim.asynchronous import ASYNC_POLICIES, AsyncPlanningModel, interval_seconds
 from nereus_jax.sim.model import Layouts, PlanningModel, SharedCaches, plan_peak_memory
-from nereus_jax.sim.plans import SimPlan, changed_stages, graph_seconds, state_specs
+from nereus_jax.sim.plans import SimPlan, changed_stages, state_specs
 from nereus_jax.sim.trace import Trace
 from nereus_jax.sim.truth import GroundTruth, TruthSettings
 
@@ -372,7 +372,7 @@ class Simulation:
 def true_transition_seconds(truth: GroundTruth, graph: TransitionGraph) -> float:
     """Ground-truth seconds of a scheduled transition graph: its critical path at the truth's link speeds,
     plus the setup of the changed model-stages (paid concurrently: the slowest one counts)."""
-    data = graph_seconds(graph, truth.link_seconds, truth.hw.devices_per_node)
+    data = transition_seconds(graph, truth.link_seconds, truth.hw.devices_per_node)
     changed = [sp.layout != graph.old_plan[ms].layout for ms, sp in graph.new_plan.items() if sp != graph.old_plan[ms]]
     return data + max((truth.setup_seconds(v) for v in changed), default=0.0)
 

@@ -7,7 +7,9 @@ from nereus_jax.config import resolve_model
 from nereus_jax.elastic import ExecutionPlan, ModelStage, StagePlan, TransitionGraph
 from nereus_jax.elastic.compile import align_ranks
 from nereus_jax.elastic.costs import CostModel, StageChoice
+from nereus_jax.elastic.graph import step_link, transition_seconds
 from nereus_jax.elastic.hardware import get_hardware
+from nereus_jax.elastic.steps import DESTROY, EXTEND
 from nereus_jax.elastic.workload import LengthStats, Workload
 from nereus_jax.sharding import Layout
 from nereus_jax.sim import GroundTruth, Simulation
@@ -73,3 +75,31 @@ def test_transition_times_are_within_2x_of_the_papers(what, old, new, paper):
     graph = TransitionGraph.build(plan(old), align_ranks(plan(old), plan(new)), specs, caps=hw.memory_bytes)
     seconds = true_transition_seconds(GroundTruth(hw), graph)
     assert paper[0] / 2 <= seconds <= paper[1] * 2, (what, seconds)
+
+
+def test_transition_pricing_is_the_longest_dependency_chain_with_links_by_node():
+    """``elastic.graph.transition_seconds`` (the one pricing the controller and the truth share) against a
+    reference: the longest chain through the dependency DAG, each primitive weighted by its link's price."""
+    hw = get_hardware("a100")
+    specs = state_specs({"actor": CFG, "critic": CFG}, ["actor-train", "critic-train"])
+    stages = (ModelStage("actor", "train"), ModelStage("critic", "train"))
+    old = ExecutionPlan({ms: StagePlan.contiguous(Layout(4, 2), 2) for ms in stages})
+    new = align_ranks(old, ExecutionPlan({ms: StagePlan.contiguous(Layout(2, 4), 4) for ms in stages}))
+    graph = TransitionGraph.build(old, new, specs, caps=hw.memory_bytes)
+    price = {"intra": 1.0, "inter": 10.0, "host": 100.0}
+    steps = {s.sid: s for s in graph.steps}
+
+    def finish(sid, node):  # the reference: a memoised longest path, independent of the schedule's order
+        if (sid, node) not in memo:
+            s = steps[sid]
+            start = max((finish(d, node) for d in s.all_deps()), default=0.0)
+            memo[sid, node] = start + (0.0 if s.op == DESTROY else price[step_link(graph, s, node)])
+        return memo[sid, node]
+
+    memo = {}
+    for node in (4, 64):
+        expected = max(finish(sid, node) for sid in steps)
+        assert transition_seconds(graph, lambda link, n: price[link], node) == pytest.approx(expected)
+    extends = [s for s in graph.steps if s.op == EXTEND]
+    assert extends and {step_link(graph, s, 64) for s in extends} == {"intra"}  # 32 devices fit one 64-node
+    assert "inter" in {step_link(graph, s, 4) for s in extends}  # replicas 2-3 land on other 4-GPU nodes
