@@ -18,28 +18,38 @@ to the generator (the weight sync) and the next interval starts.
 - The controller observes and moves state only at weight syncs: every step boundary here is one
   (sync_every 1), so a transition is admitted only between intervals.
 
+- Memory for the batch in flight: an interval generates the batch after the one it trains, two batches past
+  the last one the controller observed, so the planner sizes actor-gen (and the memory trigger checks it) for
+  that batch: the observed lengths grown by the last observed step-to-step growth, twice (growth only;
+  ``AsyncPlanningModel.in_flight``). Planning actor-gen for the observed batch ran out of memory once on
+  paper_drift (step 5: lengths grew 15% a step and the plan had been sized two steps earlier).
+
 Policies: ``async_fixed`` (the planner's first disjoint plan's tp/pp kept, dp and the split re-planned: the
 paper's async baseline from Laminar, fixed parallelism with DP scaling; the first disjoint plan is the one at
 the first step whose pool admits a split, with the hardware table's priors) and ``async_nereus`` (Eq. 2 admission).
+:func:`async_oracle` is the hindsight bound: each interval the truly fastest plan (disjoint or colocated) among
+the oracle planner's picks for that interval's exact batches and every plan another policy ran there, with
+free transitions, pipeline fills priced exactly (a dynamic program over "is this step's batch generated").
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from nereus_jax.config import ModelConfig
 from nereus_jax.elastic.costs import CostModel, counts
 from nereus_jax.elastic.plan import ExecutionPlan
 from nereus_jax.elastic.planner import GAP, MAX_NODES, InfeasiblePlanError, Planner
 from nereus_jax.elastic.workload import Workload
-from nereus_jax.sim.model import PlanningModel, _pinned
+from nereus_jax.sim.model import PlanningModel, _pinned, plan_peak_memory
 from nereus_jax.sim.plans import SimPlan
 
 GEN = "actor-gen"
 TRAIN = "actor-train"
 SPLITS = 8  # actor-gen gets k/8 of the pool, k = 1..7 (rounded to whole devices)
-ASYNC_POLICIES = ("async_fixed", "async_nereus")
+ASYNC_POLICIES = ("async_fixed", "async_nereus")  # async_oracle: see async_oracle()
+IN_FLIGHT_AHEAD = 2  # the batch generated in an interval is two past the last observed (that interval trains one)
 
 
 def gen_sizes(n: int, node: int) -> list[int]:
@@ -60,27 +70,65 @@ def sync_transfer(plan: SimPlan, actor: ModelConfig, devices_per_node: int) -> t
     return ("intra" if len(nodes) == 1 else "inter"), nbytes
 
 
-class AsyncPlanningModel(PlanningModel):
-    """The controller's model of an async job: disjoint plans, intervals priced as max(gen, rest) + sync."""
+@dataclasses.dataclass(frozen=True)
+class Batches:
+    """The two batches of one async interval: scoring and training ``train`` while actor-gen generates ``gen``."""
 
-    def _solve(self, cm: CostModel, wl: Workload, pool: tuple[int, ...]) -> tuple[SimPlan, ...] | None:
+    train: Workload
+    gen: Workload
+
+
+class AsyncPlanningModel(PlanningModel):
+    """The controller's model of an async job: disjoint plans, intervals priced as max(gen, rest) + sync, actor-gen
+    sized for the batch in flight."""
+
+    @property
+    def observed(self) -> Workload | None:
+        return self._observed
+
+    @observed.setter
+    def observed(self, wl: Workload | None) -> None:
+        self._observed = wl
+        seen = self.__dict__.setdefault("_seen", [])
+        if wl is not None and (not seen or seen[-1] is not wl):
+            seen.append(wl)
+
+    def in_flight(self, wl: Workload) -> Workload:
+        """The batch actor-gen generates in the next interval, ``IN_FLIGHT_AHEAD`` batches past the last observed:
+        ``wl``'s lengths grown by the last observed step-to-step growth of the mean length (never shrunk)."""
+        seen = self.__dict__.get("_seen", [])
+        if len(seen) < 2:
+            return wl
+        growth = max(1.0, seen[-1].response_length.mean / seen[-2].response_length.mean) ** IN_FLIGHT_AHEAD
+        return wl if growth == 1.0 else wl.with_response_length(wl.response_length.scaled(growth))
+
+    def batches(self, wl: Workload | Batches) -> Batches:
+        return wl if isinstance(wl, Batches) else Batches(wl, self.in_flight(wl))
+
+    def plans(self, wl: Workload | Batches, pool: tuple[int, ...]) -> tuple[SimPlan, ...]:
+        """The planner's plans for the interval after observing ``wl`` (or for explicit ``Batches``)."""
+        return super().plans(self.batches(wl), pool)
+
+    def _solve(self, cm: CostModel, wl: Batches, pool: tuple[int, ...]) -> tuple[SimPlan, ...] | None:
         s = self.planner_settings
         planner = Planner(cm, headroom=float(s.get("headroom", 0.1)), gap=float(s.get("gap", GAP)),
                           max_nodes=int(s.get("max_nodes", MAX_NODES)))
         try:
-            full = planner.problem(self.models, self.algorithm, wl, pool)
+            rest_problem = planner.problem(self.models, self.algorithm, wl.train, pool)
+            gen_problem = planner.problem(self.models, self.algorithm, wl.gen, pool)
         except InfeasiblePlanError:
             return None
         found = []
         for k in gen_sizes(len(pool), self.hw.devices_per_node):
-            gen = _solve_side(planner, dataclasses.replace(full, phases=full.phases[:1], pool=pool[:k]), self.layouts)
-            rest = gen and _solve_side(planner, dataclasses.replace(full, phases=full.phases[1:], pool=pool[k:]),
-                                       self.layouts)
+            gen = _solve_side(planner, dataclasses.replace(gen_problem, phases=gen_problem.phases[:1], pool=pool[:k]),
+                              self.layouts)
+            rest = gen and _solve_side(planner, dataclasses.replace(rest_problem, phases=rest_problem.phases[1:],
+                                                                    pool=pool[k:]), self.layouts)
             if gen and rest:
                 plan = ExecutionPlan({**gen.plan, **rest.plan})
                 found.append(SimPlan.build({**gen.choices, **rest.choices}, plan, self.phases, overlapped=True))
         found.sort(key=lambda p: self.predict_with(cm, p, wl))
-        return tuple(found[:4]) or self._colocated(cm, wl, pool)
+        return tuple(found[:4]) or self._colocated(cm, wl.train, pool)
 
     def _colocated(self, cm: CostModel, wl: Workload, pool: tuple[int, ...]) -> tuple[SimPlan, ...] | None:
         """No split fits: the planner's ordinary (synchronous, colocated) plans, never pinned (a pinned async
@@ -91,15 +139,27 @@ class AsyncPlanningModel(PlanningModel):
         finally:
             self.layouts = pinned
 
-    def predict_with(self, cm: CostModel, plan: SimPlan, wl: Workload) -> float:
-        seconds = {s: cm.stage_latency(self.models[s.split("-")[0]], s, c, wl).total for s, c in plan.choices}
+    def predict_with(self, cm: CostModel, plan: SimPlan, wl: Workload | Batches) -> float:
+        b = self.batches(wl)
+        seconds = {s: cm.stage_latency(self.models[s.split("-")[0]], s, c, _batch_of(s, plan, b)).total
+                   for s, c in plan.choices}
         if not plan.overlapped:
             return plan.latency(seconds)
         link, nbytes = sync_transfer(plan, self.models["actor"], self.hw.devices_per_node)
         return plan.latency(seconds, cm.transfer_seconds(nbytes, link))
 
-    def predict(self, plan: SimPlan, wl: Workload) -> float:
+    def predict(self, plan: SimPlan, wl: Workload | Batches) -> float:
         return self.predict_with(self.cost_model, plan, wl)
+
+    def peak_memory(self, plan: SimPlan, wl: Workload | Batches) -> float:
+        """Predicted peak bytes on the busiest device; an overlapped plan's actor-gen holds the batch in flight."""
+        b = self.batches(wl)
+        return plan_peak_memory(plan, b.train, lambda s, c: self.cost_model.stage_memory(
+            self.models[s.split("-")[0]], s, c, _batch_of(s, plan, b)))
+
+
+def _batch_of(stage: str, plan: SimPlan, b: Batches) -> Workload:
+    return b.gen if plan.overlapped and stage == GEN else b.train
 
 
 def _solve_side(planner: Planner, problem, layouts):
@@ -118,3 +178,60 @@ def interval_seconds(truth, cfg_of, plan: SimPlan, workloads: Mapping[str, Workl
                for s, c in plan.choices}
     link, nbytes = sync_transfer(plan, cfg_of("actor"), truth.hw.devices_per_node)
     return plan.latency(seconds, truth.link_seconds(link, nbytes)), seconds
+
+
+def async_oracle(sim, others: Sequence = ()):
+    """The async hindsight bound on ``sim`` (a :class:`~nereus_jax.sim.simulation.Simulation`): each interval the
+    plan that makes the run fastest, with free transitions, among :func:`oracle_candidates`. A dynamic program
+    over whether the step's batch is already generated prices pipeline fills exactly: an overlapped plan pays a
+    fill unless the previous step's plan was overlapped; a colocated plan after an overlapped one skips
+    generation. A lower bound of every run in ``others`` (whose plans are candidates) and of the sync oracle."""
+    from nereus_jax.sim.simulation import PolicyRun, StepRecord  # noqa: PLC0415 - simulation imports this module
+
+    models = oracle_models(sim)
+    best: dict[bool, tuple[float, tuple]] = {False: (0.0, ())}  # batch ``step`` generated? -> (total, records)
+    for step in range(sim.trace.steps):
+        fitting = oracle_candidates(sim, step, others, models)
+        assert fitting, f"async oracle: nothing fits step {step}"
+        nxt: dict[bool, tuple[float, tuple]] = {}
+        for generated, (total, records) in best.items():
+            for p in fitting:
+                rec = oracle_record(sim, p, step, generated, StepRecord)
+                cost = total + rec.latency_s + rec.fill_s
+                if p.overlapped not in nxt or cost < nxt[p.overlapped][0]:
+                    nxt[p.overlapped] = (cost, (*records, rec))
+        best = nxt
+    return PolicyRun("async_oracle", list(min(best.values(), key=lambda v: v[0])[1]))
+
+
+def oracle_models(sim) -> tuple[AsyncPlanningModel, PlanningModel]:
+    """The async and the synchronous planner over a cost model with the truth's large-size efficiencies."""
+    efficiency = sim.truth.reference_efficiency()
+    return (sim.model(cost_model=CostModel(sim.hw, efficiency), asynchronous=True),
+            sim.model(cost_model=CostModel(sim.hw, efficiency)))
+
+
+def oracle_candidates(sim, step: int, others: Sequence = (), models=None) -> list[SimPlan]:
+    """The async oracle's plans for ``step``: the async planner's picks for the interval's exact batches (it
+    trains ``step`` and generates ``step + 1``) and the synchronous planner's, both under the truth's
+    efficiencies, plus every plan a run of ``others`` ran there; those that fit the pool and true memory, in a
+    fixed order (ties resolve the same every run)."""
+    from nereus_jax.sim.simulation import _bucket  # noqa: PLC0415 - simulation imports this module
+
+    amodel, smodel = models or oracle_models(sim)
+    wl, pool = sim.trace.workload(step), sim.trace.pool(step)
+    ahead = sim.trace.workload(min(step + 1, sim.trace.steps - 1))
+    picks = {*amodel.plans(Batches(_bucket(wl), _bucket(ahead)), pool), *smodel.plans(_bucket(wl), pool),
+             *(r.records[step].plan for r in others)}
+    return sorted((p for p in picks if p is not None and set(p.devices) <= set(pool)
+                   and sim.step_peak(p, step) <= sim.hw.memory_bytes), key=lambda p: (p.describe(), str(p.plan)))
+
+
+def oracle_record(sim, plan: SimPlan, step: int, generated: bool, record):
+    """``record`` (a StepRecord) of ``plan`` at ``step`` when batch ``step`` is (``generated``) or is not yet
+    generated: the ground-truth latency, and the pipeline fill an overlapped plan pays when it is not."""
+    latency = sim.measure_step(plan, step, generated=generated and not plan.overlapped)[0]
+    fill = 0.0
+    if plan.overlapped and not generated:
+        fill = sim.truth.stage_seconds(sim.cfg(GEN), GEN, plan.choice(GEN), sim.trace.workload(step), step)
+    return record(step, len(sim.trace.pool(step)), latency, fill_s=fill, plan=plan)
