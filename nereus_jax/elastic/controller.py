@@ -8,9 +8,15 @@ Triggers:
   - hard: the device pool changed (urgent when a device in use left), or the predicted peak memory of
     the current plan exceeds the memory cap (urgent);
   - soft: mean response length drifted more than ``length_drift`` (30%) from its reference, or the
-    achieved efficiency (measured / predicted step time) drifted more than ``efficiency_drift`` from its
-    value at the last reset (a model with a steady bias does not trigger forever; a change in how the
-    hardware performs does). Every re-plan, admitted or not, resets the references.
+    achieved efficiency drifted more than ``efficiency_drift`` from its reference (a model with a steady
+    bias does not trigger forever; a change in how the hardware performs does). The efficiency signal is
+    the median of measured / predicted step time over the last ``efficiency_window`` steps run on the
+    current plan: one straggler step is not a drift (at 1,024 GPUs a 1.3-2x straggler hits some stage
+    every few dozen steps), and a plan the controller just moved to is judged against its own steps, not
+    the old plan's, so a new plan is not re-planned before it has run ``efficiency_window`` steps.
+    Every re-plan, admitted or not, resets the references;
+  - scheduled (``period=K``, the "re-plan every K steps" baseline): every K-th step instead of the soft
+    triggers.
 Admission (Eq. 2): a target is admitted when its predicted per-step gain dL > 0 and
 ``transition_s / dL <= gamma * H``, H the EMA of the number of steps between threshold crossings of the
 triggering signal (1 before any is seen). A rejected best target falls back to the runners-up (slightly
@@ -19,11 +25,15 @@ reached live it says so (checkpoint/restart is the last resort).
 
     controller = Controller(plan_fn, latency_fn, transition_fn, gamma=0.5)
     decision = controller.observe(Observation(step, plan, devices, response_length, step_seconds))
+    saved = controller.state_dict()          # JSON-ready: references, horizons, crossings, efficiency window
+    controller.load_state_dict(saved)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -54,7 +64,7 @@ class Decision:
     """The outcome of one re-plan: the chosen target (None when nothing is admitted) and why."""
 
     step: int
-    trigger: str                      # "pool", "memory", "length", "efficiency"
+    trigger: str                      # "pool", "memory", "length", "efficiency", "schedule"
     urgent: bool
     target: Plan | None
     admitted: bool
@@ -84,51 +94,76 @@ class Controller:
 
     def __init__(self, plan_fn: PlanFn, latency_fn: LatencyFn, transition_fn: TransitionFn, *,
                  gamma: float = 0.5, length_drift: float = 0.3, efficiency_drift: float = 0.3,
-                 ema: float = 0.5, devices: Sequence[int] | None = None):
+                 efficiency_window: int = 3, ema: float = 0.5, period: int | None = None,
+                 devices: Sequence[int] | None = None):
         self.plan_fn, self.latency_fn, self.transition_fn = plan_fn, latency_fn, transition_fn
         self.gamma, self.length_drift, self.efficiency_drift, self.ema = gamma, length_drift, efficiency_drift, ema
+        if period is not None and period < 1:
+            raise ValueError(f"period={period}: re-plan every K >= 1 steps, or None for drift triggers")
+        self.period = period
         self.reference_length: float | None = None
-        self.reference_ratio: float | None = None  # measured / predicted step time at the last reset
+        self.reference_ratio: float | None = None  # the efficiency signal at the last reset (None: not yet)
         self.devices: tuple[int, ...] | None = None if devices is None else tuple(devices)  # the pool at start
-        self.horizon = {"length": 1.0, "efficiency": 1.0, "pool": 1.0, "memory": 1.0}
+        self.horizon = {"length": 1.0, "efficiency": 1.0, "pool": 1.0, "memory": 1.0, "schedule": 1.0}
         self._last_crossing: dict[str, int] = {}
         self._seen_twice: set[str] = set()
+        self._ratios: deque[float] = deque(maxlen=max(1, efficiency_window))  # on ``_ratio_plan``, newest last
+        self._ratio_plan: Plan | None = None
+        self._adopt_window = False  # after load_state_dict: the restored window is the next observed plan's
         self.decisions: list[Decision] = []
 
     # --------------------------------------------------------------------------------- triggers
     def observe(self, obs: Observation) -> Decision | None:
+        efficiency = self._efficiency(obs)
+        if self.reference_ratio is None:  # (re)established once the current plan has run a full window
+            self.reference_ratio = efficiency
         if self.reference_length is None:  # the first observation sets the references; only a pool change
             self.reference_length = obs.response_length  # since ``devices`` (if given) can trigger
-            self.reference_ratio = self._ratio(obs)
             if self.devices is None or tuple(obs.devices) == self.devices:
                 self.devices = tuple(obs.devices)
                 return None
-        if self.reference_ratio is None:
-            self.reference_ratio = self._ratio(obs)
-        trigger, urgent = self._trigger(obs)
+        trigger, urgent = self._trigger(obs, efficiency)
         if trigger is None:
             return None
         self._crossed(trigger, obs.step)
         decision = self._replan(obs, trigger, urgent)
         self.reference_length, self.devices = obs.response_length, tuple(obs.devices)  # reset, admitted or not
-        self.reference_ratio = self._ratio(obs)
+        self.reference_ratio = efficiency  # an admitted move starts a new window on its target
         self.decisions.append(decision)
         return decision
 
-    def _trigger(self, obs: Observation) -> tuple[str | None, bool]:
+    def _trigger(self, obs: Observation, efficiency: float | None) -> tuple[str | None, bool]:
+        """(trigger, urgent) for this observation, or (None, False): hard triggers first (pool, then
+        memory), then the schedule (``period``) or the soft ones (length, efficiency)."""
         if tuple(obs.devices) != self.devices:
             lost = set(self.devices or ()) - set(obs.devices)
             return "pool", bool(lost & set(_plan_devices(obs.plan)))
         if obs.peak_memory_bytes is not None and obs.memory_cap_bytes is not None \
                 and obs.peak_memory_bytes > obs.memory_cap_bytes:
             return "memory", True
+        if self.period is not None:
+            return ("schedule", False) if obs.step % self.period == 0 else (None, False)
         ref = self.reference_length or 0.0
         if ref > 0 and abs(obs.response_length - ref) / ref > self.length_drift:
             return "length", False
-        ratio = self._ratio(obs)
-        if ratio is not None and self.reference_ratio and abs(ratio / self.reference_ratio - 1) > self.efficiency_drift:
+        if efficiency is not None and self.reference_ratio and \
+                abs(efficiency / self.reference_ratio - 1) > self.efficiency_drift:
             return "efficiency", False
         return None, False
+
+    def _efficiency(self, obs: Observation) -> float | None:
+        """The efficiency signal: median measured / predicted step time over the last ``efficiency_window``
+        steps on ``obs.plan`` (None until it has run that many). A new plan starts a new window and clears
+        the reference."""
+        if self._adopt_window:
+            self._ratio_plan, self._adopt_window = obs.plan, False
+        if obs.plan != self._ratio_plan:
+            self._ratios.clear()
+            self._ratio_plan, self.reference_ratio = obs.plan, None
+        ratio = self._ratio(obs)
+        if ratio is not None:
+            self._ratios.append(ratio)
+        return statistics.median(self._ratios) if len(self._ratios) == self._ratios.maxlen else None
 
     def _ratio(self, obs: Observation) -> float | None:
         """Measured / predicted step time: the inverse of the achieved efficiency relative to the model."""
@@ -146,6 +181,28 @@ class Controller:
                 if signal in self._seen_twice else float(gap)
             self._seen_twice.add(signal)
         self._last_crossing[signal] = step
+
+    # ------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """What a restarted controller needs to decide as this one would (JSON-ready): the references,
+        the pool, H per signal with its last crossings, and the efficiency window of the current plan."""
+        return {"reference_length": self.reference_length, "reference_ratio": self.reference_ratio,
+                "devices": None if self.devices is None else list(self.devices), "horizon": dict(self.horizon),
+                "last_crossing": dict(self._last_crossing), "seen_twice": sorted(self._seen_twice),
+                "ratios": list(self._ratios)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the efficiency window belongs to whatever plan is observed next
+        (a job resumes on the plan it saved)."""
+        self.reference_length = state["reference_length"]
+        self.reference_ratio = state.get("reference_ratio")
+        self.devices = None if state["devices"] is None else tuple(state["devices"])
+        self.horizon.update({k: float(v) for k, v in state["horizon"].items()})
+        self._last_crossing = {k: int(v) for k, v in state["last_crossing"].items()}
+        self._seen_twice = set(state["seen_twice"])
+        self._ratios.clear()
+        self._ratios.extend(float(r) for r in state.get("ratios", ()))
+        self._adopt_window = True
 
     # ------------------------------------------------------------------------------- admission
     def _replan(self, obs: Observation, trigger: str, urgent: bool) -> Decision:

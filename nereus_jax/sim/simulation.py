@@ -220,12 +220,14 @@ class Simulation:
     def controller(self, name: str, model: PlanningModel) -> Controller:
         c = self.trace.controller
         kw = {k: float(c[k]) for k in ("length_drift", "efficiency_drift", "ema") if k in c}
+        if "efficiency_window" in c:
+            kw["efficiency_window"] = int(c["efficiency_window"])
         kw["devices"] = self.trace.pool(0)  # the pool at start: a change before the first observation triggers
         gamma = float(c.get("gamma", 0.5))
         args = (model.plan_fn, model.latency_fn, model.transition_fn)
         every = re.fullmatch(r"every_(\d+)", name)
         if every:
-            return PeriodicController(*args, period=int(every.group(1)), **kw)
+            return Controller(*args, gamma=math.inf, period=int(every.group(1)), **kw)
         if name == "no_admission":
             return Controller(*args, gamma=math.inf, **kw)
         return Controller(*args, gamma=gamma, **kw)
@@ -375,21 +377,6 @@ def true_transition_seconds(truth: GroundTruth, graph: TransitionGraph) -> float
     data = transition_seconds(graph, truth.link_seconds, truth.hw.devices_per_node)
     changed = [sp.layout != graph.old_plan[ms].layout for ms, sp in graph.new_plan.items() if sp != graph.old_plan[ms]]
     return data + max((truth.setup_seconds(v) for v in changed), default=0.0)
-
-
-class PeriodicController(Controller):
-    """Re-plan every ``period`` steps (and on pool / memory triggers); admits any predicted gain."""
-
-    def __init__(self, *args, period: int, **kw):
-        super().__init__(*args, gamma=math.inf, **kw)
-        self.period = period
-        self.horizon["schedule"] = 1.0
-
-    def _trigger(self, obs: Observation) -> tuple[str | None, bool]:
-        trigger, urgent = super()._trigger(obs)
-        if trigger in ("pool", "memory"):
-            return trigger, urgent
-        return ("schedule", False) if obs.step % self.period == 0 else (None, False)
 
 
 def _check_policy(name: str) -> None:
