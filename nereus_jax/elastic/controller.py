@@ -19,7 +19,8 @@ Triggers:
     triggers.
 Admission (Eq. 2): a target is admitted when its predicted per-step gain dL > 0 and
 ``transition_s / dL <= gamma * H``, H the EMA of the number of steps between threshold crossings of the
-triggering signal (1 before any is seen). A rejected best target falls back to the runners-up (slightly
+triggering signal (1 before any is seen), at most the steps the run has left when the runtime says so
+(``Observation.steps_left``: a plan cannot pay back after the last step). A rejected best target falls back to the runners-up (slightly
 slower plans with cheaper transitions). The urgent path waives profitability; when no candidate can be
 reached live it says so (checkpoint/restart is the last resort).
 
@@ -51,6 +52,7 @@ class Observation:
     step_seconds: float | None = None  # measured step latency (None: not measured)
     peak_memory_bytes: float | None = None  # predicted/measured peak of the current plan per device
     memory_cap_bytes: float | None = None
+    steps_left: int | None = None     # steps the run has left including this one (None: unknown)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,6 +209,8 @@ class Controller:
     # ------------------------------------------------------------------------------- admission
     def _replan(self, obs: Observation, trigger: str, urgent: bool) -> Decision:
         H = self.horizon[trigger]
+        if obs.steps_left is not None:  # a new plan cannot pay back after the run ends
+            H = min(H, float(max(1, obs.steps_left)))
         current = None if urgent else self.latency_fn(obs.plan, obs)
         candidates = [c for c in self.plan_fn(obs) if c.plan != obs.plan]
         rejected: list[tuple[Plan, str]] = []

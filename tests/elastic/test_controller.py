@@ -75,6 +75,19 @@ def test_horizon_is_an_ema_of_steps_between_crossings_and_lets_slower_paybacks_i
     assert c.horizon["length"] == 6.0
 
 
+def test_horizon_is_capped_by_the_steps_the_run_has_left():
+    """H = 10 lets a payback of 4 steps in; with 6 steps left gamma * H is 3 and the same move is rejected."""
+    def decide(steps_left):
+        c = _controller({A: 10.0, B: 9.0}, [B], {B: 4.0}, gamma=0.5)
+        for step, length in ((0, 100), (2, 200), (12, 400)):
+            d = c.observe(dataclasses.replace(_obs(step, length), steps_left=steps_left))
+        return d
+
+    assert decide(None).admitted and decide(100).admitted
+    late = decide(6)
+    assert not late.admitted and late.horizon == 6.0 and "gamma*H=3.00" in late.rejected[0][1]
+
+
 def test_gamma_zero_adapts_only_on_urgent_triggers():
     c = _controller({A: 10.0, B: 1.0}, [B], {B: 0.01}, gamma=0.0)
     c.observe(_obs(0, 100))

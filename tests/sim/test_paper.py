@@ -35,42 +35,80 @@ def test_paper_drift_nereus_is_within_5pct_of_the_oracle_without_oom(drift):
     assert drift["nereus"]["oom_events"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="simulated: nereus is ~18% faster than fixed TP/PP + DP scaling, not 27.7%, "
-                   "and even the oracle is only ~20% faster: the fixed baseline re-plans dp, micro-batch and remat "
-                   "with the same controller, so under this ground truth no policy can reach 27.7%")
+@pytest.mark.xfail(strict=True, reason="simulated: nereus is 18.2% faster than fixed TP/PP + DP scaling (251.1 vs "
+                   "307.1 s/step), not 27.7%, and even the oracle (best plan every step, free transitions) is only "
+                   "19.7% faster (246.6): the fixed baseline re-plans dp, micro-batch and remat with the same "
+                   "controller, so under this ground truth no policy can reach 27.7%")
 def test_paper_drift_nereus_is_at_least_27_7pct_faster_than_fixed(drift):
     assert drift["nereus"]["mean_step_s"] <= (1 - 0.277) * drift["fixed"]["mean_step_s"]
 
 
-@pytest.mark.xfail(strict=True, reason="simulated: nereus ties no_admission (same decisions): transitions cost "
-                   "seconds against gains of tens of seconds per step, so Eq. 2 never rejects a target here")
+@pytest.mark.xfail(strict=True, reason="simulated: nereus ties no_admission (251.1 s/step, the same 10 decisions): "
+                   "every re-plan on this trace is a hard trigger (6 pool changes, 4 memory) and the 4 non-urgent "
+                   "ones are pool growths predicted to gain 105-221 s/step for 3-13 s of transition (payback <= 0.08 "
+                   "steps), so any gamma > 0.04 admits them; hard triggers every <= 4 steps reset the length "
+                   "reference before it drifts 30%, so no marginal soft-trigger move exists for Eq. 2 to reject "
+                   "(on paper_1024 it does: test_1024_nereus_beats_no_admission_which_admits_a_move_that_does_not_pay)")
 def test_paper_drift_nereus_beats_no_admission(drift):
     assert drift["nereus"]["mean_step_s"] < drift["no_admission"]["mean_step_s"]
 
 
 @pytest.fixture(scope="module")
-def run_1024():
-    sim = Simulation(load_trace("paper_1024"))
+def sim_1024():
+    return Simulation(load_trace("paper_1024"))
+
+
+@pytest.fixture(scope="module")
+def run_1024(sim_1024):
     start = time.process_time()
-    run = sim.run_policy("nereus")
-    return run.summary(), time.process_time() - start
+    run = sim_1024.run_policy("nereus")
+    return run, time.process_time() - start
 
 
 def test_1000_steps_at_1024_gpus_simulate_in_under_a_minute(run_1024):
-    summary, cpu_s = run_1024
+    _, cpu_s = run_1024
     assert cpu_s < 60, cpu_s
 
 
 def test_1024_run_reports_the_controllers_decision_time(run_1024):
-    summary, _ = run_1024
+    summary = run_1024[0].summary()
     assert 0 < summary["decision_ms_mean"] <= summary["decision_ms_max"]
     assert summary["transitions"] >= 3  # the pool doubles three times
     assert summary["oom_events"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="simulated: transitions take ~0.3% of the 1,024-GPU run (12 of them, ~95 s), "
-                   "not <= 0.079%: efficiency and length triggers add tp/pp moves beyond the 3 pool changes, each "
-                   "paying a few seconds of setup")
+def test_1024_run_makes_no_more_transitions_than_the_papers_six(run_1024):
+    """The paper's 1,000-step run made 6 transitions. One straggler step (a 1.3-2x slower device, some stage
+    every few dozen steps at this scale) is not an efficiency drift and must not move the plan."""
+    run, _ = run_1024
+    assert run.summary()["transitions"] <= 6
+    assert not [d.step for d in run.decisions if d.admitted and d.trigger == "efficiency"]
+
+
+def test_1024_nereus_beats_no_admission_which_admits_a_move_that_does_not_pay(sim_1024, run_1024):
+    """Where both policies stood on the same plan and no_admission took a move Eq. 2 rejected, no_admission
+    spent more ground-truth time (steps + transition) until either moved again: the predicted gain was not
+    real. Over the run nereus is faster."""
+    nereus, other = run_1024[0], sim_1024.run_policy("no_admission")
+    assert nereus.summary()["mean_step_s"] < other.summary()["mean_step_s"]
+    ours = {d.step: d for d in nereus.decisions}
+    moves = {s for run in (nereus, other) for s in run.summary()["transition_steps"]}
+    judged = []
+    for d in other.decisions:
+        mine = ours.get(d.step)
+        if not (d.admitted and not d.urgent and mine is not None and not mine.admitted) or \
+                nereus.records[d.step - 1].plan != other.records[d.step - 1].plan:
+            continue
+        end = min([s for s in moves if s > d.step] + [len(nereus.records)])
+        cost = [sum(r.latency_s + r.transition_s for r in run.records[d.step:end]) for run in (other, nereus)]
+        judged.append((d.step, cost[0] - cost[1]))
+    assert judged and any(extra > 0 for _, extra in judged), judged
+
+
+@pytest.mark.xfail(strict=True, reason="simulated: transitions take 0.19% of the 1,024-GPU run (5 of them, 63 s of "
+                   "33,300 s), not <= 0.079% (the paper: 6, 49.5 s of 62,353 s): the 512 -> 1,024 move alone takes 34 "
+                   "s (the paper: 31.55 s), but this trace's steps are ~33 s against the paper's ~62 s (its workload "
+                   "is unpublished; ours is fixed in configs/sim/paper_1024.yaml), and an urgent memory move at step "
+                   "10 (14 s) comes on top of the 3 pool changes")
 def test_1024_run_spends_at_most_0_079pct_in_transitions(run_1024):
-    summary, _ = run_1024
-    assert summary["overhead_fraction"] <= 0.00079
+    assert run_1024[0].summary()["overhead_fraction"] <= 0.00079
