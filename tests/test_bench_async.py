@@ -34,14 +34,15 @@ def _run(mode, seconds, accuracy):
     return {"mode": mode, "rl_seconds": seconds, "accuracy_before": 0.2, "accuracy_after": accuracy,
             "gen_s": [0.5, 0.5], "rest_s": [0.5, 0.5], "interval_s": [seconds / 2] * 2, "gen_work_s": 1.0,
             "gen_wait_s": seconds - 1.0, "learner_work_s": 1.0, "learner_wait_s": seconds - 1.0,
-            "step_s_median": seconds / 2, "cpu_s": 1.0, "cores_used": 1.0 / seconds}
+            "step_s_median": seconds / 2, "cpu_s": 1.0, "cores_used": 1.0 / seconds, "python_s": seconds * 0.8,
+            "python_fraction": 0.8}
 
 
 def test_the_json_reports_medians_speedup_accuracies_and_the_ideal(bench):
     sync = [_run("sync", s, a) for s, a in ((10.0, 0.5), (12.0, 0.6), (30.0, 0.7))]
     asyn = [_run("async", s, a) for s, a in ((8.0, 0.6), (6.0, 0.5), (9.0, 0.6))]
     args = SimpleNamespace(steps=2, runs=3, config="async_tiny", overrides=[])
-    out = bench.summarize(sync, asyn, [1.0, 1.2, 1.1, 1.3, 1.0, 1.0], args)
+    out = bench.summarize(sync, asyn, [1.0, 1.2, 1.1, 1.3, 1.0, 1.0], args, [0.9, 1.0, 1.4, 0.8, 1.1, 1.0])
     assert (out["sync_s"], out["async_s"], out["speedup"]) == (12.0, 8.0, 1.5)  # medians, not means
     # accuracies: the mean over the paired seeds (one seed repeated is bit-identical), not a median
     assert out["accuracy_sync"] == pytest.approx(0.6) and out["accuracy_async"] == pytest.approx(1.7 / 3)
@@ -51,3 +52,7 @@ def test_the_json_reports_medians_speedup_accuracies_and_the_ideal(bench):
     assert [r["mode"] for r in out["per_run"]] == ["sync", "async"] * 3  # in the order they ran
     assert out["profile"]["async"]["gen_wait_s"] == 7.0
     assert "simulator_async" in out and (out["simulator_async"] is not None or out["simulator_note"])
+    assert out["machine_overlap"] == 1.05 and out["dispatch_overlap"] == 1.0  # medians of the probes before each run
+    # sync's Python + dispatch seconds (12 x 0.8) serialise on the GIL in async too: at most 12 / 9.6 faster
+    assert out["gil_bound_speedup"] == 1.25
+    assert "--xla_force_host_platform_device_count=8" in out["xla_flags"]

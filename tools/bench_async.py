@@ -4,6 +4,7 @@ on its last line.
     .venv312/bin/python tools/bench_async.py                       # 3 + 3 interleaved runs of 40 steps (4-7 min)
     .venv312/bin/python tools/bench_async.py --steps 2 --runs 1    # a smoke run
     .venv312/bin/python tools/bench_async.py trainer.prompts_per_step=8   # config overrides after the flags
+    .venv312/bin/python tools/bench_async.py --single-thread-devices      # each XLA:CPU program on one core
 
 The job is ``configs/async_tiny.yaml`` (PPO, tiny actor, 8 CPU virtual devices, actor-gen on devices 0-3, the
 training stages on 4-7), run with ``trainer.mode=sync`` and ``trainer.mode=async`` (max_staleness 1): same
@@ -27,7 +28,15 @@ Figures (medians over runs; seconds are wall seconds of the RL phase, ``rl_secon
   (speedup - 1) / (ideal_speedup - 1).
 - ``machine_overlap``: what this machine gives two threads now: a jitted matmul loop on device 0 and one on
   device 4, run one after the other vs concurrently (time ratio; 2.0 = two free cores, 1.0 = none), measured
-  before every run, so it sees the same load as the runs.
+  before every run, so it sees the same load as the runs. ``dispatch_overlap``: the same with 300 short calls
+  per thread (about a decode step each), so Python, dispatch and the GIL take part as in the job.
+- ``gil_bound_speedup``: sync_s / sync's ``python_s``: the bound on async if Python were the limit (the two
+  threads' Python and dispatch seconds serialise on the GIL). ``python_s`` per mode (in ``profile``): the CPU
+  seconds of the job's own threads (``time.thread_time``; XLA computes on threads of its own), and
+  ``python_fraction`` = python_s / rl_seconds.
+- ``xla_flags``: the XLA flags of this process, the same for both modes (``--single-thread-devices`` adds
+  ``--xla_cpu_multi_thread_eigen=false`` before JAX starts: every program runs on one core, so each virtual
+  device acts as one accelerator and programs on disjoint devices can only overlap across cores).
 - ``profile``: where the time goes per mode: the generator's working seconds (sum of actor-gen) and waiting
   seconds (rl_seconds - working), the learner's working seconds (the other stages) and waiting seconds, and
   the process's CPU seconds over the RL phase (``cores_used`` = CPU seconds / wall seconds).
@@ -56,7 +65,10 @@ import sys
 import threading
 import time
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+SINGLE_THREAD_FLAG = "--xla_cpu_multi_thread_eigen=false"  # each program on one core: a device = one accelerator
+_SINGLE = [SINGLE_THREAD_FLAG] if "--single-thread-devices" in sys.argv[1:] else []  # before JAX starts
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
+                                    *_SINGLE]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -68,7 +80,7 @@ from nereus_jax.config import Config, load_config  # noqa: E402
 
 GEN = "actor-gen"
 STARTUP_STEPS = 5  # the first steps load (or compile) programs per prompt-length bucket: excluded from *_steady
-RL_CPU: dict[str, float] = {}  # CPU seconds of the latest RL phase (set by the wrapped rl_steps)
+RL_CPU: dict[str, float] = {}  # CPU seconds of the latest RL phase: process, and the calling thread's own
 
 
 def job_config(mode: str, steps: int, cache_dir: str, config: str, overrides: list[str]) -> Config:
@@ -82,9 +94,9 @@ def _time_rl_cpu() -> None:
     inner = run_mod.rl_steps
 
     def timed(job, adapter, steps, first=0):
-        cpu = time.process_time()
+        cpu, own = time.process_time(), time.thread_time()
         yield from inner(job, adapter, steps, first)
-        RL_CPU["seconds"] = time.process_time() - cpu
+        RL_CPU["seconds"], RL_CPU["thread"] = time.process_time() - cpu, time.thread_time() - own
 
     run_mod.rl_steps = timed
 
@@ -98,11 +110,15 @@ def one_run(cfg: Config, run_dir: str) -> dict:
     rest = [sum(v for k, v in m["stage_seconds"].items() if k != GEN) for m in metrics]
     rl_s = summary["rl_seconds"]
     intervals = [m["step_seconds"] for m in metrics]  # async: the wall interval between learner updates
+    # Python + dispatch seconds (the threads' own CPU; XLA computes on threads of its own): sync runs both roles on
+    # the calling thread; async adds the generator thread's, and both threads share one GIL
+    python_s = RL_CPU["thread"] + sum(m.get("generator_thread_cpu_s", 0.0) for m in metrics)
     return {"mode": cfg.trainer.mode, "rl_seconds": rl_s, "accuracy_before": summary["accuracy_before"],
             "accuracy_after": summary["accuracy_after"], "gen_s": gen, "rest_s": rest, "interval_s": intervals,
             "gen_work_s": sum(gen), "gen_wait_s": rl_s - sum(gen), "learner_work_s": sum(rest),
             "learner_wait_s": rl_s - sum(rest), "step_s_median": statistics.median(intervals),
             "cpu_s": RL_CPU["seconds"], "cores_used": RL_CPU["seconds"] / rl_s,
+            "python_s": python_s, "python_fraction": python_s / rl_s,
             "response_length_mean": statistics.mean(m["response_length_mean"] for m in metrics),
             "staleness_max": max(m.get("rollout_staleness_max", 0) for m in metrics),
             "warm_start_cache_hit": summary["warm_start_cache_hit"], "transitions": summary["transitions"]}
@@ -119,27 +135,39 @@ def ideal_pipelined(gen: list[float], rest: list[float]) -> float:
     return (sum(gen) + sum(rest)) / overlapped
 
 
-def machine_overlap(iters: int = 3000) -> float:
-    """Serial / concurrent seconds of two jitted small-matmul loops on devices 0 and 4 (one thread each)."""
+def machine_overlap(iters: int = 3000, calls: int = 1) -> float:
+    """Serial / concurrent seconds of two threads, each running ``calls`` jitted small-matmul loops of ``iters``
+    iterations on its device (0 and 4), reading each result back. One long call measures free cores; many short
+    calls (``dispatch_overlap``: 300 calls of 10, about a decode step each) add what the job's threads do at every
+    step: Python and dispatch under one GIL."""
     def loop(x, w):
         return jax.lax.fori_loop(0, iters, lambda _, y: jnp.tanh(y @ w) @ w.T, x)
 
     fn = jax.jit(loop)
     devices = jax.devices()
     args = [jax.device_put((jnp.ones((64, 64)) * 0.01, jnp.ones((64, 256)) * 0.01), devices[i]) for i in (0, 4)]
+
+    def work(a):
+        for _ in range(calls):
+            fn(*a).block_until_ready()
+
     for a in args:
         fn(*a).block_until_ready()
     t = time.perf_counter()
     for a in args:
-        fn(*a).block_until_ready()
+        work(a)
     serial = time.perf_counter() - t
-    threads = [threading.Thread(target=lambda a=a: fn(*a).block_until_ready()) for a in args]
+    threads = [threading.Thread(target=work, args=(a,)) for a in args]
     t = time.perf_counter()
     for th in threads:
         th.start()
     for th in threads:
         th.join()
     return serial / (time.perf_counter() - t)
+
+
+def dispatch_overlap() -> float:
+    return machine_overlap(iters=10, calls=300)
 
 
 SIM_TRACE, SIM_POLICIES = "paper_drift", ("nereus", "async_fixed", "async_nereus")
@@ -170,11 +198,11 @@ def _median(runs: list[dict], key: str) -> float:
 
 def profile(runs: list[dict]) -> dict:
     keys = ("rl_seconds", "step_s_median", "gen_work_s", "gen_wait_s", "learner_work_s", "learner_wait_s", "cpu_s",
-            "cores_used")
+            "cores_used", "python_s", "python_fraction")
     return {k: round(_median(runs, k), 3) for k in keys}
 
 
-def summarize(sync: list[dict], asyn: list[dict], overlap: list[float], args) -> dict:
+def summarize(sync: list[dict], asyn: list[dict], overlap: list[float], args, dispatch: list[float] = ()) -> dict:
     sync_s, async_s = _median(sync, "rl_seconds"), _median(asyn, "rl_seconds")
     speedup = sync_s / async_s
     ideal = statistics.median(ideal_speedup(r["gen_s"], r["rest_s"]) for r in sync)
@@ -195,6 +223,13 @@ def summarize(sync: list[dict], asyn: list[dict], overlap: list[float], args) ->
             "gain_fraction_of_ideal": round((speedup - 1) / max(ideal - 1, 1e-9), 4),
             "machine_overlap": round(statistics.median(overlap), 3),
             "machine_overlap_all": [round(x, 3) for x in overlap],
+            **({"dispatch_overlap": round(statistics.median(dispatch), 3),
+                "dispatch_overlap_all": [round(x, 3) for x in dispatch]} if dispatch else {}),
+            # async overlaps compute, but the two threads' Python + dispatch seconds serialise on the GIL: with
+            # sync's Python seconds unchanged, async takes at least that long
+            "gil_bound_speedup": round(sync_s / _median(sync, "python_s"), 4),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "flags_note": "both modes ran in this one process under these XLA flags (set before JAX started)",
             "profile": {"sync": profile(sync), "async": profile(asyn)},
             "per_run": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
                          if k not in ("gen_s", "rest_s", "interval_s")} for r in _interleave(sync, asyn)],
@@ -217,6 +252,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sim-steps", type=int, default=12,
                         help="steps of the simulated paper_drift async comparison (0: skip)")
     parser.add_argument("--out", default="runs/bench_async", help="run folders, warm-start and compilation caches")
+    parser.add_argument("--single-thread-devices", action="store_true",
+                        help=f"run XLA:CPU programs on one core each ({SINGLE_THREAD_FLAG}, both modes): every virtual "
+                             "device then acts as one accelerator, and two devices' programs can use both cores")
     parser.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     args = parser.parse_args(argv)
     _time_rl_cpu()
@@ -233,15 +271,17 @@ def main(argv: list[str] | None = None) -> dict:
             one_run(job_config(mode, args.warmup_steps, cache, args.config, args.overrides),
                     os.path.join(args.out, stamp, f"warmup-{mode}"))
     results: dict[str, list[dict]] = {"sync": [], "async": []}
-    overlap = []
+    overlap, dispatch = [], []
     for i in range(args.runs):
         for mode in ("sync", "async"):
             overlap.append(machine_overlap())
+            dispatch.append(dispatch_overlap())
             results[mode].append(one_run(cfgs[mode, i], os.path.join(args.out, stamp, f"{i}-{mode}")))
             r = results[mode][-1]
             print(f"run {i} {mode}: rl_seconds={r['rl_seconds']:.2f} accuracy={r['accuracy_after']:.3f} "
-                  f"cores_used={r['cores_used']:.2f} machine_overlap={overlap[-1]:.2f}", file=sys.stderr)
-    out = summarize(results["sync"], results["async"], overlap, args)
+                  f"cores_used={r['cores_used']:.2f} python_fraction={r['python_fraction']:.2f} "
+                  f"machine_overlap={overlap[-1]:.2f} dispatch_overlap={dispatch[-1]:.2f}", file=sys.stderr)
+    out = summarize(results["sync"], results["async"], overlap, args, dispatch)
     print(json.dumps(out))
     return out
 

@@ -47,7 +47,7 @@ class AsyncRunner:
         self.job, self.adapter, self.log = job, adapter, log
         self.k, self.every, self.partial = cfg.trainer.max_staleness, cfg.trainer.sync_every, cfg.rollout.partial
         self.cond = threading.Condition()
-        self.ready: dict[int, tuple] = {}       # step -> (problems, batch, generation seconds)
+        self.ready: dict[int, tuple] = {}       # step -> (problems, batch, generation seconds, its thread's CPU s)
         self.published = job.version            # the newest version the generator may use
         self.pending = None                      # finish mode: (gen units, version) for the next batch
         self.paused = self.pause_wanted = self.stop = False
@@ -73,10 +73,10 @@ class AsyncRunner:
                         return
                     self._apply_pending()
                 problems, positions = job.problems(g)
-                t = time.perf_counter()
+                t, cpu = time.perf_counter(), time.thread_time()
                 batch = job.generate(problems, positions, job.cfg.rollout.temperature)
                 with self.cond:
-                    self.ready[g] = (problems, batch, time.perf_counter() - t)
+                    self.ready[g] = (problems, batch, time.perf_counter() - t, time.thread_time() - cpu)
                     self.cond.notify_all()
         except BaseException as e:  # noqa: BLE001 - re-raised in the learner's thread
             with self.cond:
@@ -161,9 +161,13 @@ class AsyncRunner:
                         self.cond.wait()
                     if self.error is not None:
                         raise self.error
-                    problems, batch, gen_s = self.ready.pop(u)
+                    problems, batch, gen_s, gen_cpu = self.ready.pop(u)
+                cpu = time.thread_time()
                 result = self.job.learn(u, problems, batch, {"actor-gen": gen_s}, self._weight_sync)
                 now = time.perf_counter()
+                # each thread's own CPU seconds (Python, dispatch; XLA runs on threads of its own): the GIL's share
+                result.metrics["generator_thread_cpu_s"] = gen_cpu
+                result.metrics["learner_thread_cpu_s"] = time.thread_time() - cpu
                 result.metrics["stage_sum_seconds"] = result.metrics["step_seconds"]
                 result.metrics["step_seconds"] = now - last  # the interval between updates, generation overlapped
                 result.metrics["tokens_per_s"] = result.metrics["response_tokens"] / max(now - last, 1e-9)
