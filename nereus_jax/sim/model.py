@@ -2,9 +2,10 @@
 
 :class:`PlanningModel` holds a :class:`CostModel` that starts from the hardware table's priors and is
 calibrated only from measured stage seconds (``calibrate``), a :class:`Planner` over it, and the
-transition pricing (the scheduled transition graph priced with the cost model's link times, plus a
-setup term learned from measured transitions). Its ``plan_fn`` / ``latency_fn`` / ``transition_fn``
-are the three callables :class:`nereus_jax.elastic.controller.Controller` takes.
+transition pricing (the scheduled transition graph priced by ``elastic.graph.transition_seconds`` with
+the cost model's link times, plus a setup term learned from measured transitions). Its ``plan_fn`` /
+``latency_fn`` / ``transition_fn`` are the three callables :class:`nereus_jax.elastic.controller.Controller`
+takes.
 
 ``layouts`` pins every model-stage's (tp, pp) (the "fixed TP/PP with DP scaling" baselines): the
 planner then chooses only dp, micro-batch and remat among the pinned layouts' options.

@@ -12,7 +12,8 @@ Policies (same trace, same seed, same noise per step and stage):
   remat re-planned by the same controller (the paper's baseline: fixed TP/PP + DP scaling);
 - ``fixed_best``: the best single pinned (tp, pp) assignment in hindsight with DP scaling, among the
   assignments the oracle uses (the 8 most used) and the first-step one;
-- ``every_K`` (``every_3``): re-plan every K steps and on pool/memory triggers, admit any predicted gain;
+- ``every_K`` (``every_3``): re-plan every K steps and on pool/memory triggers, admit any predicted gain
+  (``Controller(period=K, gamma=inf)``);
 - ``no_admission``: re-plan on every trigger, admit any predicted gain (gamma = infinity);
 - ``nereus``: the controller with Eq. 2 admission (gamma from the trace);
 - ``oracle``: each step the truly fastest plan that fits, among the planner's picks under the truth's
