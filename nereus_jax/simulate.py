@@ -87,10 +87,15 @@ def _sweep(args, overrides: dict, policies: list[str], start: float) -> dict:
     key, sep, values = args.sweep.partition("=")
     if not sep or not values:
         raise TraceError(f"--sweep {args.sweep!r}: expected KEY=V1,V2,...")
-    rows, sim = [], None
+    rows, sim, base = [], None, None
     for raw in values.split(","):
         value = yaml.safe_load(raw)
-        sim = Simulation(load_trace(args.trace, {**overrides, key: value}))
+        trace = load_trace(args.trace, {**overrides, key: value})  # validates the key and the value
+        if key.startswith("controller."):  # same cluster and trace: share the truth and the planner's caches
+            base = base or Simulation(trace)
+            sim = base.with_controller(**trace.controller)
+        else:
+            sim = Simulation(trace)
         rows.append((value, sim.run(policies)))
     out = {"simulated": True, "hardware": sim.hw.name, "hardware_description": sim.hw.description,
            "trace": sim.trace.name, "sweep": {"key": key, "runs": [

@@ -30,6 +30,8 @@ Policies (same trace, same seed, same noise per step and stage):
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import re
 import time
@@ -130,6 +132,13 @@ class Simulation:
         self.specs = state_specs(self.models, self.stages)
         self.truth = GroundTruth(self.hw, trace.seed, TruthSettings.from_mapping(trace.truth))
         self.caches = SharedCaches()
+
+    def with_controller(self, **settings: float) -> Simulation:
+        """This simulation with controller settings overridden (``gamma=1.0``: a sweep), sharing its ground
+        truth and planner caches, which depend on neither (the runs are those of a fresh Simulation)."""
+        other = copy.copy(self)
+        other.trace = dataclasses.replace(self.trace, controller={**self.trace.controller, **settings})
+        return other
 
     # ---------------------------------------------------------------------------- building blocks
     def model(self, layouts: Layouts | None = None, cost_model: CostModel | None = None,

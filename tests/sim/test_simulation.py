@@ -116,6 +116,16 @@ def test_sweep_reruns_per_value(small_data, tmp_path, capsys):
     assert runs[0]["policies"]["nereus"]["transitions"] <= runs[1]["policies"]["nereus"]["transitions"]
 
 
+def test_a_controller_variant_shares_the_caches_and_runs_as_a_fresh_simulation(small_data):
+    base = Simulation(build_trace(small_data))
+    base.run(["nereus"])  # fills the planner's and the graphs' caches
+    shared = base.with_controller(gamma=1.0).run(["nereus"])["nereus"]
+    small_data["controller"]["gamma"] = 1.0
+    fresh = Simulation(build_trace(small_data)).run(["nereus"])["nereus"]
+    assert _latencies(shared) == _latencies(fresh)
+    assert base.trace.controller["gamma"] == 0.5  # the base is unchanged
+
+
 def test_unknown_policy_is_rejected_with_the_valid_names(small_trace):
     with pytest.raises(PolicyError, match="nereus"):
         Simulation(small_trace).run(["nerues"])
