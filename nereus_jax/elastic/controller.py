@@ -20,9 +20,9 @@ Triggers:
 Admission (Eq. 2): a target is admitted when its predicted per-step gain dL > 0 and
 ``transition_s / dL <= gamma * H``, H the EMA of the number of steps between threshold crossings of the
 triggering signal (1 before any is seen), at most the steps the run has left when the runtime says so
-(``Observation.steps_left``: a plan cannot pay back after the last step). A rejected best target falls back to the runners-up (slightly
-slower plans with cheaper transitions). The urgent path waives profitability; when no candidate can be
-reached live it says so (checkpoint/restart is the last resort).
+(``Observation.steps_left``: a plan cannot pay back after the last step). A rejected best target falls
+back to the runners-up (slightly slower plans with cheaper transitions). The urgent path waives
+profitability; when no candidate can be reached live it says so (checkpoint/restart is the last resort).
 
     controller = Controller(plan_fn, latency_fn, transition_fn, gamma=0.5)
     decision = controller.observe(Observation(step, plan, devices, response_length, step_seconds))
