@@ -41,7 +41,8 @@ Figures (medians over runs; seconds are wall seconds of the RL phase, ``rl_secon
   seconds (rl_seconds - working), the learner's working seconds (the other stages) and waiting seconds, and
   the process's CPU seconds over the RL phase (``cores_used`` = CPU seconds / wall seconds).
 - ``simulator_async``: SIMULATED, not measured: the simulator's async (one-step-off, actor-gen on its own
-  devices) policies ``async_fixed`` / ``async_nereus`` against sync ``nereus`` on the first ``--sim-steps``
+  devices) policies ``async_fixed`` / ``async_nereus`` and the async oracle against sync ``nereus`` on the first
+  ``--sim-steps``
   steps of ``configs/sim/paper_drift.yaml`` on the a100 hardware table (``simulated: true``, ``hardware``);
   mean step latency per policy (async: the interval between weight syncs) and the reductions. Null with
   ``--sim-steps 0``.
@@ -180,16 +181,21 @@ def simulated(steps: int = 12) -> dict | None:
     if steps <= 0:
         return None
     from nereus_jax.sim import Simulation, load_trace, report
+    from nereus_jax.sim.asynchronous import async_oracle
 
     start = time.perf_counter()
     sim = Simulation(load_trace(SIM_TRACE, {"steps": steps}))
     runs = sim.run(SIM_POLICIES)
+    runs["async_oracle"] = async_oracle(sim, list(runs.values()))  # best plan per interval, free transitions
     keys = ("mean_step_s", "transitions", "transition_s", "oom_events", "sync_fallback_steps")
+    summaries = {n: r.summary() for n, r in runs.items()}
+    comparison = report.async_comparison(summaries)
+    comparison["async_oracle_reduction_vs_async_fixed"] = (
+        1 - summaries["async_oracle"]["mean_step_s"] / summaries["async_fixed"]["mean_step_s"])
     return {"simulated": True, "hardware": sim.hw.name, "hardware_description": sim.hw.description,
             "trace": sim.trace.name, "steps": steps, "note": report.headline(sim),
-            "policies": {n: {k: r.summary()[k] for k in keys if k in r.summary()} for n, r in runs.items()},
-            "comparison": report.async_comparison({n: r.summary() for n, r in runs.items()}),
-            "wall_s": round(time.perf_counter() - start, 1)}
+            "policies": {n: {k: s[k] for k in keys if k in s} for n, s in summaries.items()},
+            "comparison": comparison, "wall_s": round(time.perf_counter() - start, 1)}
 
 
 def _median(runs: list[dict], key: str) -> float:
