@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from nereus_jax.sharding import Layout, bytes_per_device, make_mesh
+from nereus_jax.sharding import Layout, bytes_per_device, device_index, make_mesh, to_numpy
 
 from .plan import DEVICE, ModelStage
 from .spec import StateSpec
@@ -53,7 +53,7 @@ class EMU:
 
     @property
     def device_ids(self) -> tuple[int, ...]:
-        return tuple(d.id for d in self.devices)
+        return tuple(device_index(d) for d in self.devices)
 
     @property
     def mesh(self) -> Mesh:
@@ -80,8 +80,9 @@ class EMU:
         return sum(self.bytes_per_device().values())
 
     def to_host(self) -> dict[str, Any]:
-        """A canonical numpy copy of the state (kv copies dropped), bit for bit."""
-        host = self.spec.collapse([np.asarray(x) for x in self.leaves], self.spec.repeat(self.layout))
+        """A canonical numpy copy of the state (kv copies dropped), bit for bit. With several processes,
+        on every one (a collective when the unit spans processes)."""
+        host = self.spec.collapse([to_numpy(x) for x in self.leaves], self.spec.repeat(self.layout))
         return self.spec.unflatten(host)
 
     def checksum(self) -> np.ndarray:
@@ -119,9 +120,13 @@ def shards_by_device(x: jax.Array) -> dict[jax.Device, jax.Array]:
 
 
 def view(x_shards: Mapping[jax.Device, jax.Array], shape: tuple[int, ...], sharding: jax.sharding.Sharding,
-         devices: Sequence[jax.Device]) -> jax.Array:
-    """An array with ``sharding`` over ``devices`` made of existing single-device buffers (zero-copy)."""
-    return jax.make_array_from_single_device_arrays(shape, sharding, [x_shards[d] for d in devices])
+         devices: Sequence[jax.Device], dtype=None) -> jax.Array:
+    """An array with ``sharding`` over ``devices`` made of existing single-device buffers (zero-copy).
+    With several processes each holds only its own devices' buffers (``dtype`` is needed where it holds
+    none of them)."""
+    me = jax.process_index()
+    local = [x_shards[d] for d in devices if d.process_index == me]
+    return jax.make_array_from_single_device_arrays(shape, sharding, local, dtype=dtype)
 
 
 def assemble_replicas(units: Sequence[EMU]) -> tuple[list[jax.Array], Mesh]:
@@ -137,7 +142,7 @@ def assemble_replicas(units: Sequence[EMU]) -> tuple[list[jax.Array], Mesh]:
         shards: dict[jax.Device, jax.Array] = {}
         for u in units:
             shards.update(shards_by_device(u.leaves[i]))
-        leaves.append(view(shards, first.leaves[i].shape, sharding, devices))
+        leaves.append(view(shards, first.leaves[i].shape, sharding, devices, first.leaves[i].dtype))
     return leaves, mesh
 
 
@@ -151,6 +156,6 @@ def split_replicas(leaves: Sequence[jax.Array], mesh: Mesh, stage: ModelStage, s
         devices = tuple(row.reshape(-1))
         sub = spec.shardings(make_mesh(devices, layout), memory)
         units.append(EMU(stage, layout, devices,
-                         [view(s, x.shape, sh, devices) for s, x, sh in zip(shards, leaves, sub, strict=True)],
+                         [view(s, x.shape, sh, devices, x.dtype) for s, x, sh in zip(shards, leaves, sub, strict=True)],
                          spec, memory))
     return units

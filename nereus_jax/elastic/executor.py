@@ -32,9 +32,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from nereus_jax.sharding import make_mesh
+from nereus_jax.sharding import device_index, make_mesh
 
 from .emu import EMU, _checksum, shards_by_device, view
 from .factor import common_layout, factor_mesh_devices, sub_replicas
@@ -104,7 +105,7 @@ class _Run:
     def __init__(self, ex: TransitionExecutor, graph: TransitionGraph, units: Mapping[ModelStage, Sequence[EMU]]):
         self.ex, self.graph = ex, graph
         self.live: dict[int, EMU] = {}
-        self.devices: dict[int, jax.Device] = {d.id: d for d in jax.devices()}
+        self.devices: dict[int, jax.Device] = dict(enumerate(jax.devices()))  # plan ids: positions
         for ms, uids in graph.initial.items():
             emus = list(units[ms])
             if len(emus) != len(uids):
@@ -114,7 +115,7 @@ class _Run:
                 if (emu.device_ids, emu.layout, emu.memory) != (u.devices, u.layout, u.memory):
                     raise ValueError(f"{ms}: {emu} does not match the old plan's {u.label()}")
                 self.live[uid] = emu
-                self.devices.update({d.id: d for d in emu.devices})
+                self.devices.update({device_index(d): d for d in emu.devices})
         self.ledger = Ledger(graph.caps, graph.host_cap, initial=graph.initial_usage)
         device_total = lambda usage: sum(n for k, n in usage.items() if k >= 0)  # noqa: E731
         self.base = max(device_total(graph.initial_usage), device_total(graph.final_usage()))
@@ -153,7 +154,10 @@ class _Run:
     def _room(self, step: Step) -> bool:
         if self.ledger.shortfall(step.acquire):
             return False
-        if self.ex.max_in_flight is not None and len(self.inflight) >= self.ex.max_in_flight:
+        limit = self.ex.max_in_flight
+        if jax.process_count() > 1:  # one step at a time: every process then takes the same donation decisions
+            limit = 1
+        if limit is not None and len(self.inflight) >= limit:
             return False
         if self.budget is None:
             return True
@@ -164,6 +168,8 @@ class _Run:
         step, outputs, dispatched = self.inflight.popleft()
         try:
             jax.block_until_ready([u.leaves for u in outputs.values()])
+            if self._across_processes(step):  # the sender frees nothing before every receiver has its copy
+                multihost_utils.sync_global_devices(f"nereus transition step {step.sid}")
         except Exception:  # its outputs never came to be; what it donated is gone
             for uid in (*outputs, *(step.frees if step.sid in self.donated else ())):
                 self.live.pop(uid, None)
@@ -185,7 +191,7 @@ class _Run:
         keep = set(self.graph.units[uid].handed)
         for x in emu.leaves:
             for shard in x.addressable_shards:
-                if shard.device.id not in keep:
+                if device_index(shard.device) not in keep:
                     shard.data.delete()
 
     def drain(self, quiet: bool = False) -> None:
@@ -198,8 +204,15 @@ class _Run:
 
     def check_ledger(self) -> None:
         measured = Ledger.measure(x for u in self.live.values() for x in u.leaves)
-        booked = {k: n for k, n in self.ledger.used.items() if n}
+        booked = Ledger.local({k: n for k, n in self.ledger.used.items() if n})
         assert measured == booked, f"ledger {booked} != live arrays {measured}"
+
+    def _across_processes(self, step: Step) -> bool:
+        """A step whose data crosses from one process's devices to another's (the same on every process)."""
+        if jax.process_count() == 1:
+            return False
+        ids = {d for u in (*step.inputs, *step.outputs) for d in self.graph.units[u].devices}
+        return len({self.devices[d].process_index for d in ids}) > 1
 
     # -------------------------------------------------------------------------------- primitives
     def _dispatch(self, step: Step) -> dict[int, EMU]:
@@ -222,7 +235,7 @@ class _Run:
         """Extend / Offload / Onload: the same layout on other devices or in another memory kind."""
         devices = self._devs(t.devices)
         shardings = t.spec.shardings(make_mesh(devices, t.layout), t.memory)
-        if set(src.devices) != set(devices) or src.devices == devices:
+        if set(src.devices) != set(devices) or src.devices == devices or jax.process_count() > 1:
             leaves = jax.device_put(src.leaves, shardings)  # per-shard copies, shards in place reused
         else:  # same devices, other order: JAX would reorder (and refuses to change memory kind meanwhile)
             targets = [SingleDeviceSharding(d, memory_kind=t.memory) for d in devices]
@@ -259,8 +272,8 @@ class _Run:
         for p in pieces:
             devices = self._devs(p.devices)
             shardings = spec.shardings(make_mesh(devices, small))
-            leaves = [view(s, a.shape, sh, devices) for s, a, sh in zip(shards, spec.abstract(small), shardings,
-                                                                       strict=True)]
+            leaves = [view(s, a.shape, sh, devices, a.dtype)
+                      for s, a, sh in zip(shards, spec.abstract(small), shardings, strict=True)]
             out[p.uid] = EMU(p.stage, small, devices, leaves, spec, DEVICE)
         return out
 
@@ -283,7 +296,7 @@ class _Run:
             shards: dict[jax.Device, jax.Array] = {}
             for p in parts:
                 shards.update(shards_by_device(p.leaves[i]))
-            leaves.append(view(shards, a.shape, sh, flat))
+            leaves.append(view(shards, a.shape, sh, flat, a.dtype))
         convert = spec.converter(spec.repeat(small), spec.repeat(t.layout))
         out_shardings = tuple(spec.shardings(make_mesh(devices, t.layout)))
         out = _relayout(convert, out_shardings, donate)(leaves)

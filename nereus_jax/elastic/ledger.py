@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from nereus_jax.config import ClusterConfig
+from nereus_jax.sharding import device_index, is_local
 
 from .plan import DEVICE
 
@@ -122,23 +123,31 @@ class Ledger:
     # ------------------------------------------------------------------------------ measured truth
     @staticmethod
     def measure(arrays: Iterable[jax.Array]) -> dict[int, int]:
-        """Bytes per key actually held by ``arrays`` (each buffer counted once, however many arrays share it)."""
+        """Bytes per key actually held by ``arrays`` (each buffer counted once, however many arrays share it).
+        With several processes: this process's devices only (see :meth:`local`)."""
         seen: set[tuple[int, int]] = set()
         out: dict[int, int] = {}
         for x in arrays:
             memory = x.sharding.memory_kind or DEVICE
             for shard in x.addressable_shards:
                 buf = shard.data
+                d = device_index(shard.device)
                 try:
-                    ident = (shard.device.id, buf.unsafe_buffer_pointer())
+                    ident = (d, buf.unsafe_buffer_pointer())
                 except Exception:  # memory kinds without raw pointers: count per array
-                    ident = (shard.device.id, id(buf))
+                    ident = (d, id(buf))
                 if ident in seen:
                     continue
                 seen.add(ident)
-                k = key(shard.device.id, memory)
+                k = key(d, memory)
                 out[k] = out.get(k, 0) + math.prod(buf.shape) * np.dtype(buf.dtype).itemsize
         return out
+
+    @staticmethod
+    def local(usage: Mapping[int, int]) -> dict[int, int]:
+        """The entries of ``usage`` that are this process's devices (or their pinned host memory)."""
+        devices = jax.devices()
+        return {k: n for k, n in usage.items() if is_local(devices[k if k >= 0 else ~k])}
 
     def cross_check(self, devices: Iterable[jax.Device]) -> dict[int, tuple[int, int]]:
         """device id -> (ledger bytes, bytes_in_use from memory_stats) where the device reports stats
@@ -146,9 +155,12 @@ class Ledger:
         account for (compiled workspaces, caches, arrays outside the transition)."""
         out = {}
         for d in devices:
+            if not is_local(d):  # another process's device: its process checks it
+                continue
             stats = d.memory_stats()
             if stats and "bytes_in_use" in stats:
-                out[d.id] = (self.used.get(d.id, 0), int(stats["bytes_in_use"]))
+                i = device_index(d)
+                out[i] = (self.used.get(i, 0), int(stats["bytes_in_use"]))
         return out
 
     def __repr__(self) -> str:

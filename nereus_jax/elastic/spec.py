@@ -237,7 +237,7 @@ def transition_bytes(old: ExecutionPlan, new: ExecutionPlan, specs: Mapping[Any,
     device in the old plan (every such shard must be written into a fresh buffer: the memcpy floor).
     ``cross_device_bytes``: the part of those bytes whose data is on no old shard of that device.
     """
-    by_id = {d.id: d for d in devices}
+    by_id = dict(enumerate(devices))  # plan ids are positions in the device list
     moved = cross = 0
     for ms, sp_new in new.items():
         spec, sp_old = specs[ms], old[ms]
@@ -258,13 +258,14 @@ def _boxes(spec: StateSpec, sp, by_id) -> dict[int, list]:
     out: dict[int, list] = {}
     for replica in sp.replicas:
         mesh = make_mesh([by_id[d] for d in replica], sp.layout)
+        ids = {by_id[d]: d for d in replica}
         for leaf, sharding in zip(spec.leaves, spec.shardings(mesh), strict=True):
             shape = leaf.stored_shape(rep)
             for dev, index in sharding.devices_indices_map(shape).items():
                 box = tuple(_canonical(sl, n, rep if a == leaf.kv_axis else 1)
                             for a, (sl, n) in enumerate(zip(index, shape, strict=True)))
                 stored = tuple(len(range(*sl.indices(n))) for sl, n in zip(index, shape, strict=True))
-                out.setdefault(dev.id, []).append((box, stored, math.prod(stored) * leaf.dtype.itemsize))
+                out.setdefault(ids[dev], []).append((box, stored, math.prod(stored) * leaf.dtype.itemsize))
     return out
 
 

@@ -20,6 +20,10 @@ At each boundary, in order:
    admitted target is compiled ahead on a background thread (``Job.prepare``) while the current plan
    keeps stepping; the move happens at the first boundary after the compile finishes.
 
+With several processes every process runs the same adapter and must take the same decisions: the
+measured inputs (step and stage seconds, lengths) are process 0's, shared at each boundary, and a
+compile-ahead counts as finished when it has finished on every process.
+
 Candidates come from the planner for the pool at hand; each is mapped to the job's model-stages
 (actor-infer and critic-infer run on the training units, so they are priced with the training stage's
 layout) and priced with the calibrated cost model. A transition's predicted cost is the transition
@@ -39,6 +43,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
 from nereus_jax.config import ConfigError
 from nereus_jax.elastic.compile import align_ranks
 from nereus_jax.elastic.controller import Candidate, Controller, Decision, Observation
@@ -50,6 +56,7 @@ from nereus_jax.elastic.plan import ExecutionPlan, ModelStage
 from nereus_jax.elastic.planner import InfeasiblePlanError, Planner
 from nereus_jax.elastic.workload import LengthStats, Workload
 from nereus_jax.runtime import steps
+from nereus_jax.runtime.distributed import agree, all_processes
 from nereus_jax.runtime.job import Job, Prepared
 from nereus_jax.runtime.plans import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, plan_from_config
 
@@ -58,6 +65,7 @@ _PRICED = {"actor-gen": ACTOR_GEN, "actor-infer": ACTOR_TRAIN, "ref-infer": Mode
            "critic-infer": CRITIC_TRAIN, "reward-infer": ModelStage("reward", "infer"),
            "actor-train": ACTOR_TRAIN, "critic-train": CRITIC_TRAIN}
 CALIBRATION_WINDOW = 8  # steps of measurements the efficiencies are fitted to
+_MEASURED = ("step_seconds", "stage_seconds", "response_length_mean", "response_length_p95")  # clock/length reads
 
 
 class LiveTransitionError(RuntimeError):
@@ -73,6 +81,7 @@ class _Pending:
     step: int
     steady_s: float | None  # median step time before the compile started
     step_seconds: list[float] = dataclasses.field(default_factory=list)  # steps run while compiling
+    wait: bool = False  # move at the next boundary even if that means waiting for the compile
 
 
 class Adapter:
@@ -112,6 +121,7 @@ class Adapter:
         """Run before ``step``; ``metrics`` are the previous step's (None before the first step)."""
         compiled = self._compiled_last_step  # the previous step compiled programs: its time is not a step's
         if metrics is not None:
+            metrics = {**metrics, **agree({k: metrics[k] for k in _MEASURED if k in metrics})}
             self._learn(metrics)
         gone = self._apply_schedule(step)
         if not self.enabled:
@@ -124,7 +134,8 @@ class Adapter:
             self.log(f"step {step}: devices {sorted(gone)} left before the admitted move ran; re-planning")
             self.pending = None
         if self.pending is not None:
-            if self.pending.future.done() or gone & set(self.job.plan.devices):
+            ready = all_processes(self.pending.future.done())
+            if ready or self.pending.wait or gone & set(self.job.plan.devices):
                 self._execute(step, self.pending)
             elif metrics is not None:
                 self.pending.step_seconds.append(metrics["step_seconds"])
@@ -153,6 +164,19 @@ class Adapter:
             self.pending = pending
             if gone & set(self.job.plan.devices):  # the device is gone now: no time to compile ahead
                 self._execute(step, pending)
+
+    def request(self, plan: ExecutionPlan, *, wait: bool = True, reason: str = "requested") -> None:
+        """Moves the job to ``plan`` (an operator's or a test's choice, not the controller's): compiled
+        ahead from now on, executed at the next boundary (``wait``: even if that waits for the compile)
+        or at the first boundary after the compile finishes. Replaces a pending move."""
+        target = align_ranks(self.job.plan, plan)
+        decision = Decision(-1, "request", True, target, True, reason, None, None, None, None, 1.0)
+        if self.pending is not None:
+            self.pending.future.cancel()
+        steady = statistics.median(self._steady_s) if self._steady_s else None
+        self.pending = _Pending(decision, target, self._pool_ex.submit(self.job.prepare, target),
+                                time.perf_counter(), -1, steady, wait=wait)
+        self.log(f"transition requested ({reason}) -> {_short(target)}")
 
     def close(self) -> None:
         """Stops taking work; a compile still running finishes in the background (its result is unused)."""
@@ -316,6 +340,8 @@ class Adapter:
         for plan in plans:
             if any(self.job.rows % plan[ms].dp for ms in plan if ms.kind != "gen"):
                 continue
+            if not _engines_in_one_process(plan):
+                continue  # an engine's decode loop runs in one process
             gen = set(plan[ACTOR_GEN].devices)
             if self.async_mode and any(gen & set(sp.devices) for ms, sp in plan.items() if ms != ACTOR_GEN):
                 continue  # async generation needs its own devices
@@ -367,6 +393,13 @@ class Adapter:
         self.cost = CostModel(self.cost.hardware, d["efficiency"])
         self.planner.cost_model = self.cost
         self._compile_s, self.transitions = d["compile_s"], d["transitions"]
+
+
+def _engines_in_one_process(plan: ExecutionPlan) -> bool:
+    if jax.process_count() == 1:
+        return True
+    devices = jax.devices()
+    return all(len({devices[d].process_index for d in r}) == 1 for r in plan[ACTOR_GEN].replicas)
 
 
 def _short(plan: ExecutionPlan) -> str:

@@ -46,7 +46,7 @@ from nereus_jax.elastic.graph import TransitionGraph
 from nereus_jax.elastic.plan import DEVICE, ExecutionPlan, ModelStage, StagePlan
 from nereus_jax.models import abstract_params
 from nereus_jax.runtime.job import Job, JobError
-from nereus_jax.runtime.plans import ACTOR_GEN, job_stages, plan_from_config
+from nereus_jax.runtime.plans import job_stages, plan_from_config
 from nereus_jax.sharding import Layout, make_mesh
 
 FORMAT = 1
@@ -335,11 +335,8 @@ def _units(job: Job, ms: ModelStage, leaves: list[jax.Array], mesh) -> list[EMU]
 
 def install(job: Job, units: dict[ModelStage, list[EMU]], version: int) -> None:
     """Replaces ``job``'s units (laid out in ``job.plan``) and policy version; the engines adopt the
-    actor-gen parameters. (A ``Job.load_state`` would be the natural home of this.)"""
-    assert set(units) == set(job.units), (set(units), set(job.units))
-    job.units, job.version = units, version
-    for gen, unit in zip(job._engines, units[ACTOR_GEN], strict=True):
-        gen.set_params(gen.engine.adopt_params(unit.params), version=version)
+    actor-gen parameters."""
+    job.load_state(units, version)
 
 
 def _check_plan_fits(plan: ExecutionPlan, available: int, where: str) -> None:

@@ -22,8 +22,10 @@ the receiver has the data. Two processes x 4 CPU devices on one machine::
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Mapping
+from typing import Any
 
 ENV_COORDINATOR, ENV_PROCESSES, ENV_ID, ENV_LOCAL, ENV_TRANSFER = (
     "NEREUS_COORDINATOR", "NEREUS_NUM_PROCESSES", "NEREUS_PROCESS_ID", "NEREUS_LOCAL_DEVICES",
@@ -99,8 +101,6 @@ def is_primary() -> bool:
 def share_from(owner: int, arrays: list | None) -> list:
     """Numpy arrays that process ``owner`` holds (``arrays``; None elsewhere), on every process: a header
     with their shapes and dtypes, then the arrays, each broadcast from ``owner``. Every process calls it."""
-    import json
-
     import jax
     import numpy as np
     from jax.experimental import multihost_utils
@@ -116,3 +116,27 @@ def share_from(owner: int, arrays: list | None) -> list:
     specs = json.loads(bytes(header[header > 0]).decode())
     like = arrays if me else [np.zeros(s, np.dtype(d)) for s, d in specs]
     return [np.asarray(x) for x in multihost_utils.broadcast_one_to_all(like, is_source=me)]
+
+
+def agree(value: Any) -> Any:
+    """Process 0's ``value`` (anything JSON can carry) on every process; ``value`` itself with one process.
+    Decisions that read clocks (the controller's measured step times) go through this, so every process
+    takes the same decision."""
+    import jax
+    import numpy as np
+
+    if jax.process_count() == 1:
+        return value
+    mine = [np.frombuffer(json.dumps(value).encode(), np.uint8)] if jax.process_index() == 0 else None
+    return json.loads(bytes(share_from(0, mine)[0]).decode())
+
+
+def all_processes(flag: bool) -> bool:
+    """True when ``flag`` is true on every process (a collective: every process calls it)."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        return bool(flag)
+    return bool(np.asarray(multihost_utils.process_allgather(np.int32(bool(flag)))).all())

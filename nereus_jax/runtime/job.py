@@ -32,12 +32,13 @@ from nereus_jax.elastic.graph import TransitionGraph
 from nereus_jax.elastic.plan import DEVICE, HOST, ExecutionPlan, ModelStage
 from nereus_jax.elastic.spec import StateSpec
 from nereus_jax.elastic.weight_sync import WeightSync
-from nereus_jax.engine import Generator, JaxEngine, SamplingParams
+from nereus_jax.engine import Generator, JaxEngine, Rollouts, SamplingParams
 from nereus_jax.models import abstract_params, init_params
 from nereus_jax.rl import algorithms as alg
 from nereus_jax.rl.batch import RolloutBatch, left_pad, right_pad
 from nereus_jax.rl.tasks import Problem
 from nereus_jax.runtime import steps
+from nereus_jax.runtime.distributed import share_from
 from nereus_jax.runtime.plans import (
     ACTOR_GEN,
     ACTOR_TRAIN,
@@ -47,7 +48,7 @@ from nereus_jax.runtime.plans import (
     job_stages,
     plan_from_config,
 )
-from nereus_jax.sharding import make_mesh
+from nereus_jax.sharding import device_index, is_local, make_mesh, to_numpy
 
 
 class JobError(ValueError):
@@ -96,7 +97,8 @@ class Job:
                                caps=cfg.cluster.device_memory_bytes)
         self._programs: dict[Any, Any] = {}
         self._signatures: dict[Any, dict[str, tuple]] = {}  # program -> its host inputs' (shape, dtype)
-        self._engines = [self._engine(u) for u in self.units[ACTOR_GEN]]
+        # one per actor-gen replica; None for a replica on another process's devices (its process runs it)
+        self._engines: list[Generator | None] = [self._engine(u) for u in self.units[ACTOR_GEN]]
 
     # ------------------------------------------------------------------------------- construction
     def _initial_units(self, actor: dict) -> dict[ModelStage, list[EMU]]:
@@ -117,7 +119,9 @@ class Job:
             units[ms] = [EMU.create(ms, spec, sp.layout, [self.devices[i] for i in r], state) for r in sp.replicas]
         return units
 
-    def _engine(self, unit: EMU) -> Generator:
+    def _engine(self, unit: EMU) -> Generator | None:
+        if not is_local(unit.devices[0]):
+            return None
         engine = self._new_engine(unit.mesh)
         return Generator(engine, engine.adopt_params(unit.params), version=self.version, pad_id=self.tok.pad_id)
 
@@ -157,6 +161,9 @@ class Job:
                     params, micro["tokens"], micro["mask"]).compile()
         engines = []
         for replica in plan[ACTOR_GEN].replicas:
+            if not is_local(self.devices[replica[0]]):
+                engines.append(None)  # another process's replica: that process prepares it
+                continue
             mesh = make_mesh([self.devices[i] for i in replica], plan[ACTOR_GEN].layout)
             engine = self._new_engine(mesh)
             gen = Generator(engine, engine.load_params(_zeros(self.cfg.model)), pad_id=self.tok.pad_id)
@@ -178,11 +185,24 @@ class Job:
         self.plan, self.units, self.sync = plan, dict(units), sync
         if prepared is not None and prepared.plan == plan:
             self._programs.update(prepared.programs)
-            for gen, unit in zip(prepared.engines, self.units[ACTOR_GEN], strict=True):
-                gen.set_params(gen.engine.adopt_params(unit.params), version=self.version)
             self._engines = list(prepared.engines)
+            self._set_engine_params()
         else:
             self._engines = [self._engine(u) for u in self.units[ACTOR_GEN]]
+
+    def load_state(self, units: dict[ModelStage, list[EMU]], version: int) -> None:
+        """Replaces the units (laid out in ``self.plan``) and the policy version, e.g. from a checkpoint;
+        the engines adopt the actor-gen parameters."""
+        if set(units) != set(self.units):
+            raise JobError(f"load_state: model-stages {sorted(map(str, units))} differ from the job's "
+                           f"{sorted(map(str, self.units))}")
+        self.units, self.version = dict(units), version
+        self._set_engine_params()
+
+    def _set_engine_params(self) -> None:
+        for gen, unit in zip(self._engines, self.units[ACTOR_GEN], strict=True):
+            if gen is not None:
+                gen.set_params(gen.engine.adopt_params(unit.params), version=self.version)
 
     # ----------------------------------------------------------------------------------- one step
     def problems(self, step: int) -> tuple[list[Problem], np.ndarray]:
@@ -231,8 +251,9 @@ class Job:
         _check_prompt_lengths(prompts, self.P)
         sampling = self._sampling(temperature, n)
         chunks = np.array_split(np.arange(len(prompts)), len(self._engines))
-        outs = [g.generate([prompts[i] for i in idx], sampling, prompt_ids=positions[idx] % (2**31))
-                for g, idx in zip(self._engines, chunks, strict=True) if len(idx)]
+        outs = self._on_engines([(i, lambda g, idx=idx: g.generate([prompts[j] for j in idx], sampling,
+                                                                     prompt_ids=positions[idx] % (2**31)))
+                                 for i, idx in enumerate(chunks) if len(idx)])
         tokens = np.concatenate([o.tokens for o in outs])
         lengths = np.concatenate([o.lengths for o in outs])
         response, response_mask = right_pad([list(t[:n_]) for t, n_ in zip(tokens, lengths, strict=True)],
@@ -245,6 +266,23 @@ class Job:
         return RolloutBatch(prompt, prompt_mask, response, response_mask, logp.astype(np.float32),
                             np.repeat(positions, n), np.tile(np.arange(n), len(prompts)).astype(np.int32),
                             versions.astype(np.int32))
+
+    def _on_engines(self, work: Sequence[tuple[int, Any]]) -> list[Rollouts]:
+        """``fn(engine)`` for each (engine index, fn), in order. With several processes each process runs
+        its own replicas' engines, then every result is shared from its owner, so every process holds
+        all rollouts (the same on each)."""
+        if jax.process_count() == 1:
+            return [fn(self._engines[i]) for i, fn in work]
+        local = {i: fn(self._engines[i]) for i, fn in work if self._engines[i] is not None}
+        outs = []
+        for i, _ in work:
+            owner = self.units[ACTOR_GEN][i].devices[0].process_index
+            mine = local.get(i)
+            arrays = share_from(owner, None if mine is None else [mine.tokens, mine.logprobs, mine.lengths,
+                                                                  mine.param_versions, mine.prompt_index,
+                                                                  mine.sample_index])
+            outs.append(mine or Rollouts(*arrays[:3], (), *arrays[3:], {}))
+        return outs
 
     def _sampling(self, temperature: float, n: int) -> SamplingParams:
         c = self.cfg.rollout
@@ -310,7 +348,7 @@ class Job:
         params = self.specs[ms].unflatten(leaves)["params"]
         fn = self._program(self._key("infer", ms, mesh, accum, what), lambda: _infer_program(
             self.specs[ms].model, self.P, what))
-        out = np.asarray(fn(params, micro["tokens"], micro["mask"]))
+        out = to_numpy(fn(params, micro["tokens"], micro["mask"]))
         if ms.kind == "infer":
             self.park(ms)
         if what == "scores":
@@ -373,13 +411,12 @@ class Job:
         self.units[ACTOR_GEN] = self.sync(self._use(ACTOR_TRAIN), self.units[ACTOR_GEN])
         self.park(ACTOR_TRAIN)
         self.version += 1
-        for gen, unit in zip(self._engines, self.units[ACTOR_GEN], strict=True):
-            gen.set_params(gen.engine.adopt_params(unit.params), version=self.version)
+        self._set_engine_params()
 
     @staticmethod
     def _key(kind: str, ms: ModelStage, mesh, accum: int, *rest) -> tuple:
         """Programs are bound to devices (their shardings name them): the key holds the mesh's device ids."""
-        return (kind, ms, mesh.devices.shape, tuple(d.id for d in mesh.devices.flat), accum, *rest)
+        return (kind, ms, mesh.devices.shape, tuple(device_index(d) for d in mesh.devices.flat), accum, *rest)
 
     def _program(self, key, build):
         if key not in self._programs:
@@ -505,6 +542,14 @@ def _check_plan_devices(plan: ExecutionPlan, available: int) -> None:
     if missing:
         raise JobError(f"the plan uses devices {missing} but only devices 0..{available - 1} exist: "
                        "lower the plan's dp/tp/pp or raise cluster.num_devices")
+    if jax.process_count() > 1 and ACTOR_GEN in plan:
+        devices = jax.devices()
+        for replica in plan[ACTOR_GEN].replicas:
+            owners = sorted({devices[d].process_index for d in replica})
+            if len(owners) > 1:
+                raise JobError(f"actor-gen replica on devices {list(replica)} spans processes {owners}: an engine "
+                               "runs its decode loop in one process; give actor-gen a tp x pp that fits one "
+                               "host's devices (training stages may span hosts)")
 
 
 def _check_rows(plan: ExecutionPlan, rows: int) -> None:

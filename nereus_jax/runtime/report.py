@@ -1,6 +1,7 @@
 """What a run shows and writes: a progress bar (step, reward, accuracy, KL, response length, per-stage
 seconds, plan), ``RUN_DIR/metrics.jsonl`` (one object a step), TensorBoard events, ``summary.json`` and a
-final summary table."""
+final summary table. With several processes only process 0 (``primary``) shows and writes anything; the
+others compute the same metrics and stay quiet."""
 
 from __future__ import annotations
 
@@ -19,9 +20,12 @@ from nereus_jax.runtime.tensorboard import EventWriter
 class RunReport:
     """Owns the run directory's outputs and the console."""
 
-    def __init__(self, run_dir: str, total_steps: int, *, progress: bool = True, tensorboard: bool = True):
+    def __init__(self, run_dir: str, total_steps: int, *, progress: bool = True, tensorboard: bool = True,
+                 primary: bool = True):
+        self.run_dir, self.primary = run_dir, primary
+        if not primary:
+            return
         os.makedirs(run_dir, exist_ok=True)
-        self.run_dir = run_dir
         self.console = Console(stderr=True)
         self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a")  # noqa: SIM115 - closed in close()
         self._tb = EventWriter(os.path.join(run_dir, "tensorboard")) if tensorboard else None
@@ -34,9 +38,12 @@ class RunReport:
             self._progress.start()
 
     def log(self, message: str) -> None:
-        self.console.print(message)
+        if self.primary:
+            self.console.print(message)
 
     def step(self, metrics: dict[str, Any]) -> None:
+        if not self.primary:
+            return
         self._metrics.write(json.dumps(metrics) + "\n")
         self._metrics.flush()
         if self._tb is not None:
@@ -50,6 +57,8 @@ class RunReport:
             self.console.print(f"step {metrics['step']}: {line}")
 
     def finish(self, summary: dict[str, Any]) -> None:
+        if not self.primary:
+            return
         if self._progress is not None:
             self._progress.stop()
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
@@ -64,6 +73,8 @@ class RunReport:
         self.close()
 
     def close(self) -> None:
+        if not self.primary:
+            return
         self._metrics.close()
         if self._tb is not None:
             self._tb.close()

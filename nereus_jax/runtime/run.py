@@ -30,6 +30,7 @@ from nereus_jax.runtime.checkpoint import (
     restore_job,
     stop_agreed,
 )
+from nereus_jax.runtime.distributed import is_primary
 from nereus_jax.runtime.job import Job, JobError, StepResult
 from nereus_jax.runtime.report import RunReport
 from nereus_jax.runtime.warmstart import SFT_INDEX_OFFSET, cached_warm_start, run_sft
@@ -56,6 +57,9 @@ def check_inputs(cfg: Config):
     if cfg.cluster.num_devices > n:
         raise JobError(f"cluster.num_devices={cfg.cluster.num_devices} but only {n} devices exist; lower it (on "
                        "CPU, XLA_FLAGS=--xla_force_host_platform_device_count must be set before JAX starts)")
+    if cfg.trainer.mode == "async" and jax.process_count() > 1:
+        raise JobError(f"trainer.mode=async runs in one process (its generator thread drives local engines); "
+                       f"this launch has {jax.process_count()} processes: use trainer.mode=sync, or one process")
     tok = HFTokenizer(cfg.task.tokenizer_path) if cfg.task.tokenizer_path else CharTokenizer()
     if tok.vocab_size > cfg.model.vocab_size:
         raise JobError(f"the tokenizer has {tok.vocab_size} tokens but model.vocab_size={cfg.model.vocab_size}")
@@ -72,7 +76,7 @@ def run_job(cfg: Config, run_dir: str, *, started: float | None = None) -> dict:
     started = time.perf_counter() if started is None else started
     task, tok = check_inputs(cfg)
     report = RunReport(run_dir, cfg.trainer.steps, progress=cfg.logging.progress,
-                       tensorboard=cfg.logging.tensorboard)
+                       tensorboard=cfg.logging.tensorboard, primary=is_primary())
     cache_dir = cfg.logging.cache_dir or os.path.join(os.path.dirname(os.path.abspath(run_dir)), "cache")
     resume = cfg.checkpoint.resume_from
     warm, hit, sft_s = (None, False, 0.0) if resume else _warm_start(cfg, task, tok, cache_dir, report)
@@ -212,10 +216,14 @@ def _sft_control(cfg: Config, task, tok, job: Job, warm: dict, seconds: float, h
 
 def evaluate_params(job: Job, params: dict, problems) -> float:
     """Greedy held-out accuracy of arbitrary (canonical) parameters on the first actor-gen engine."""
-    engine = job._engines[0].engine
-    gen = Generator(engine, engine.load_params(params), pad_id=job.tok.pad_id)
     prompts = [[job.tok.bos_id] + job.tok.encode(p.prompt) for p in problems]
-    out = gen.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=job.R, stop_tokens=(job.tok.eos_id,)))
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=job.R, stop_tokens=(job.tok.eos_id,))
+
+    def run(actor_gen: Generator):
+        gen = Generator(actor_gen.engine, actor_gen.engine.load_params(params), pad_id=job.tok.pad_id)
+        return gen.generate(prompts, sampling)
+
+    out = job._on_engines([(0, run)])[0]  # with several processes: on its owner, shared with every process
     texts = [job.tok.decode(out.tokens[i, : out.lengths[i]]) for i in range(len(problems))]
     return float(np.mean([job.task.reward(p, t) >= 1.0 for p, t in zip(problems, texts, strict=True)]))
 

@@ -135,11 +135,15 @@ def cached_warm_start(params: dict, cfg: Config, task, tokenizer, mesh: Mesh, ca
     """Warm-started params laid out like ``params``, from the cache if present. Returns (params, cache_hit)."""
     path = os.path.join(cache_dir, f"sft-{cache_key(cfg, tokenizer.vocab_size)}.npz")
     shardings = jax.tree.map(lambda x: x.sharding, params)
-    if os.path.exists(path):
+    from nereus_jax.runtime.distributed import all_processes, is_primary
+
+    if all_processes(os.path.exists(path)):  # several processes: a hit only if every one can read it
         host = load_params(path, gather_params(params, cfg.model))
         return _relayout(host, params, cfg, shardings), True
     trained = run_sft(params, cfg, task, tokenizer, mesh, progress)
-    save_params(path, gather_params(trained, cfg.model))
+    host = gather_params(trained, cfg.model)
+    if is_primary():  # one writer (the file is the same on every process)
+        save_params(path, host)
     return trained, False
 
 

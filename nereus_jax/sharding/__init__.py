@@ -7,8 +7,11 @@ from nereus_jax.sharding.layout import (
     bytes_per_device,
     check_layout,
     collapse_kv,
+    device_at,
+    device_index,
     expand_kv,
     gather_params,
+    is_local,
     kv_repeat,
     logical_to_spec,
     make_mesh,
@@ -16,6 +19,7 @@ from nereus_jax.sharding.layout import (
     shard_params,
     stored_shapes,
     sync_kv_grads,
+    to_numpy,
 )
 from nereus_jax.sharding.pipeline import (
     PipelineError,
@@ -36,8 +40,11 @@ __all__ = [
     "bytes_per_device",
     "check_layout",
     "collapse_kv",
+    "device_at",
+    "device_index",
     "expand_kv",
     "gather_params",
+    "is_local",
     "kv_repeat",
     "logical_to_spec",
     "make_mesh",
@@ -49,4 +56,5 @@ __all__ = [
     "shard_params",
     "stored_shapes",
     "sync_kv_grads",
+    "to_numpy",
 ]

@@ -59,6 +59,55 @@ class Layout:
         return f"tp{self.tp}xpp{self.pp}"
 
 
+_POSITIONS: dict[jax.Device, int] = {}
+
+
+def device_index(device: jax.Device) -> int:
+    """The device's position in ``jax.devices()``: the id execution plans use. ``Device.id`` is not that:
+    with several processes it is not dense (a second CPU process's devices start at 2048)."""
+    try:
+        return _POSITIONS[device]
+    except KeyError:
+        _POSITIONS.clear()
+        _POSITIONS.update({d: i for i, d in enumerate(jax.devices())})
+        if device not in _POSITIONS:
+            raise ValueError(f"{device} is not one of jax.devices()") from None
+        return _POSITIONS[device]
+
+
+def device_at(index: int) -> jax.Device:
+    """Inverse of :func:`device_index`."""
+    return jax.devices()[index]
+
+
+def is_local(device: jax.Device) -> bool:
+    """True for a device this process can address (always, with one process)."""
+    return device.process_index == jax.process_index()
+
+
+def to_numpy(x) -> np.ndarray:
+    """A (possibly global) array as numpy, the same on every process. With several processes this is a
+    collective whatever the array (every process must call it, in the same order): the processes holding
+    its shards broadcast them, so a process holding none of it gets it too."""
+    if not isinstance(x, jax.Array) or jax.process_count() == 1:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    me = jax.process_index()
+    owners = sorted({d.process_index for d in x.sharding.device_set})
+    out, have = np.zeros(x.shape, x.dtype), np.zeros(x.shape, bool)
+    for p in owners:  # each holder's shards in turn (the array's shape and dtype are known everywhere)
+        part, mask = np.zeros(x.shape, x.dtype), np.zeros(x.shape, np.uint8)
+        if me == p:
+            for shard in x.addressable_shards:
+                part[shard.index], mask[shard.index] = np.asarray(shard.data), 1
+        part, mask = (np.asarray(a) for a in multihost_utils.broadcast_one_to_all((part, mask), is_source=me == p))
+        out, have = np.where(mask > 0, part, out), have | (mask > 0)
+        if have.all():
+            break
+    return out
+
+
 def make_mesh(devices: Sequence[jax.Device], layout: Layout, dp: int | None = None) -> Mesh:
     """A mesh over ``devices`` (in order): ("pp", "tp") for one replica, ("dp", "pp", "tp") with ``dp``."""
     devices = list(devices)
@@ -66,7 +115,7 @@ def make_mesh(devices: Sequence[jax.Device], layout: Layout, dp: int | None = No
     if len(devices) != want:
         raise LayoutError(f"{layout} x dp={dp or 1} needs {want} devices, got {len(devices)}")
     if len(set(devices)) != len(devices):
-        raise LayoutError(f"device list has duplicates: {[d.id for d in devices]}")
+        raise LayoutError(f"device list has duplicates: {[device_index(d) for d in devices]}")
     arr = np.array(devices, dtype=object)
     if dp is None:
         return Mesh(arr.reshape(layout.pp, layout.tp), ("pp", "tp"))
@@ -180,7 +229,8 @@ def bytes_per_device(tree) -> dict[int, int]:
     for x in jax.tree.leaves(tree):
         shard_bytes = math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
         for device in x.sharding.device_set:
-            out[device.id] = out.get(device.id, 0) + shard_bytes
+            i = device_index(device)
+            out[i] = out.get(i, 0) + shard_bytes
     return out
 
 

@@ -2,12 +2,14 @@
 with 8 devices: the processes join into one 8-device runtime, a data-parallel training program whose
 all-reduce crosses the process boundary computes what the single process computes, a job checkpoint the
 two processes write together resumes in one process, a unit's state moves onto the other process's
-device bit for bit, and a SIGTERM to one process stops both.
+device bit for bit, the PPO job runs 3 steps with a transition onto units that span both processes and
+computes what one process computes, and a SIGTERM to one process stops both.
 
 The children get their own XLA_FLAGS (no 8-device flag from tests/conftest.py: 4 devices each through
 NEREUS_LOCAL_DEVICES), a hard timeout, and SIGKILL when they hang (JAX traps SIGTERM).
 """
 
+import json
 import os
 import socket
 import subprocess
@@ -20,10 +22,11 @@ import numpy as np
 import pytest
 
 from nereus_jax.config import load_config
+from nereus_jax.elastic.plan import ExecutionPlan
 from nereus_jax.models import abstract_params
 from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
-from nereus_jax.runtime.checkpoint import read_metadata, restore_job
+from nereus_jax.runtime.checkpoint import plan_to_json, read_metadata, restore_job
 from nereus_jax.runtime.distributed import DistributedError, Launch, detect
 from nereus_jax.runtime.job import Job
 
@@ -33,7 +36,8 @@ ROOT = Path(__file__).resolve().parents[2]
 BASE = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=8",
         "rollout.samples_per_prompt=2", "logging.progress=false", "task.num_digits=1", "task.eval_size=16",
         "plan.stages.actor-gen.dp=2", "trainer.warmup_sft_steps=3", "trainer.sft_batch=16"]
-TIMEOUT_S = 240
+TIMEOUT_S = 300
+RL_METRICS = ("reward_mean", "kl", "loss", "value_loss", "response_length_mean", "policy_version")
 
 CHILD = textwrap.dedent("""
     import os, sys
@@ -85,7 +89,29 @@ CHILD = textwrap.dedent("""
         else:
             np.savez(os.path.join(out, "unit.npz"), *[np.asarray(x) for x in unit.leaves])
         multihost_utils.sync_global_devices("moved")  # the sender stays up until the receiver has it
-    # 5. a SIGTERM to one process stops every process after the same step
+    # 5. the PPO job for 3 steps, with a transition after step 0 onto units that span both processes
+    if tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 12):
+        import json
+        from nereus_jax.runtime.adapt import Adapter
+        from nereus_jax.runtime.checkpoint import plan_from_json
+        from nereus_jax.runtime.plans import CRITIC_TRAIN
+        target = plan_from_json(json.loads(os.environ["NEREUS_TEST_TARGET"]))
+        job = Job(cfg, task, tok, actor_params=trained)
+        adapter = Adapter(job, log=lambda m: print("ADAPT", m, flush=True))
+        metrics, rl = None, []
+        for s in range(3):
+            if s == 1:
+                adapter.request(target)
+            adapter.boundary(s, metrics)
+            r = job.step(s)
+            metrics = r.metrics
+            rl.append({k: metrics[k] for k in RL_METRICS} | {"tokens": r.batch.response_br.tolist()})
+        actor, critic = job.actor_host_params(), job.units[CRITIC_TRAIN][0].to_host()["params"]  # collectives
+        if me == 0:
+            json.dump({"steps": rl, "transitions": adapter.transitions, "on_target": job.plan == target},
+                      open(os.path.join(out, "rl.json"), "w"))
+            np.savez(os.path.join(out, "rl_params.npz"), *jax.tree.leaves(actor), *jax.tree.leaves(critic))
+    # 6. a SIGTERM to one process stops every process after the same step
     import signal
     from nereus_jax.runtime.checkpoint import GracefulStop, stop_agreed
     with GracefulStop() as stop:
@@ -94,7 +120,23 @@ CHILD = textwrap.dedent("""
             os.kill(os.getpid(), signal.SIGTERM)
         print("STOP", before, stop_agreed(stop), stop.signal, flush=True)
     print("DONE", me, flush=True)
-""")
+""").replace("RL_METRICS", repr(RL_METRICS))
+
+
+def crossing_plan(cfg) -> ExecutionPlan:
+    """A plan whose units cross the process boundary (process 0: devices 0-3, process 1: 4-7): actor-gen
+    moves to process 1's devices, actor-train and critic-train become tp=2 units, two of each on one
+    device of each process, ref-infer halves onto process 1."""
+    from nereus_jax.elastic.plan import StagePlan
+    from nereus_jax.runtime.plans import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER
+    from nereus_jax.sharding import Layout
+
+    assert cfg.algorithm.name == "ppo"
+    tp2 = Layout(tp=2)
+    return ExecutionPlan({ACTOR_GEN: StagePlan(Layout(), ((4,), (5,))),
+                          ACTOR_TRAIN: StagePlan(tp2, ((3, 4), (5, 6), (7, 0), (1, 2))),
+                          REF_INFER: StagePlan(Layout(), ((4,), (5,), (6,), (7,))),
+                          CRITIC_TRAIN: StagePlan(tp2, ((1, 2), (7, 0), (3, 4), (5, 6)))})
 
 
 def _free_port() -> int:
@@ -107,7 +149,8 @@ def _launch(out: Path, n: int = 2, local: int = 4) -> list[tuple[int, str, str]]
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # not the suite's 8 devices per process
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), NEREUS_COORDINATOR=f"127.0.0.1:{port}",
-               NEREUS_NUM_PROCESSES=str(n), NEREUS_LOCAL_DEVICES=str(local))
+               NEREUS_NUM_PROCESSES=str(n), NEREUS_LOCAL_DEVICES=str(local),
+               NEREUS_TEST_TARGET=json.dumps(plan_to_json(crossing_plan(load_config(None, BASE)))))
     procs = [subprocess.Popen(["timeout", "-s", "KILL", str(TIMEOUT_S), sys.executable, "-c", CHILD, str(out), *BASE],
                               cwd=ROOT, env={**env, "NEREUS_PROCESS_ID": str(i),
                                              "NEREUS_TRANSFER_ADDRESS": f"127.0.0.1:{_free_port()}"},
@@ -187,6 +230,48 @@ def test_a_unit_moves_bit_for_bit_onto_a_device_of_the_other_process(two_process
     assert sent.files == got.files
     for f in sent.files:
         np.testing.assert_array_equal(got[f], sent[f])
+
+
+def test_ppo_job_with_a_transition_across_processes_matches_one_process(two_processes):
+    """3 PPO steps on 2 processes x 4 devices with a transition after step 0 (actor-gen moves onto the other
+    process's devices; actor-train and critic-train become tp=2 units spanning both processes) against the
+    same steps and transition in one process with 8 devices. The rollouts must be the same tokens; losses,
+    metrics and the final parameters the same up to the all-reduce order (gloo vs in-process): the bound
+    of the data-parallel test above."""
+    if jax.__version_info__ < (0, 12):
+        pytest.skip("jax < 0.12 (0.10.2 measured): a cross-process device_put on CPU never completes")
+    from nereus_jax.runtime.adapt import Adapter
+    from nereus_jax.runtime.plans import ACTOR_TRAIN, CRITIC_TRAIN
+
+    out, outs = two_processes
+    got = json.loads((out / "rl.json").read_text())
+    assert got["transitions"] == 1 and got["on_target"]
+    cfg = load_config(None, BASE)
+    sft = np.load(out / "sft.npz")
+    warm = jax.tree.unflatten(jax.tree.structure(abstract_params(cfg.model)), [sft[f"arr_{i}"]
+                                                                              for i in range(len(sft.files))])
+    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor_params=warm)
+    adapter = Adapter(job, log=lambda m: None)
+    target = crossing_plan(cfg)
+    metrics = None
+    for s, theirs in enumerate(got["steps"]):
+        if s == 1:
+            adapter.request(target)
+        adapter.boundary(s, metrics)
+        r = job.step(s)
+        metrics = r.metrics
+        assert r.batch.response_br.tolist() == theirs["tokens"], f"step {s}: other rollouts"
+        for k in RL_METRICS:
+            np.testing.assert_allclose(theirs[k], metrics[k], rtol=1e-5, atol=1e-7, err_msg=f"step {s} {k}")
+    assert adapter.transitions == 1 and job.plan == target
+    crossing = [r for ms in (ACTOR_TRAIN, CRITIC_TRAIN) for r in target[ms].replicas if min(r) < 4 <= max(r)]
+    assert len(crossing) == 4  # units with a device on each process
+    params = np.load(out / "rl_params.npz")
+    want = jax.tree.leaves(job.actor_host_params()) + jax.tree.leaves(job.units[CRITIC_TRAIN][0].to_host()["params"])
+    assert len(params.files) == len(want)
+    for i, w in enumerate(want):
+        np.testing.assert_allclose(params[f"arr_{i}"], w, rtol=0, atol=1e-5)
+    assert sum("ADAPT step 1: transition" in o for o in outs) == 2  # both processes moved at the same boundary
 
 
 def test_a_signal_to_one_process_stops_every_process_after_the_same_step(two_processes):
