@@ -33,7 +33,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--run-dir", help="run directory (default: logging.run_dir, else runs/<time>)")
     parser.add_argument("--check-sharding", action="store_true",
                         help="only check the sharded forward and gradient against one device, then exit")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # options anywhere among the overrides
     if args.config and "=" in args.config:  # only overrides were given
         args.overrides.insert(0, args.config)
         args.config = None

@@ -47,7 +47,7 @@ from nereus_jax.elastic.plan import DEVICE, ExecutionPlan, ModelStage, StagePlan
 from nereus_jax.models import abstract_params
 from nereus_jax.runtime.job import Job, JobError
 from nereus_jax.runtime.plans import job_stages, plan_from_config
-from nereus_jax.sharding import Layout, make_mesh
+from nereus_jax.sharding import Layout, device_index, make_mesh
 
 FORMAT = 1
 # model keys that may differ between the run that wrote a checkpoint and the run that resumes it
@@ -405,7 +405,8 @@ def resume_command(argv: Sequence[str], directory: str) -> str:
 
 
 class DeviceLost(RuntimeError):
-    """Devices (jax ids) that stopped working during a step; raised by the runtime (or a test)."""
+    """Devices (plan ids: positions in ``jax.devices()``) that stopped working during a step; raised by the
+    runtime (or a test)."""
 
     def __init__(self, device_ids: Sequence[int], message: str = ""):
         self.device_ids = tuple(sorted(int(d) for d in device_ids))
@@ -440,9 +441,9 @@ def recover_from_device_loss(job: Job, lost: Sequence[int], step: int, counts: M
     itself moves onto the surviving devices (a transition graph from the surviving units, run by the
     executor: no checkpoint read); otherwise a new Job there restores the last checkpoint."""
     lost = {int(d) for d in lost}
-    alive = [i for i, d in enumerate(job.devices) if d.id not in lost]
+    alive = [i for i, d in enumerate(job.devices) if device_index(d) not in lost]
     plan = plan_for_devices(job.cfg, alive, job.rows)
-    survivors = {ms: [u for u in units if not lost & {d.id for d in u.devices}] for ms, units in job.units.items()}
+    survivors = {ms: [u for u in units if not lost & set(u.device_ids)] for ms, units in job.units.items()}
     gone = sorted(str(ms) for ms, us in survivors.items() if not us)
     moved = [k for k, v in training_counts_of(survivors).items() if v != counts.get(k)] if not gone else []
     if not gone and not moved:  # the urgent path: a transition from what survived, device to device

@@ -393,7 +393,7 @@ class Job:
         self.units[ms] = split_replicas(new_leaves, mesh, ms, spec)
         if ms != ACTOR_TRAIN:  # the actor's state is read again by the weight sync
             self.park(ms)
-        return {k: float(v) for k, v in metrics.items()}
+        return {k: float(to_numpy(v)) for k, v in metrics.items()}  # several processes: a collective
 
     def _train_program(self, ms: ModelStage, spec: StateSpec, mesh):
         a, m = self.cfg.algorithm, self.cfg.model
