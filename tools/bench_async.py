@@ -105,9 +105,9 @@ def _time_rl_cpu() -> None:
     """Wraps run_job's RL loop so that the process CPU time of the RL phase lands in RL_CPU."""
     inner = run_mod.rl_steps
 
-    def timed(job, adapter, steps, first=0):
+    def timed(*args, **kwargs):  # run_job's arguments, whatever they are
         cpu, own = time.process_time(), time.thread_time()
-        yield from inner(job, adapter, steps, first)
+        yield from inner(*args, **kwargs)
         RL_CPU["seconds"], RL_CPU["thread"] = time.process_time() - cpu, time.thread_time() - own
 
     run_mod.rl_steps = timed
