@@ -49,22 +49,22 @@ Figures (medians over runs; seconds are wall seconds of the RL phase, ``rl_secon
 
 Reading it (this 2-core host is shared with other jobs; each line is one command, modes interleaved):
 
-- default flags, load average 9: speedup 0.80 (steady 0.80) against an ideal of 1.37 (steady 1.24);
-  machine_overlap 1.17, dispatch_overlap 1.10; the process got 0.76-0.83 of a core (``cores_used``).
-- ``--single-thread-devices``, load 9: speedup 1.03 (steady 0.95), ideal 1.36; machine_overlap 1.20; 0.63-0.67
-  of a core.
-- default flags while the host was quieter (load 0.3-4, machine_overlap 0.98-1.95 between runs): speedup 0.80
-  (steady 0.70); sync used 1.36 cores, async 1.00.
-- earlier, at load 9-14, 1.10 (steady 1.00): async then wins CPU share from other processes (two runnable threads),
-  not overlap.
+- ``--single-thread-devices`` on a quiet host (machine_overlap 1.90-2.05 before every run: two free cores):
+  speedup 1.02 (steady 0.90) against an ideal of 1.45 (steady 1.35); sync used 1.40 cores, async 1.54; the
+  job's own threads (Python + dispatch) took 52% of sync's wall time and 51% of async's (gil_bound_speedup 1.93).
+- the same flags at load average 9 (machine_overlap 1.20): 1.03 (steady 0.95); the process got 0.63-0.67 of a core.
+- default flags at load 9 (machine_overlap 1.17): 0.80 (steady 0.80); at load 4-7 with the cores mostly taken
+  (machine_overlap 0.99): 0.96; at load 0.3-4 (machine_overlap 0.98-1.95): 0.80 (steady 0.70).
+- earlier, at load 9-14, 1.10 (steady 1.00): async then wins CPU share from other processes (two runnable
+  threads), not overlap.
 
-Why not 1.15: generation is ~25% of a steady sync step (0.05 of 0.20 s), so perfect overlap gives ~1.24-1.32
-(the steady ideal) and 1.15 needs half of that on a second core, which the host rarely has free
-(machine_overlap 1.1-1.2 under its usual load). Python is not the limit: the job's threads spend 25-33% of the
-wall time in Python and dispatch (``gil_bound_speedup`` 3.0-3.7; per steady step ~34 ms on the generator thread
-and ~42 ms on the learner's against 200-400 ms steps), so fewer dispatches per token (a multi-token decode)
-would not lift the bound. Async costs CPU instead: generation runs 1.6-2.8x longer beside the learner
-(gen_work_s 5.2 -> 14.4 s), the learner ~1.25x, and the process spends more CPU seconds (18.3 vs 16.1).
+Why not 1.15: generation is ~25% of a steady sync step (0.05 of 0.20 s), so perfect overlap gives ~1.23-1.35 (the
+steady ideal) and 1.15 needs half of that. Under the host's usual load there is no second core to overlap into
+(machine_overlap ~1.0-1.2). With two free cores the limit is the GIL: half of every step is Python and dispatch
+(~34 ms on the generator thread and ~42 ms on the learner's per steady step), both threads' share of it runs one
+at a time, and generation, which hands the GIL back at every decode step, runs 2.5x longer beside the learner
+(gen_work_s 3.9 -> 9.9 s; the learner 7.3 -> 8.2 s). The next lever is fewer hand-offs per token (several decode
+steps per dispatch in the engine), which would cut the generator's share of the GIL; not built yet.
 """
 
 from __future__ import annotations
