@@ -60,9 +60,10 @@ Reading it (this 2-core host is shared with other jobs; each line is one command
 
 Why not 1.15: generation is ~25% of a steady sync step (0.05 of 0.20 s), so perfect overlap gives ~1.23-1.35 (the
 steady ideal) and 1.15 needs half of that. Under the host's usual load there is no second core to overlap into
-(machine_overlap ~1.0-1.2). With two free cores the limit is the GIL: half of every step is Python and dispatch
-(~34 ms on the generator thread and ~42 ms on the learner's per steady step), both threads' share of it runs one
-at a time, and generation, which hands the GIL back at every decode step, runs 2.5x longer beside the learner
+(machine_overlap ~1.0-1.2). With two free cores the limit is the GIL: Python and dispatch are half the RL phase
+(start-up tracing included; ~34 ms on the generator thread and ~42 ms on the learner's in a ~0.2 s steady step),
+both threads' share of it runs one at a time, and generation, which hands the GIL back at every decode step,
+runs 2.5x longer beside the learner
 (gen_work_s 3.9 -> 9.9 s; the learner 7.3 -> 8.2 s). The next lever is fewer hand-offs per token (several decode
 steps per dispatch in the engine), which would cut the generator's share of the GIL; not built yet.
 """
