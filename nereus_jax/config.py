@@ -153,6 +153,9 @@ class PoolChange(_Node):
     join: tuple[int, ...] = ()
     notice: int = _field(0, "steps before `step` that a leave is announced (a preemption notice): the "
                             "controller plans and compiles the move off the leaving devices meanwhile")
+    fail: tuple[int, ...] = _field((), "devices that fail abruptly during `step` (fault injection, after "
+                                       "generation): the job recovers from the surviving units, else from the "
+                                       "last checkpoint")
 
 
 @dataclass(frozen=True)
@@ -419,7 +422,7 @@ def _check_schedule(schedule: Sequence[PoolChange], num_devices: int) -> None:
         require(0 <= change.notice <= change.step,
                 f"{key}.notice ({change.notice}) must be in [0, step={change.step}]: a leave is announced "
                 "at most `step` steps ahead")
-        for kind in ("leave", "join"):
+        for kind in ("leave", "join", "fail"):
             for device in getattr(change, kind):
                 require(
                     0 <= device < num_devices,

@@ -203,7 +203,7 @@ def test_to_dict_round_trips_through_config_from_dict_and_yaml():
         ],
     )
     plain = config.to_dict()
-    assert plain["cluster"]["schedule"] == [{"step": 2, "leave": [6, 7], "join": [], "notice": 0}]
+    assert plain["cluster"]["schedule"] == [{"step": 2, "leave": [6, 7], "join": [], "notice": 0, "fail": []}]
     assert config_from_dict(plain) == config
     assert config_from_dict(yaml.safe_load(yaml.safe_dump(plain))) == config
 

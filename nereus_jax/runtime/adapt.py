@@ -145,7 +145,8 @@ class Adapter:
         achieved = statistics.median(self._priced_s) if len(self._priced_s) >= 3 and not compiled else None
         obs = Observation(step, self.job.plan, self._planning_pool(step),
                           metrics["response_length_mean"] if metrics else (self._ref_length() or 1.0), achieved,
-                          self.peak_bytes(self.job.plan), self.memory_cap_bytes)
+                          self.peak_bytes(self.job.plan), self.memory_cap_bytes,
+                          steps_left=max(1, self.job.cfg.trainer.steps - step))
         decision = self.controller.observe(obs)
         if decision is not None:
             self._log_decision(decision)
@@ -177,6 +178,19 @@ class Adapter:
         self.pending = _Pending(decision, target, self._pool_ex.submit(self.job.prepare, target),
                                 time.perf_counter(), -1, steady, wait=wait)
         self.log(f"transition requested ({reason}) -> {_short(target)}")
+
+    def lose(self, devices, job: Job) -> None:
+        """After a device loss the job recovered from (``job``: the same one moved onto the survivors, or
+        one restored from a checkpoint): the devices leave the pool for good, a pending move is dropped
+        (it may target them), and the next step's programs compile (its time is not a step's)."""
+        if self.pending is not None:
+            self.pending.future.cancel()
+            self.pending = None
+        self.job = job
+        self.pool = tuple(d for d in self.pool if d not in set(devices))
+        self.controller.devices = self.pool  # the recovery already re-planned for this pool
+        self._compiled_last_step = True
+        self._priced_s.clear()
 
     def close(self) -> None:
         """Stops taking work; a compile still running finishes in the background (its result is unused)."""
@@ -375,20 +389,13 @@ class Adapter:
             self.log(f"    rejected {_short(plan)}: {why}")
 
     def state_dict(self) -> dict[str, Any]:
-        """The controller's state, for checkpoints: references, horizons, pool, calibration."""
-        c = self.controller
-        return {"reference_length": c.reference_length, "devices": list(c.devices or ()),
-                "horizon": dict(c.horizon), "last_crossing": dict(c._last_crossing),
-                "seen_twice": sorted(c._seen_twice), "pool": list(self.pool), "efficiency": self.cost.efficiency,
+        """For checkpoints: the controller's state (references, horizons, pool, efficiency window) and the
+        adapter's (pool, calibrated efficiencies, compile time, transitions)."""
+        return {**self.controller.state_dict(), "pool": list(self.pool), "efficiency": self.cost.efficiency,
                 "compile_s": self._compile_s, "transitions": self.transitions}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
-        c = self.controller
-        c.reference_length = d["reference_length"]
-        c.devices = tuple(d["devices"]) or None
-        c.horizon.update(d["horizon"])
-        c._last_crossing.update({k: int(v) for k, v in d["last_crossing"].items()})
-        c._seen_twice = set(d["seen_twice"])
+        self.controller.load_state_dict(d)
         self.pool = tuple(d["pool"])
         self.cost = CostModel(self.cost.hardware, d["efficiency"])
         self.planner.cost_model = self.cost

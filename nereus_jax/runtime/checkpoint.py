@@ -45,9 +45,9 @@ from nereus_jax.elastic.executor import TransitionExecutor
 from nereus_jax.elastic.graph import TransitionGraph
 from nereus_jax.elastic.plan import DEVICE, ExecutionPlan, ModelStage, StagePlan
 from nereus_jax.models import abstract_params
-from nereus_jax.runtime.job import Job, JobError
+from nereus_jax.runtime.job import DeviceLost, Job, JobError  # noqa: F401 - DeviceLost re-exported
 from nereus_jax.runtime.plans import job_stages, plan_from_config
-from nereus_jax.sharding import Layout, device_index, make_mesh
+from nereus_jax.sharding import Layout, device_index, make_mesh, to_numpy
 
 FORMAT = 1
 # model keys that may differ between the run that wrote a checkpoint and the run that resumes it
@@ -404,15 +404,6 @@ def resume_command(argv: Sequence[str], directory: str) -> str:
     return " ".join(["python -m nereus_jax.train", *kept, f"checkpoint.resume_from={directory}"])
 
 
-class DeviceLost(RuntimeError):
-    """Devices (plan ids: positions in ``jax.devices()``) that stopped working during a step; raised by the
-    runtime (or a test)."""
-
-    def __init__(self, device_ids: Sequence[int], message: str = ""):
-        self.device_ids = tuple(sorted(int(d) for d in device_ids))
-        super().__init__(message or f"devices {list(self.device_ids)} were lost")
-
-
 @dataclasses.dataclass
 class Recovery:
     """How a job came back from a device loss: ``how`` is "survivors" (re-planned from the units left on
@@ -472,7 +463,7 @@ def training_counts_of(units: Mapping[ModelStage, Sequence[EMU]]) -> dict[str, A
                 out[str(ms)] = "deleted"
                 continue
             ints = [x for x in leaves[us[0].spec.n_params:] if x.ndim == 0 and x.dtype.kind in "iu"]
-            out[str(ms)] = tuple(int(np.asarray(x)) for x in ints)
+            out[str(ms)] = tuple(int(to_numpy(x)) for x in ints)  # several processes: a collective
     return out
 
 

@@ -27,11 +27,13 @@ from nereus_jax.runtime.checkpoint import (
     GracefulStop,
     checkpoint_dir,
     load_controller,
+    recover_from_device_loss,
     restore_job,
     stop_agreed,
+    training_counts,
 )
 from nereus_jax.runtime.distributed import is_primary
-from nereus_jax.runtime.job import Job, JobError, StepResult
+from nereus_jax.runtime.job import DeviceLost, Job, JobError, StepResult
 from nereus_jax.runtime.report import RunReport
 from nereus_jax.runtime.warmstart import SFT_INDEX_OFFSET, cached_warm_start, run_sft
 from nereus_jax.sharding import Layout, make_mesh, shard_params
@@ -94,7 +96,8 @@ def run_job(cfg: Config, run_dir: str, *, started: float | None = None) -> dict:
     rl_start, tokens, step_s, stopped = time.perf_counter(), 0, 0.0, None
     with GracefulStop() as stop:
         try:
-            for result in rl_steps(job, adapter, cfg.trainer.steps, first=first):
+            for result in rl_steps(job, adapter, cfg.trainer.steps, first=first, checkpointer=ckpt):
+                job = adapter.job  # a device loss restored from a checkpoint replaces the job
                 metrics = result.metrics
                 tokens, step_s = tokens + metrics["response_tokens"], step_s + metrics["step_seconds"]
                 report.step(metrics)
@@ -104,6 +107,7 @@ def run_job(cfg: Config, run_dir: str, *, started: float | None = None) -> dict:
         finally:
             adapter.close()
             ckpt.close()
+    job = adapter.job
     rl_s = time.perf_counter() - rl_start
     if stopped is not None:
         return _stopped(cfg, job, report, ckpt.directory, stopped, started)
@@ -161,21 +165,45 @@ def _stopped(cfg: Config, job: Job, report: RunReport, directory: str, stopped, 
     return summary
 
 
-def rl_steps(job: Job, adapter: Adapter, steps: int, first: int = 0) -> Iterator[StepResult]:
+def rl_steps(job: Job, adapter: Adapter, steps: int, first: int = 0,
+             checkpointer: Checkpointer | None = None) -> Iterator[StepResult]:
     """The learner's updates in order: sync steps with the controller asked at every boundary, or (
-    ``trainer.mode=async``) the asynchronous runner, which asks it at weight syncs."""
+    ``trainer.mode=async``) the asynchronous runner, which asks it at weight syncs.
+
+    Sync mode survives devices lost during a step (:class:`DeviceLost`; ``cluster.schedule`` ``fail``
+    injects one): the job moves onto the surviving units when every model-stage kept a complete copy of
+    its state as of the step's start, otherwise it is restored from ``checkpointer``'s last checkpoint
+    (a save still being written is waited for: it holds the state as of this step's start); the step (or
+    the steps since the checkpoint) is redone. ``adapter.job`` is the job
+    that runs from then on."""
     if job.cfg.trainer.mode == "async":
         yield from AsyncRunner(job, adapter, log=adapter.log).run(steps, first=first)
         return
-    metrics = None
-    for step in range(first, steps):
+    faults = {c.step: c.fail for c in job.cfg.cluster.schedule if c.fail}
+    metrics, step = None, first
+    while step < steps:
         t = time.perf_counter()
         adapter.boundary(step, metrics)
         boundary_s = time.perf_counter() - t
-        result = job.step(step)
+        counts = training_counts(job)
+        if step in faults:
+            job.inject_device_loss(faults.pop(step))  # once: the redone step does not fail again
+        try:
+            result = job.step(step)
+        except DeviceLost as lost:
+            adapter.log(f"step {step}: {lost}")
+            if checkpointer is not None:
+                checkpointer.wait()
+            rec = recover_from_device_loss(job, lost.device_ids, step, counts,
+                                           checkpointer.directory if checkpointer is not None else None)
+            adapter.log(f"step {step}: {rec.describe()}")
+            adapter.lose(lost.device_ids, rec.job)
+            job, metrics, step = rec.job, None, rec.next_step
+            continue
         result.metrics["boundary_seconds"] = boundary_s
         metrics = result.metrics
         yield result
+        step += 1
 
 
 def _warm_start(cfg: Config, task, tok, cache_dir: str, report: RunReport):

@@ -118,7 +118,7 @@ def test_a_predicted_memory_violation_is_an_urgent_trigger_toward_a_plan_that_fi
                 metrics = job.step(s).metrics
         assert adapter.peak_bytes(job.plan) > adapter.memory_cap_bytes
         decision = next(e for e in adapter.events if e["event"] == "decision")
-        assert decision["trigger"] == "memory" and decision["urgent"] and decision["admitted"]
+        assert decision["trigger"] == "memory" and decision["urgent"] and decision["admitted"], decision
         assert adapter.peak_bytes(adapter.pending.target) <= adapter.memory_cap_bytes
     finally:
         adapter.close()

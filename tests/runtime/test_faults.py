@@ -150,20 +150,61 @@ def test_device_loss_after_a_partial_update_restores_the_checkpoint(tmp_path, wa
         assert {k: a.metrics[k] for k in KEYS} == {k: b.metrics[k] for k in KEYS}
 
 
-# ------------------------------------------------------------------------------------------ SIGTERM
-def test_run_stopped_by_sigterm_and_resumed_logs_the_metrics_of_the_straight_run(tmp_path, warm, jax_cache,
-                                                                                monkeypatch):
-    """run_job end to end, in this process: 4 steps straight vs SIGTERM during step 1 (the step finishes
-    and is saved), then the same run with checkpoint.resume_from. The resumed run logs steps 2 and 3
-    exactly as the straight run does (same plan: the controller is off, since its timing-driven choices
-    differ between any two runs)."""
+def _logged(run_dir) -> list[dict]:
+    return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """run_job, 4 steps, in this process (the controller is off: its timing-driven choices differ between
+    any two runs). Returns (the args, its logged metrics)."""
+    from nereus_jax.runtime.run import run_job
+
+    tmp = tmp_path_factory.mktemp("straight")
+    args = BASE + ["trainer.steps=4", "trainer.warmup_sft_steps=150", "trainer.sft_control=false",
+                   "controller.enabled=false", f"logging.cache_dir={tmp / 'warm-cache'}"]
+    summary = run_job(load_config(None, args), str(tmp / "a"))
+    assert "stopped_by" not in summary
+    return args, _logged(tmp / "a")
+
+
+@pytest.mark.parametrize("fail, how", [((6, 7), "the surviving units"), ((0, 1), "checkpoint")])
+def test_run_job_survives_devices_failing_mid_step(tmp_path, straight, monkeypatch, fail, how):
+    """run_job with ``cluster.schedule`` failing devices during step 2 (after its generation): losing 6 and
+    7 leaves a replica of every model-stage, so the job moves onto the survivors; losing 0 and 1 takes
+    every actor-gen replica, so it restores the checkpoint written after step 1. Either way steps 2 and 3
+    are logged once each, on 4 devices without the failed ones, and match the straight 8-device run up to
+    the reduction order (dp 4 vs 8: the cross-plan bound of test_checkpoint.py)."""
+    import re
+
     from nereus_jax.runtime import report as report_mod
     from nereus_jax.runtime.run import run_job
 
-    args = BASE + ["trainer.steps=4", "trainer.warmup_sft_steps=150", "trainer.sft_control=false",
-                   "controller.enabled=false", f"logging.cache_dir={tmp_path.parent / 'warm-cache'}"]
-    straight = run_job(load_config(None, args), str(tmp_path / "a"))
-    assert "stopped_by" not in straight
+    args, want = straight
+    lines: list[str] = []
+    log = report_mod.RunReport.log
+    monkeypatch.setattr(report_mod.RunReport, "log", lambda self, m: (lines.append(m), log(self, m))[-1])
+    args = args + [f"cluster.schedule=[{{step: 2, fail: [{fail[0]}, {fail[1]}]}}]", "checkpoint.every_steps=1"]
+    summary = run_job(load_config(None, args), str(tmp_path / "run"))
+    got = _logged(tmp_path / "run")
+    assert [m["step"] for m in got] == [0, 1, 2, 3]
+    assert any(f"recovered from {how}" in m for m in lines), lines
+    used = {int(d) for group in re.findall(r"\[([\d, ]+)\]", summary["plan"]) for d in group.split(",")}
+    assert len(used) == 4 and not used & set(fail), summary["plan"]
+    for a, b in zip(want, got, strict=True):
+        for k in KEYS:
+            np.testing.assert_allclose(b[k], a[k], rtol=1e-4, atol=1e-6, err_msg=f"step {a['step']} {k}")
+
+
+# ------------------------------------------------------------------------------------------ SIGTERM
+def test_run_stopped_by_sigterm_and_resumed_logs_the_metrics_of_the_straight_run(tmp_path, straight, monkeypatch):
+    """run_job end to end, in this process: the straight 4 steps vs SIGTERM during step 1 (the step
+    finishes and is saved), then the same run with checkpoint.resume_from. The resumed run logs steps 2
+    and 3 exactly as the straight run does (same plan)."""
+    from nereus_jax.runtime import report as report_mod
+    from nereus_jax.runtime.run import run_job
+
+    args, a = straight
 
     step = report_mod.RunReport.step
 
@@ -181,10 +222,7 @@ def test_run_stopped_by_sigterm_and_resumed_logs_the_metrics_of_the_straight_run
     resumed = run_job(load_config(None, args + [f"checkpoint.resume_from={ckdir}"]), str(tmp_path / "b"))
     assert "stopped_by" not in resumed
 
-    def logged(run):
-        return [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-
-    a, b = logged("a"), logged("b")
+    b = _logged(tmp_path / "b")
     assert [m["step"] for m in b] == [0, 1, 2, 3]
     for ma, mb in zip(a, b, strict=True):
         assert {k: ma[k] for k in KEYS} == {k: mb[k] for k in KEYS}, ma["step"]
