@@ -50,7 +50,7 @@ from nereus_jax.elastic.compile import align_ranks
 from nereus_jax.elastic.controller import Candidate, Controller, Decision, Observation
 from nereus_jax.elastic.costs import CostModel, Measurement, StageChoice, device_peak_bytes, link_bandwidth
 from nereus_jax.elastic.executor import TransitionExecutor
-from nereus_jax.elastic.graph import TransitionGraph
+from nereus_jax.elastic.graph import TransitionGraph, transition_seconds
 from nereus_jax.elastic.hardware import get_hardware
 from nereus_jax.elastic.plan import ExecutionPlan, ModelStage
 from nereus_jax.elastic.planner import InfeasiblePlanError, Planner
@@ -243,12 +243,13 @@ class Adapter:
                  "compile_hidden": not waited, "steps_during_compile": len(overlapped),
                  "step_slowdown_during_compile": slowdown,
                  "predicted_transition_s": pending.decision.transition_s,
-                 "predicted_movement_s": graph.makespan_s, "plan": _short(pending.target)}
+                 "predicted_movement_s": self._movement_s(graph), "plan": _short(pending.target)}
         self.events.append(event)
         fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
         self.log(f"step {step}: transition -> {event['plan']}: pause {event['pause_s']:.3g} s = data movement "
-                 f"{event['movement_s']:.3g} s (predicted {graph.makespan_s:.3g}) + switch {event['switch_s']:.3g} s"
-                 f" + waiting for compile {event['wait_for_compile_s']:.3g} s; compile {prepared.seconds:.1f} s "
+                 f"{event['movement_s']:.3g} s (predicted {event['predicted_movement_s']:.3g}) + switch "
+                 f"{event['switch_s']:.3g} s + waiting for compile {event['wait_for_compile_s']:.3g} s; compile "
+                 f"{prepared.seconds:.1f} s "
                  f"{'hidden behind ' + str(len(overlapped)) + ' steps' if not waited else 'NOT hidden'} "
                  f"(those steps ran {fmt(slowdown)}x the steady step time)")
 
@@ -338,19 +339,33 @@ class Adapter:
         return max(device_peak_bytes(ms) for ms in per_device.values())
 
     def _candidates(self, obs: Observation) -> list[Candidate]:
+        """The planner's plans (best and runners-up) mapped onto the job's model-stages, plus the configured
+        layouts on the pool, that fit the job-level memory check, fastest first. The job runs actor- and
+        critic-infer on the training units, so a plan the planner thought fits may not: when none fits, the
+        planner is asked again for more runners-up, then with a little more headroom."""
+        out: dict[ExecutionPlan, float] = {}
+        headroom = self.planner.headroom
+        for attempt, (extra, runners_up) in enumerate(((0.0, None), (0.0, 16), (0.05, 16), (0.1, 16))):
+            self._add_candidates(obs, out, min(0.9, headroom + extra), runners_up, configured=attempt == 0)
+            if out:
+                break
+        return [Candidate(p, lat) for p, lat in sorted(out.items(), key=lambda kv: kv[1])]
+
+    def _add_candidates(self, obs: Observation, out: dict, headroom: float, runners_up: int | None,
+                        configured: bool) -> None:
         workload = self._workload or Workload.from_config(self.job.cfg)
         skip = [s for s in ("reward-infer",) if ModelStage("reward", "infer") not in self.job.plan]
+        planner = self.planner if runners_up is None else Planner(self.cost, headroom=headroom, runners_up=runners_up)
         try:
-            result = self.planner.plan(self.job.cfg.model, self.job.cfg.algorithm.name, workload, obs.devices,
-                                       skip=skip)
+            result = planner.plan(self.job.cfg.model, self.job.cfg.algorithm.name, workload, obs.devices, skip=skip)
         except InfeasiblePlanError as e:
             self.log(f"step {obs.step}: the planner found no plan for {len(obs.devices)} devices: {e}")
             result = None
         plans = [ExecutionPlan({ms: r.plan[ms] for ms in self.job.plan})
                  for r in ((result, *result.runners_up) if result is not None else ())]
-        with contextlib.suppress(ConfigError):  # the configured layouts on the devices present: a candidate
-            plans.append(plan_from_config(self.job.cfg, device_ids=list(obs.devices)))
-        out = {}
+        if configured:
+            with contextlib.suppress(ConfigError):  # the configured layouts on the devices present: a candidate
+                plans.append(plan_from_config(self.job.cfg, device_ids=list(obs.devices)))
         for plan in plans:
             if any(self.job.rows % plan[ms].dp for ms in plan if ms.kind != "gen"):
                 continue
@@ -365,7 +380,6 @@ class Adapter:
             latency = self._latency(plan)
             if latency is not None and plan not in out:
                 out[plan] = latency
-        return [Candidate(p, lat) for p, lat in sorted(out.items(), key=lambda kv: kv[1])]
 
     def _transition_seconds(self, old: ExecutionPlan, new: ExecutionPlan) -> float | None:
         try:
@@ -373,7 +387,13 @@ class Adapter:
         except ValueError:
             return None
         compile_s = self._compile_s or 0.0
-        return graph.makespan_s + (compile_s if self.cost.hardware.shared_compute else 0.0)
+        return self._movement_s(graph) + (compile_s if self.cost.hardware.shared_compute else 0.0)
+
+    def _movement_s(self, graph: TransitionGraph) -> float:
+        """The graph's predicted data movement: its critical path priced by the calibrated cost model's
+        link times (the simulator prices its moves with the same function)."""
+        return transition_seconds(graph, lambda link, n: self.cost.transfer_seconds(n, link),
+                                  self.cost.hardware.devices_per_node)
 
     # ------------------------------------------------------------------------------------ log
     def _log_decision(self, d: Decision) -> None:

@@ -66,8 +66,14 @@ def async_comparison(policies: Mapping[str, Mapping[str, Any]]) -> dict[str, flo
     if "async_nereus" not in policies:
         return {}
     ours = policies["async_nereus"]["mean_step_s"]
-    return {f"async_nereus_reduction_vs_{name}": 1.0 - ours / policies[name]["mean_step_s"]
-            for name in ("async_fixed", "nereus", "fixed") if name in policies}
+    out = {f"async_nereus_reduction_vs_{name}": 1.0 - ours / policies[name]["mean_step_s"]
+           for name in ("async_fixed", "nereus", "fixed") if name in policies}
+    if "async_oracle" in policies:
+        out["async_nereus_over_async_oracle"] = ours / policies["async_oracle"]["mean_step_s"] - 1.0
+        if "async_fixed" in policies:
+            out["async_oracle_reduction_vs_async_fixed"] = (
+                1.0 - policies["async_oracle"]["mean_step_s"] / policies["async_fixed"]["mean_step_s"])
+    return out
 
 
 def table(sim: Simulation, runs: Mapping[str, PolicyRun]) -> str:

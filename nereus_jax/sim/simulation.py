@@ -46,7 +46,7 @@ from nereus_jax.elastic.graph import TransitionGraph, transition_seconds
 from nereus_jax.elastic.hardware import get_hardware
 from nereus_jax.elastic.planner import phases_for
 from nereus_jax.elastic.workload import LengthStats, Workload
-from nereus_jax.sim.asynchronous import ASYNC_POLICIES, AsyncPlanningModel, interval_seconds
+from nereus_jax.sim.asynchronous import ASYNC_POLICIES, AsyncPlanningModel, async_oracle, interval_seconds
 from nereus_jax.sim.model import Layouts, PlanningModel, SharedCaches, plan_peak_memory
 from nereus_jax.sim.plans import SimPlan, changed_stages, state_specs
 from nereus_jax.sim.trace import Trace
@@ -221,10 +221,12 @@ class Simulation:
         for name in policies:
             if name == "fixed_best":
                 runs[name] = self._fixed_best(oracle_picks, runs.get("fixed"))
-            elif name != "oracle":
+            elif name not in ("oracle", "async_oracle"):
                 runs[name] = self.run_policy(name)
         if "oracle" in policies:
             runs["oracle"] = self._oracle(oracle_picks, list(runs.values()))
+        if "async_oracle" in policies:  # a lower bound of every run above (their plans are its candidates)
+            runs["async_oracle"] = async_oracle(self, list(runs.values()))
         return {p: runs[p] for p in policies}
 
     def controller(self, name: str, model: PlanningModel) -> Controller:
@@ -390,8 +392,8 @@ def true_transition_seconds(truth: GroundTruth, graph: TransitionGraph) -> float
 
 
 def _check_policy(name: str) -> None:
-    if name not in POLICIES + ASYNC_POLICIES and not re.fullmatch(r"every_\d+", name):
-        raise PolicyError(f"unknown policy '{name}'; valid: {', '.join(POLICIES + ASYNC_POLICIES)} "
+    if name not in POLICIES + ASYNC_POLICIES + ("async_oracle",) and not re.fullmatch(r"every_\d+", name):
+        raise PolicyError(f"unknown policy '{name}'; valid: {', '.join(POLICIES + ASYNC_POLICIES)}, async_oracle "
                           "(every_K for any K)")
 
 
