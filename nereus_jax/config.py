@@ -229,6 +229,9 @@ class RolloutConfig(_Node):
     top_k: int = _field(0, "0 = off")
     top_p: float = _field(1.0, "1.0 = off")
     max_concurrent_decodes: int = _field(32, "decode slots per engine replica")
+    decode_steps_per_call: int = _field(
+        1, "decode steps per engine call (one dispatch per k tokens; same tokens as 1, but slots refill and "
+        "weight swaps land only between calls)")
     seed: int = 0
     partial: Literal["finish", "resume"] = _field(
         "finish", "async: a weight sync landing while responses are generating: 'finish' them with the old "
@@ -243,6 +246,7 @@ class RolloutConfig(_Node):
             "max_response_length",
             "samples_per_prompt",
             "max_concurrent_decodes",
+            "decode_steps_per_call",
         )
         _check_at_least("rollout", self, 0, "temperature", "top_k")
         require(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")

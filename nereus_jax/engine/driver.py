@@ -12,6 +12,13 @@ the version of the parameters that produced it.
     out = gen.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=128, n=8, seed=0))
     out.tokens[row, :out.lengths[row]]          # row = prompt * n + sample
 
+With the engine's ``decode_steps_per_call=k > 1`` each engine call runs k decode steps (one dispatch per k
+tokens); the driver consumes them in order, honouring stop tokens and token limits as with k=1 (a row's
+tokens after its end are discarded on the device already), and refills slots after the call. The tokens,
+log-probabilities and lengths are those of k=1 (sampling keys are per request and token index, never per
+slot or step), but refills, parameter swaps and ``on_step`` happen only between calls: a swap lands up to
+k-1 steps later than with k=1, so ``param_versions`` match k=1 only when no swap happens mid-generation.
+
 ``refill="static"`` refills only when every slot is done (the classic static batch, for comparison);
 ``forced_lengths`` makes each prompt's samples generate exactly that many tokens (stop tokens ignored).
 """
@@ -45,7 +52,7 @@ class Rollouts:
     param_versions: np.ndarray  # [rows, max_new_tokens] int32 version of the params behind each token; -1 after
     prompt_index: np.ndarray  # [rows]
     sample_index: np.ndarray  # [rows]
-    stats: dict[str, Any]  # decode_steps, prefill_calls, prefill_rows, tokens, seconds, slot_occupancy
+    stats: dict[str, Any]  # decode_steps, decode_calls (k > 1), prefill_calls, prefill_rows, tokens, seconds, ...
 
     @property
     def num_rows(self) -> int:
@@ -74,7 +81,8 @@ class Generator:
                  on_step: Callable[[Generator, int], None] | None = None,
                  prompt_ids: Sequence[int] | None = None) -> Rollouts:
         """Generates ``sampling.n`` responses for every prompt (token-id sequences). ``on_step(self, step)``
-        runs after every decode step (a test hook, e.g. to swap parameters at a known step).
+        runs after every engine call with the decode steps so far (a test hook, e.g. to swap parameters at
+        a known step; with ``decode_steps_per_call=k`` it runs every k steps).
         ``prompt_ids`` (default 0..len-1) are the prompts' identities in the random stream: a job that
         splits one batch over several generators passes global ids, so the split never changes samples."""
         if refill not in ("continuous", "static"):
@@ -142,11 +150,26 @@ class _Run:
             if not np.any(self.slot_row >= 0):
                 assert not self.waiting and not self.ready
                 return
-            self.gen._state, result = self.engine.generate(self.gen._params, self.gen._state)
-            self._record(*jax.device_get((result.tokens, result.logprobs, result.valid, result.done)))
-            self.stats["decode_steps"] += 1
+            if self.engine.decode_steps_per_call > 1:
+                self._decode_chunk()
+            else:
+                self.gen._state, result = self.engine.generate(self.gen._params, self.gen._state)
+                self._record(*jax.device_get((result.tokens, result.logprobs, result.valid, result.done)))
+                self.stats["decode_steps"] += 1
             if on_step is not None:
                 on_step(self.gen, self.stats["decode_steps"])
+
+    def _decode_chunk(self) -> None:
+        """One ``generate_steps`` call: its k steps recorded in order until no slot is live."""
+        self.gen._state, result = self.engine.generate_steps(self.gen._params, self.gen._state)
+        chunk = jax.device_get((result.tokens, result.logprobs, result.valid, result.done))
+        for step in zip(*chunk, strict=True):
+            if not np.any(self.slot_row >= 0):
+                assert not np.any(step[2]), "the device ran a step after every slot had finished"
+                break
+            self._record(*step)
+            self.stats["decode_steps"] += 1
+        self.stats["decode_calls"] += 1
 
     def result(self, seconds: float) -> Rollouts:
         n = self.sampling.n

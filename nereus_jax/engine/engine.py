@@ -8,6 +8,12 @@ slot, ``generate`` one token for every live slot per call. The decode state hold
 length, so slots finish and refill independently. Slots stop by themselves at their request's token
 limit or a stop token (``ResultTokens.done``).
 
+``decode_steps_per_call=k`` (default 1) adds :meth:`JaxEngine.generate_steps`: k decode steps in one jitted
+call (a ``while_loop`` over the single step, stopping early once no slot is live), tokens ``[k, slots]``. The
+host dispatches once per k tokens instead of once per token; a slot that finishes inside the call stays
+empty until the call returns. Sampling keys depend on the request and the token's index only, so the tokens
+are the same as k calls of ``generate``.
+
 Extensions a JetStream engine lacks, all keyword arguments with defaults: ``prefill`` takes a batch of
 prompts, per-row :class:`~nereus_jax.engine.sampling.Requests` and ``num_samples`` (n samples of a
 prompt share one prefill and get n first tokens); ``insert`` takes which ``row`` and ``sample`` of the
@@ -131,7 +137,8 @@ class JaxEngine:
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh | None = None, *, max_concurrent_decodes: int = 32,
                  max_prefill_length: int = 128, max_target_length: int | None = None,
-                 max_prefill_batch: int = 8, max_stop_tokens: int = 4, tokenizer: Any = None):
+                 max_prefill_batch: int = 8, max_stop_tokens: int = 4, tokenizer: Any = None,
+                 decode_steps_per_call: int = 1):
         self.cfg = cfg
         self._mesh = mesh if mesh is not None else make_mesh(jax.devices()[:1], Layout())
         self.layout = _layout_of(self._mesh)
@@ -143,6 +150,7 @@ class JaxEngine:
                               f"({self._max_prefill})")
         self.max_prefill_batch = _positive("max_prefill_batch", max_prefill_batch)
         self.max_stop_tokens = _positive("max_stop_tokens", max_stop_tokens)
+        self.decode_steps_per_call = _positive("decode_steps_per_call", decode_steps_per_call)
         self.kv_heads = cfg.num_kv_heads * kv_repeat(cfg, self.layout)
         self.dtype = jnp.dtype(cfg.compute_dtype)
         self.prefill_lengths = _buckets(self._max_prefill)
@@ -241,6 +249,13 @@ class JaxEngine:
         donated: use only the returned state. Parameters may change between calls (a swap keeps slots)."""
         return self._generate(params, decode_state)
 
+    def generate_steps(self, params: Params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
+        """``decode_steps_per_call`` decode steps in one call: results ``[k, slots]``, step j of slot s at
+        ``[j, s]``. A slot that finishes stays inactive (``valid=False``) for the rest of the call; the call
+        stops early once no slot is live (the steps not run are all ``valid=False``). ``decode_state`` is
+        donated; the parameters are the same for all k steps."""
+        return self._generate_steps(params, decode_state)
+
     # ------------------------------------------------------------------------------------ programs
     def _build_programs(self) -> None:
         mesh, cfg = self._mesh, self.cfg
@@ -262,6 +277,8 @@ class JaxEngine:
         self._insert = jax.jit(self._traced("insert", self._insert_impl), donate_argnums=1, out_shardings=state_sh)
         self._generate = jax.jit(self._traced("generate", self._generate_impl), donate_argnums=1,
                                  out_shardings=(state_sh, result_sh))
+        self._generate_steps = jax.jit(self._traced("generate_steps", self._generate_steps_impl), donate_argnums=1,
+                                       out_shardings=(state_sh, result_sh))
 
     def _traced(self, name: str, fn):
         """``fn`` counting its traces in ``self.traces[name]`` and tracing under the "gen" activation rules."""
@@ -331,6 +348,23 @@ class JaxEngine:
         new = DecodeState(caches, jnp.where(active, tokens, state.tokens), state.lengths + active, steps,
                           active & ~done, state.requests)
         return new, ResultTokens(tokens, logprobs, active, steps, done)
+
+    def _generate_steps_impl(self, params, state):
+        k, s = self.decode_steps_per_call, self._slots
+        zeros = lambda dtype: jnp.zeros((k, s), dtype)  # noqa: E731
+        empty = ResultTokens(zeros(jnp.int32), zeros(jnp.float32), zeros(bool), zeros(jnp.int32), zeros(bool))
+
+        def more(carry):
+            i, state, _ = carry
+            return (i < k) & jnp.any(state.active)
+
+        def step(carry):
+            i, state, out = carry
+            state, result = self._generate_impl(params, state)
+            return i + 1, state, jax.tree.map(lambda buf, x: buf.at[i].set(x), out, result)
+
+        _, state, out = jax.lax.while_loop(more, step, (jnp.int32(0), state, empty))
+        return state, out
 
     # ------------------------------------------------------------------------------------ checking
     def _check_prompts(self, padded_tokens, true_length) -> tuple[np.ndarray, np.ndarray]:

@@ -139,6 +139,7 @@ class Job:
         cfg = self.cfg
         return JaxEngine(cfg.model, mesh, max_concurrent_decodes=max(1, cfg.rollout.max_concurrent_decodes),
                          max_prefill_length=self.P, max_target_length=self.P + self.R,
+                         decode_steps_per_call=cfg.rollout.decode_steps_per_call,
                          max_prefill_batch=min(16, max(1, cfg.trainer.prompts_per_step)))
 
     # ------------------------------------------------------------------------------ plan changes
