@@ -45,7 +45,7 @@ from typing import Any
 
 import jax
 
-from nereus_jax.config import ConfigError
+from nereus_jax.config import ConfigError, StageLayoutConfig
 from nereus_jax.elastic.compile import align_ranks
 from nereus_jax.elastic.controller import Candidate, Controller, Decision, Observation
 from nereus_jax.elastic.costs import CostModel, Measurement, StageChoice, device_peak_bytes, link_bandwidth
@@ -342,13 +342,16 @@ class Adapter:
         """The planner's plans (best and runners-up) mapped onto the job's model-stages, plus the configured
         layouts on the pool, that fit the job-level memory check, fastest first. The job runs actor- and
         critic-infer on the training units, so a plan the planner thought fits may not: when none fits, the
-        planner is asked again for more runners-up, then with a little more headroom."""
+        planner is asked again for more runners-up, then with a little more headroom, and last every
+        uniform layout (one tp x pp for all training and scoring stages, one for generation) is tried."""
         out: dict[ExecutionPlan, float] = {}
         headroom = self.planner.headroom
         for attempt, (extra, runners_up) in enumerate(((0.0, None), (0.0, 16), (0.05, 16), (0.1, 16))):
             self._add_candidates(obs, out, min(0.9, headroom + extra), runners_up, configured=attempt == 0)
             if out:
                 break
+        if not out:
+            self._keep_fitting(self._uniform_plans(obs.devices), out)
         return [Candidate(p, lat) for p, lat in sorted(out.items(), key=lambda kv: kv[1])]
 
     def _add_candidates(self, obs: Observation, out: dict, headroom: float, runners_up: int | None,
@@ -366,6 +369,22 @@ class Adapter:
         if configured:
             with contextlib.suppress(ConfigError):  # the configured layouts on the devices present: a candidate
                 plans.append(plan_from_config(self.job.cfg, device_ids=list(obs.devices)))
+        self._keep_fitting(plans, out)
+
+    def _uniform_plans(self, devices: tuple[int, ...]) -> list[ExecutionPlan]:
+        """Every plan of the config's shape (colocated or split) with one tp x pp for the non-generation
+        stages and one for actor-gen, on ``devices``: a small exhaustive set, the last resort."""
+        n, plans = len(devices), []
+        sizes = [(tp, pp) for tp in range(1, n + 1) for pp in range(1, n + 1) if tp * pp <= n and n % (tp * pp) == 0]
+        for tp, pp in sizes:
+            for gtp in sorted({tp for tp, _ in sizes}):
+                layouts = dataclasses.replace(self.job.cfg.plan, default=StageLayoutConfig(tp=tp, pp=pp),
+                                              stages={"actor-gen": StageLayoutConfig(tp=gtp)})
+                with contextlib.suppress(ConfigError, ValueError):
+                    plans.append(plan_from_config(dataclasses.replace(self.job.cfg, plan=layouts), list(devices)))
+        return plans
+
+    def _keep_fitting(self, plans: list[ExecutionPlan], out: dict) -> None:
         for plan in plans:
             if any(self.job.rows % plan[ms].dp for ms in plan if ms.kind != "gen"):
                 continue
@@ -374,7 +393,10 @@ class Adapter:
             gen = set(plan[ACTOR_GEN].devices)
             if self.async_mode and any(gen & set(sp.devices) for ms, sp in plan.items() if ms != ACTOR_GEN):
                 continue  # async generation needs its own devices
-            peak = self.peak_bytes(plan)
+            try:
+                peak = self.peak_bytes(plan)
+            except (ValueError, KeyError):  # a layout the model cannot take (e.g. tp not dividing the heads)
+                continue
             if peak is not None and peak > self.memory_cap_bytes:
                 continue  # the job runs actor/critic-infer on the training units: the planner's plan differs
             latency = self._latency(plan)

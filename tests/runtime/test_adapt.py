@@ -113,7 +113,7 @@ def test_a_predicted_memory_violation_is_an_urgent_trigger_toward_a_plan_that_fi
     job = _job(["cluster.device_memory_bytes=80000000"])
     adapter = Adapter(job, log=lambda _: None)
     # a planner without headroom: none of its plans fits once actor/critic-infer run on the training units
-    # (measured), so the adapter must ask again, for more runners-up and with more headroom
+    # (measured), so the adapter must look further (more runners-up, more headroom, uniform layouts)
     adapter.planner = Planner(adapter.cost, headroom=0.0)
     try:
         metrics = None
