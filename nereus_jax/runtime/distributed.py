@@ -13,10 +13,12 @@ On CPU, ``NEREUS_LOCAL_DEVICES`` sets each process's device count and the collec
 devices to another's (what a transition moving a unit across hosts does); the sender must stay up until
 the receiver has the data. Two processes x 4 CPU devices on one machine::
 
-    NEREUS_COORDINATOR=127.0.0.1:12355 NEREUS_NUM_PROCESSES=2 NEREUS_PROCESS_ID=0 NEREUS_LOCAL_DEVICES=4 \\
-        JAX_PLATFORMS=cpu python -m nereus_jax.train ppo_tiny cluster.num_devices=8 &
-    NEREUS_COORDINATOR=127.0.0.1:12355 NEREUS_NUM_PROCESSES=2 NEREUS_PROCESS_ID=1 NEREUS_LOCAL_DEVICES=4 \\
-        JAX_PLATFORMS=cpu python -m nereus_jax.train ppo_tiny cluster.num_devices=8
+    for i in 0 1; do NEREUS_COORDINATOR=127.0.0.1:12355 NEREUS_NUM_PROCESSES=2 NEREUS_PROCESS_ID=$i \\
+        NEREUS_LOCAL_DEVICES=4 NEREUS_TRANSFER_ADDRESS=127.0.0.1:1236$i JAX_PLATFORMS=cpu \\
+        python -m nereus_jax.train ppo_tiny cluster.num_devices=8 & done
+
+Every process runs the whole job; only process 0 writes the run directory (see nereus_jax/runtime/job.py
+and adapt.py for what is shared: rollouts from the engines' owners, process 0's measurements).
 """
 
 from __future__ import annotations
