@@ -97,6 +97,17 @@ class EMU:
     def __repr__(self) -> str:
         return f"EMU({self.stage} {self.layout} {self.memory} on {list(self.device_ids)})"
 
+    def __getattr__(self, name: str) -> Any:
+        """Only for attributes not set: a unit from :func:`split_replicas` builds its ``leaves`` (views of the
+        whole state's buffers, ~0.1 ms each) on first use, so a training step that assembles its units
+        again without reading them pays nothing."""
+        lazy = self.__dict__.get("_lazy")
+        if name == "leaves" and lazy is not None:
+            del self.__dict__["_lazy"]
+            self.leaves = lazy()
+            return self.leaves
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
 
 @functools.partial(jax.jit, static_argnums=1)
 def _checksum(leaves: list[jax.Array], meta: tuple) -> jax.Array:
@@ -129,9 +140,22 @@ def view(x_shards: Mapping[jax.Device, jax.Array], shape: tuple[int, ...], shard
     return jax.make_array_from_single_device_arrays(shape, sharding, local, dtype=dtype)
 
 
+@dataclasses.dataclass(eq=False)
+class _Split:
+    """The whole state a :func:`split_replicas` call split: assembling exactly its units again is free."""
+
+    leaves: list[jax.Array]
+    mesh: Mesh
+    units: list[EMU]
+
+
 def assemble_replicas(units: Sequence[EMU]) -> tuple[list[jax.Array], Mesh]:
     """The replicas' buffers as one state on the mesh (dp, pp, tp), replicated over dp, without copying."""
     first = units[0]
+    split = first.__dict__.get("_split")
+    if split is not None and len(split.units) == len(units) and all(
+            a is b for a, b in zip(split.units, units, strict=True)):
+        return list(split.leaves), split.mesh  # the arrays these units were split from (same buffers)
     for u in units:
         if (u.stage, u.layout, u.spec, u.memory) != (first.stage, first.layout, first.spec, first.memory):
             raise ValueError(f"cannot assemble {u} with {first}: replicas must share stage, layout and memory")
@@ -148,14 +172,23 @@ def assemble_replicas(units: Sequence[EMU]) -> tuple[list[jax.Array], Mesh]:
 
 def split_replicas(leaves: Sequence[jax.Array], mesh: Mesh, stage: ModelStage, spec: StateSpec,
                    memory: str = DEVICE) -> list[EMU]:
-    """Inverse of :func:`assemble_replicas`: one EMU per dp index, sharing the buffers (zero-copy)."""
+    """Inverse of :func:`assemble_replicas`: one EMU per dp index, sharing the buffers (zero-copy). Each
+    unit's arrays are made when first read; assembling the same units again returns ``leaves``."""
     layout = Layout(tp=mesh.shape["tp"], pp=mesh.shape["pp"])
-    shards = [shards_by_device(x) for x in leaves]
-    units = []
+    leaves = list(leaves)
+    by_device: list[dict] = []
+
+    def views(devices: tuple[jax.Device, ...]) -> list[jax.Array]:
+        if not by_device:
+            by_device.extend(shards_by_device(x) for x in leaves)
+        sub = spec.shardings(make_mesh(devices, layout), memory)
+        return [view(s, x.shape, sh, devices, x.dtype) for s, x, sh in zip(by_device, leaves, sub, strict=True)]
+
+    split = _Split(leaves, mesh, [])
     for row in mesh.devices:
         devices = tuple(row.reshape(-1))
-        sub = spec.shardings(make_mesh(devices, layout), memory)
-        units.append(EMU(stage, layout, devices,
-                         [view(s, x.shape, sh, devices, x.dtype) for s, x, sh in zip(shards, leaves, sub, strict=True)],
-                         spec, memory))
-    return units
+        unit = EMU.__new__(EMU)
+        unit.__dict__.update(stage=stage, layout=layout, devices=devices, spec=spec, memory=memory,
+                             _lazy=functools.partial(views, devices), _split=split)
+        split.units.append(unit)
+    return list(split.units)

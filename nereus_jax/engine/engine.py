@@ -157,6 +157,7 @@ class JaxEngine:
         self.prefill_batches = _buckets(self.max_prefill_batch, smallest=1)
         self.traces: collections.Counter[str] = collections.Counter()
         self._tokenizer = tokenizer
+        self._stored_shapes: dict | None = None
         self._build_programs()
 
     # ----------------------------------------------------------------------------------- the contract
@@ -195,7 +196,9 @@ class JaxEngine:
         """Parameters already laid out for this engine (its layout, on its mesh, kv heads stored as the
         layout stores them), e.g. a generation unit's after the weight sync: only cast to the compute
         dtype and unstacked, on device, with no host round trip."""
-        want = stored_shapes(self.cfg, self.layout)
+        if self._stored_shapes is None:  # abstract_params traces the model: ~12 ms, once per engine
+            self._stored_shapes = stored_shapes(self.cfg, self.layout)
+        want = self._stored_shapes
         got = jax.tree.map(lambda x: tuple(np.shape(x)), dict(params))
         if want != got:
             raise EngineError(f"parameters are not laid out for this engine's {self.layout}: use load_params "

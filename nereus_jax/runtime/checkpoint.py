@@ -47,7 +47,7 @@ from nereus_jax.elastic.plan import DEVICE, ExecutionPlan, ModelStage, StagePlan
 from nereus_jax.models import abstract_params
 from nereus_jax.runtime.job import DeviceLost, Job, JobError  # noqa: F401 - DeviceLost re-exported
 from nereus_jax.runtime.plans import job_stages, plan_from_config
-from nereus_jax.sharding import Layout, device_index, make_mesh, to_numpy
+from nereus_jax.sharding import Layout, device_index, make_mesh
 
 FORMAT = 1
 # model keys that may differ between the run that wrote a checkpoint and the run that resumes it
@@ -420,14 +420,15 @@ class Recovery:
         return f"recovered from {src} ({self.reason}); continuing at step {self.next_step} on\n{self.job.plan}"
 
 
-def training_counts(job: Job) -> dict[str, Any]:
-    """Optimizer update counts of the training model-stages (their integer scalars in the optax state)."""
-    return training_counts_of(job.units)
+def training_snapshot(job: Job) -> dict[str, int]:
+    """What :func:`recover_from_device_loss` compares against: the job's count of updates per training
+    model-stage at the step's start. Free: nothing is read from the devices."""
+    return {str(ms): job.updates.get(ms, 0) for ms in job.units if ms.kind == "train"}
 
 
-def recover_from_device_loss(job: Job, lost: Sequence[int], step: int, counts: Mapping[str, Any],
+def recover_from_device_loss(job: Job, lost: Sequence[int], step: int, before: Mapping[str, int],
                              checkpoint_dir: str | None) -> Recovery:
-    """After ``DeviceLost(lost)`` during ``step`` (``counts`` = :func:`training_counts` at the step's start):
+    """After ``DeviceLost(lost)`` during ``step`` (``before`` = :func:`training_snapshot` at the step's start):
     when every model-stage still has a complete replica holding its state as of the step's start, ``job``
     itself moves onto the surviving devices (a transition graph from the surviving units, run by the
     executor: no checkpoint read); otherwise a new Job there restores the last checkpoint."""
@@ -436,7 +437,9 @@ def recover_from_device_loss(job: Job, lost: Sequence[int], step: int, counts: M
     plan = plan_for_devices(job.cfg, alive, job.rows)
     survivors = {ms: [u for u in units if not lost & set(u.device_ids)] for ms, units in job.units.items()}
     gone = sorted(str(ms) for ms, us in survivors.items() if not us)
-    moved = [k for k, v in training_counts_of(survivors).items() if v != counts.get(k)] if not gone else []
+    moved = [] if gone else [str(ms) for ms, us in survivors.items()
+                             if ms.kind == "train" and (job.updates.get(ms, 0) != before.get(str(ms), 0)
+                                                        or any(x.is_deleted() for u in us for x in u.leaves))]
     if not gone and not moved:  # the urgent path: a transition from what survived, device to device
         left = ExecutionPlan({ms: StagePlan(us[0].layout, tuple(u.device_ids for u in us), us[0].memory)
                               for ms, us in survivors.items()})
@@ -450,21 +453,6 @@ def recover_from_device_loss(job: Job, lost: Sequence[int], step: int, counts: M
                               "set checkpoint.every_steps so that a loss costs at most that many steps")
     new, meta = restore_job(job.cfg, job.task, job.tok, checkpoint_dir, plan=plan, devices=job.devices)
     return Recovery(new, "checkpoint", meta["step"], reason, meta["_step_dir"])
-
-
-def training_counts_of(units: Mapping[ModelStage, Sequence[EMU]]) -> dict[str, Any]:
-    """Per training model-stage, its first unit's optimizer counts ("deleted" when a program that failed
-    had taken its buffers)."""
-    out: dict[str, Any] = {}
-    for ms, us in units.items():
-        if ms.kind == "train" and us:
-            leaves = us[0].leaves
-            if any(x.is_deleted() for x in leaves):
-                out[str(ms)] = "deleted"
-                continue
-            ints = [x for x in leaves[us[0].spec.n_params:] if x.ndim == 0 and x.dtype.kind in "iu"]
-            out[str(ms)] = tuple(int(to_numpy(x)) for x in ints)  # several processes: a collective
-    return out
 
 
 def plan_for_devices(cfg: Config, device_ids: Sequence[int], rows: int) -> ExecutionPlan:

@@ -16,6 +16,7 @@ replica or slot, so the plan changes how fast a step runs, not what it computes 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -48,7 +49,7 @@ from nereus_jax.runtime.plans import (
     job_stages,
     plan_from_config,
 )
-from nereus_jax.sharding import device_index, is_local, make_mesh, to_numpy
+from nereus_jax.sharding import device_index, is_local, make_mesh, to_numpy, tree_to_numpy
 
 
 class JobError(ValueError):
@@ -100,6 +101,7 @@ class Job:
         self.specs = _specs(cfg, self.algo.uses_critic)
         self.reward_model = _load_reward_model(cfg, self.specs) if cfg.task.reward_model_path else None
         self.version = 0
+        self.updates: dict[ModelStage, int] = {}  # successful training updates per model-stage (this Job)
         params = actor_params if actor_params is not None else init_params(cfg.model, seed=cfg.trainer.seed)
         self.units = self._initial_units(params)
         self.sync = WeightSync(self.plan, self.specs[ACTOR_TRAIN], self.specs[ACTOR_GEN],
@@ -375,14 +377,14 @@ class Job:
         return out.reshape(self.rows, self.R) * batch.response_mask_br
 
     def _advantages(self, batch: RolloutBatch, scores: np.ndarray, scored: dict) -> alg.Advantages:
-        a, mask = self.cfg.algorithm, jnp.asarray(batch.response_mask_br)
-        kl = alg.kl_estimate(jnp.asarray(scored["old_logp"]), jnp.asarray(scored["ref_logp"]), a.kl_estimator)
-        if self.algo.advantage == "gae":
-            rewards = alg.token_rewards(jnp.asarray(scores), mask, kl if a.kl_in_reward else None, a.kl_coef)
-            out = alg.gae(rewards, jnp.asarray(scored["values"]), mask, a.gamma, a.lam)
-            return alg.Advantages(alg.masked_whiten(out.advantages_bt, mask), out.returns_bt)
-        if self.algo.advantage in ("grpo", "rloo"):
-            return alg.ADVANTAGES[self.algo.advantage](jnp.asarray(scores), mask, self.n)
+        a = self.cfg.algorithm
+        if self.algo.advantage in ("gae", "grpo", "rloo"):  # one jitted program (eager ops: ~50 ms of Python)
+            values = scored["values"] if self.algo.advantage == "gae" else np.zeros_like(scored["old_logp"])
+            return _advantage_program(scores, batch.response_mask_br, scored["old_logp"], scored["ref_logp"],
+                                      values, advantage=self.algo.advantage, estimator=a.kl_estimator,
+                                      kl_in_reward=a.kl_in_reward, kl_coef=a.kl_coef, gamma=a.gamma, lam=a.lam,
+                                      n=self.n)
+        mask = jnp.asarray(batch.response_mask_br)
         greedy = self.generate([self.task.problem(int(p)) for p in batch.prompt_index_b[:: self.n]],
                                batch.prompt_index_b[:: self.n], 0.0, n=1)
         base = np.asarray([self.task.reward(self.task.problem(int(p)), self._text(r))
@@ -410,9 +412,10 @@ class Job:
         fn = self._program(self._key("train", ms, mesh, accum), lambda: self._train_program(ms, spec, mesh))
         new_leaves, metrics = fn(leaves, micro)
         self.units[ms] = split_replicas(new_leaves, mesh, ms, spec)
+        self.updates[ms] = self.updates.get(ms, 0) + 1
         if ms != ACTOR_TRAIN:  # the actor's state is read again by the weight sync
             self.park(ms)
-        return {k: float(to_numpy(v)) for k, v in metrics.items()}  # several processes: a collective
+        return {k: float(v) for k, v in tree_to_numpy(metrics).items()}  # several processes: a collective
 
     def _train_program(self, ms: ModelStage, spec: StateSpec, mesh):
         a, m = self.cfg.algorithm, self.cfg.model
@@ -445,8 +448,7 @@ class Job:
     # ------------------------------------------------------------------------------------ metrics
     def _metrics(self, step, batch, scores, scored, train_metrics, seconds) -> dict[str, Any]:
         mask = batch.response_mask_br
-        kl = float(alg.masked_mean(alg.kl_estimate(jnp.asarray(scored["old_logp"]), jnp.asarray(scored["ref_logp"]),
-                                                   "k1"), jnp.asarray(mask)))
+        kl = float(_k1_mean(scored["old_logp"], scored["ref_logp"], mask))
         step_s = sum(seconds.values())
         tokens = int(mask.sum())
         return {"step": step, "reward_mean": float(scores.mean()), "accuracy": float(np.mean(scores >= 1.0)),
@@ -518,6 +520,26 @@ def _infer_program(cfg, prompt_len: int, what: str):
         return jax.lax.map(lambda tm: fn(params, cfg, tm[0], tm[1], prompt_len), (tokens, mask))
 
     return jax.jit(program)
+
+
+@functools.partial(jax.jit, static_argnames=("advantage", "estimator", "kl_in_reward", "kl_coef", "gamma", "lam",
+                                             "n"))
+def _advantage_program(scores, mask, old_logp, ref_logp, values, *, advantage: str, estimator: str,
+                       kl_in_reward: bool, kl_coef: float, gamma: float, lam: float, n: int) -> alg.Advantages:
+    """PPO's whitened GAE (token rewards: the score on the last token, minus the KL when ``kl_in_reward``), or
+    GRPO's / RLOO's grouped advantages; ``values`` is read by GAE only."""
+    if advantage != "gae":
+        return alg.ADVANTAGES[advantage](scores, mask, n)
+    kl = alg.kl_estimate(old_logp, ref_logp, estimator)
+    rewards = alg.token_rewards(scores, mask, kl if kl_in_reward else None, kl_coef)
+    out = alg.gae(rewards, values, mask, gamma, lam)
+    return alg.Advantages(alg.masked_whiten(out.advantages_bt, mask), out.returns_bt)
+
+
+@jax.jit
+def _k1_mean(old_logp, ref_logp, mask) -> jax.Array:
+    """The logged ``kl``: the k1 estimate's mean over response tokens."""
+    return alg.masked_mean(alg.kl_estimate(old_logp, ref_logp, "k1"), mask)
 
 
 def _reweight(adv: alg.Advantages, batch: RolloutBatch, old_logp: np.ndarray, rows: np.ndarray,

@@ -30,7 +30,7 @@ from nereus_jax.runtime.checkpoint import (
     recover_from_device_loss,
     restore_job,
     stop_agreed,
-    training_counts,
+    training_snapshot,
 )
 from nereus_jax.runtime.distributed import is_primary
 from nereus_jax.runtime.job import DeviceLost, Job, JobError, StepResult
@@ -185,7 +185,7 @@ def rl_steps(job: Job, adapter: Adapter, steps: int, first: int = 0,
         t = time.perf_counter()
         adapter.boundary(step, metrics)
         boundary_s = time.perf_counter() - t
-        counts = training_counts(job)
+        counts = training_snapshot(job)
         if step in faults:
             job.inject_device_loss(faults.pop(step))  # once: the redone step does not fail again
         try:

@@ -20,6 +20,7 @@ from nereus_jax.sharding.layout import (
     stored_shapes,
     sync_kv_grads,
     to_numpy,
+    tree_to_numpy,
 )
 from nereus_jax.sharding.pipeline import (
     PipelineError,
@@ -57,4 +58,5 @@ __all__ = [
     "stored_shapes",
     "sync_kv_grads",
     "to_numpy",
+    "tree_to_numpy",
 ]

@@ -89,23 +89,37 @@ def to_numpy(x) -> np.ndarray:
     """A (possibly global) array as numpy, the same on every process. With several processes this is a
     collective whatever the array (every process must call it, in the same order): the processes holding
     its shards broadcast them, so a process holding none of it gets it too."""
-    if not isinstance(x, jax.Array) or jax.process_count() == 1:
-        return np.asarray(x)
+    return tree_to_numpy([x])[0]
+
+
+def tree_to_numpy(tree):
+    """:func:`to_numpy` of every leaf of a pytree at once: one transfer with one process; with several, one
+    broadcast per process holding any of the arrays (not one per array). A collective, like ``to_numpy``."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if jax.process_count() == 1:
+        return treedef.unflatten([np.asarray(v) for v in jax.device_get(leaves)])
     from jax.experimental import multihost_utils
 
     me = jax.process_index()
-    owners = sorted({d.process_index for d in x.sharding.device_set})
-    out, have = np.zeros(x.shape, x.dtype), np.zeros(x.shape, bool)
-    for p in owners:  # each holder's shards in turn (the array's shape and dtype are known everywhere)
-        part, mask = np.zeros(x.shape, x.dtype), np.zeros(x.shape, np.uint8)
+    arrays = {i: x for i, x in enumerate(leaves) if isinstance(x, jax.Array)}
+    out = [np.asarray(x) if i not in arrays else np.zeros(x.shape, x.dtype) for i, x in enumerate(leaves)]
+    have = {i: np.zeros(x.shape, bool) for i, x in arrays.items()}
+    owners = {i: {d.process_index for d in x.sharding.device_set} for i, x in arrays.items()}
+    for p in sorted(set().union(*owners.values())):  # each holder's shards in turn (shapes are known everywhere)
+        held = [i for i in arrays if p in owners[i] and not have[i].all()]
+        if not held:
+            continue
+        parts = [np.zeros(arrays[i].shape, arrays[i].dtype) for i in held]
+        masks = [np.zeros(arrays[i].shape, np.uint8) for i in held]
         if me == p:
-            for shard in x.addressable_shards:
-                part[shard.index], mask[shard.index] = np.asarray(shard.data), 1
-        part, mask = (np.asarray(a) for a in multihost_utils.broadcast_one_to_all((part, mask), is_source=me == p))
-        out, have = np.where(mask > 0, part, out), have | (mask > 0)
-        if have.all():
-            break
-    return out
+            for i, part, mask in zip(held, parts, masks, strict=True):
+                for shard in arrays[i].addressable_shards:
+                    part[shard.index], mask[shard.index] = np.asarray(shard.data), 1
+        parts, masks = multihost_utils.broadcast_one_to_all((parts, masks), is_source=me == p)
+        for i, part, mask in zip(held, parts, masks, strict=True):
+            mask = np.asarray(mask) > 0
+            out[i], have[i] = np.where(mask, np.asarray(part), out[i]), have[i] | mask
+    return treedef.unflatten(out)
 
 
 def make_mesh(devices: Sequence[jax.Device], layout: Layout, dp: int | None = None) -> Mesh:

@@ -67,3 +67,26 @@ def test_dp_replicas_train_as_one_spmd_program_assembled_and_split_without_copie
     for r in replicas:
         for a, b in zip(spec.flatten(r.to_host()), spec.flatten(want), strict=True):
             np.testing.assert_allclose(a, np.asarray(b), rtol=2e-5, atol=2e-6)
+
+
+def test_split_units_build_their_arrays_on_first_read_and_reassemble_to_the_split_arrays(devices, specs, states):
+    spec, layout = specs[ACTOR_TRAIN], Layout(2)
+    units = [EMU.create(ACTOR_TRAIN, spec, layout, devices[i:i + 2], states[ACTOR_TRAIN]) for i in (0, 2, 4)]
+    leaves, mesh = assemble_replicas(units)
+    replicas = split_replicas(leaves, mesh, ACTOR_TRAIN, spec)
+    assert all("leaves" not in r.__dict__ for r in replicas)  # nothing built yet
+    again, mesh2 = assemble_replicas(replicas)  # the units as split: the very arrays, none of them built
+    assert mesh2 is mesh and all(a is b for a, b in zip(again, leaves, strict=True))
+    assert all("leaves" not in r.__dict__ for r in replicas)
+    # read: each replica's arrays are views of the split arrays' buffers on its own devices, values intact
+    pointers = lambda xs: {s.data.unsafe_buffer_pointer() for x in xs for s in x.addressable_shards}  # noqa: E731
+    assert pointers(x for r in replicas for x in r.leaves) == pointers(leaves)
+    for r, u in zip(replicas, units, strict=True):
+        assert r.device_ids == u.device_ids and r.layout == u.layout
+        for a, b in zip(spec.flatten(r.to_host()), spec.flatten(u.to_host()), strict=True):
+            np.testing.assert_array_equal(a, b)
+    # a different selection (another order, a subset) is assembled from the units' own arrays
+    order = [replicas[2], replicas[0]]
+    leaves2, mesh3 = assemble_replicas(order)
+    assert [d.id for d in mesh3.devices.flat] == [d.id for r in order for d in r.devices]
+    assert pointers(leaves2) == pointers(x for r in order for x in r.leaves)

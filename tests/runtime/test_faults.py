@@ -29,7 +29,7 @@ from nereus_jax.runtime.checkpoint import (
     read_metadata,
     recover_from_device_loss,
     restore_job,
-    training_counts,
+    training_snapshot,
 )
 from nereus_jax.runtime.job import Job
 from nereus_jax.runtime.plans import ACTOR_TRAIN, CRITIC_TRAIN
@@ -84,7 +84,7 @@ def _lose_during_step(tmp_path, warm, lost, where):
         job.step(s)
         ckpt.maybe_save(job, s + 1)
     ckpt.wait()
-    counts = training_counts(job)
+    counts = training_snapshot(job)
     _inject(job, lost, where)
     with pytest.raises(DeviceLost) as failure:
         job.step(2)
