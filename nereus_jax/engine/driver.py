@@ -191,15 +191,26 @@ class _Run:
         if self.refill == "static" and np.any(self.slot_row >= 0):
             return
         free = list(np.flatnonzero(self.slot_row < 0))
+        current, placed = None, []  # the samples of one prefix go in with one insert_many call
         while free and (self.ready or self.waiting):
             if not self.ready:
                 self._prefill_next()
             prefix, version, prow, sample, row, token, logprob = self.ready.popleft()
             if self._append(row, token, logprob, version):
                 continue  # finished with its first token
+            if prefix is not current:
+                self._insert(current, placed)
+                current, placed = prefix, []
             slot = free.pop(0)
-            self.gen._state = self.engine.insert(prefix, self.gen._state, int(slot), row=prow, sample=sample)
+            placed.append((slot, prow, sample))
             self.slot_row[slot] = row
+        self._insert(current, placed)
+
+    def _insert(self, prefix, placed: list[tuple[int, int, int]]) -> None:
+        if placed:
+            slots, rows, samples = zip(*placed, strict=True)
+            self.gen._state = self.engine.insert_many(prefix, self.gen._state, slots, rows, samples)
+            self.stats["insert_calls"] += 1
 
     def _prefill_next(self) -> None:
         batch = self.engine.max_prefill_batch

@@ -247,6 +247,30 @@ class JaxEngine:
                               f"({self.max_target_length})")
         return self._insert(prefix, decode_state, np.int32(slot), np.int32(row), np.int32(sample))
 
+    def insert_many(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int], rows: Sequence[int],
+                    samples: Sequence[int]) -> DecodeState:
+        """``insert(prefix, state, slots[i], row=rows[i], sample=samples[i])`` for every i in one call (one
+        dispatch instead of one per sample; the same state, bit for bit). Slots must be distinct.
+        ``decode_state`` is donated: use only the returned state."""
+        slots, rows, samples = (np.asarray(a, np.int32).reshape(-1) for a in (slots, rows, samples))
+        k = slots.shape[0]
+        if not (0 < k <= self._slots and rows.shape[0] == k and samples.shape[0] == k):
+            raise EngineError(f"insert_many needs 1 to {self._slots} (slot, row, sample) triples of equal length, "
+                              f"got {k}, {rows.shape[0]}, {samples.shape[0]}")
+        if np.unique(slots).size != k or slots.min() < 0 or slots.max() >= self._slots:
+            raise EngineError(f"slots {slots.tolist()} must be distinct and in [0, {self._slots})")
+        n_rows, n = prefix.first_tokens.shape
+        if rows.min() < 0 or rows.max() >= n_rows or samples.min() < 0 or samples.max() >= n:
+            raise EngineError(f"prefix has {n_rows} rows x {n} samples; rows {rows.tolist()} / samples "
+                              f"{samples.tolist()} are out of range")
+        if prefix.caches[0][0].shape[2] > self.max_target_length:
+            raise EngineError(f"prefix of {prefix.caches[0][0].shape[2]} tokens does not fit the cache "
+                              f"({self.max_target_length})")
+        pad = self._slots - k  # always max_concurrent_decodes entries: one program per prefix shape
+        slots = np.concatenate([slots, np.full(pad, self._slots, np.int32)])  # out of range: dropped
+        rows, samples = (np.concatenate([a, np.zeros(pad, np.int32)]) for a in (rows, samples))
+        return self._insert_many(prefix, decode_state, slots, rows, samples)
+
     def generate(self, params: Params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
         """One decode step for every slot (inactive slots yield ``valid=False``). ``decode_state`` is
         donated: use only the returned state. Parameters may change between calls (a swap keeps slots)."""
@@ -278,6 +302,8 @@ class JaxEngine:
         self._prefill = jax.jit(self._traced("prefill", self._prefill_impl), static_argnums=6,
                                 out_shardings=(prefix_sh, result_sh))
         self._insert = jax.jit(self._traced("insert", self._insert_impl), donate_argnums=1, out_shardings=state_sh)
+        self._insert_many = jax.jit(self._traced("insert_many", self._insert_many_impl), donate_argnums=1,
+                                    out_shardings=state_sh)
         self._generate = jax.jit(self._traced("generate", self._generate_impl), donate_argnums=1,
                                  out_shardings=(state_sh, result_sh))
         self._generate_steps = jax.jit(self._traced("generate_steps", self._generate_steps_impl), donate_argnums=1,
@@ -340,6 +366,22 @@ class JaxEngine:
         done = _is_done(token[None], jnp.ones((1,), jnp.int32), jax.tree.map(lambda x: x[None], request))[0]
         return DecodeState(caches, state.tokens.at[slot].set(token), state.lengths.at[slot].set(prefix.lengths[row]),
                            state.steps.at[slot].set(1), state.active.at[slot].set(~done), requests)
+
+    def _insert_many_impl(self, prefix, state, slots, rows, samples):
+        length = prefix.caches[0][0].shape[2]
+
+        def place(cache, new):  # entries with slot = max_concurrent_decodes are padding: dropped
+            return cache.at[slots, :, :length, :].set(new[rows], mode="drop")
+
+        caches = tuple((place(k, pk), place(v, pv)) for (k, v), (pk, pv) in zip(state.caches, prefix.caches,
+                                                                                   strict=True))
+        request = jax.tree.map(lambda x: x[rows], prefix.requests)._replace(sample=samples)
+        requests = jax.tree.map(lambda s, r: s.at[slots].set(r, mode="drop"), state.requests, request)
+        tokens = prefix.first_tokens[rows, samples]
+        done = _is_done(tokens, jnp.ones_like(tokens), request)
+        put = lambda x, v: x.at[slots].set(v, mode="drop")  # noqa: E731
+        return DecodeState(caches, put(state.tokens, tokens), put(state.lengths, prefix.lengths[rows]),
+                           put(state.steps, jnp.ones_like(tokens)), put(state.active, ~done), requests)
 
     def _generate_impl(self, params, state):
         positions = jnp.minimum(state.lengths, self.max_target_length - 1)

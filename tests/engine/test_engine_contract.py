@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from _engine_testlib import TINY, make_engine
 
-from nereus_jax.engine import Engine, EngineError, JaxEngine, decode
+from nereus_jax.engine import Engine, EngineError, JaxEngine, decode, make_requests
 from nereus_jax.models import forward
 from nereus_jax.sharding import Layout, LayoutError, make_mesh
 
@@ -81,6 +81,42 @@ def test_generate_tokens_come_from_the_live_slots_only(engine, params):
     state, result = engine.generate(params, state)
     np.testing.assert_array_equal(np.asarray(result.valid), [False, False, True, False])
     assert int(result.lengths[2]) == 2 and int(state.lengths[2]) == 4
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_insert_many_equals_one_insert_per_sample_bit_for_bit(devices, tp, raw_params):
+    engine = make_engine(devices, tp=tp)
+    params = engine.load_params(raw_params)
+    requests = make_requests(2, engine.max_stop_tokens, seed=3, prompt=np.array([5, 9]), temperature=1.0,
+                             limit=np.array([7, 2]), stop_tokens=[11])
+    prefix, _ = engine.prefill(params=params, padded_tokens=np.array([[1, 2, 3, 4], [5, 6, 7, 0]]),
+                               true_length=[4, 3], requests=requests, num_samples=3)
+    state = engine.init_decode_state()
+    state = engine.insert(prefix, state, 1, row=0, sample=0)  # a slot the batch leaves alone
+    placed = [(3, 1, 2), (0, 0, 1), (2, 1, 0)]  # (slot, row, sample), slots in any order
+    one = jax.tree.map(jnp.copy, state)
+    for slot, row, sample in placed:
+        one = engine.insert(prefix, one, slot, row=row, sample=sample)
+    many = engine.insert_many(prefix, state, *zip(*placed, strict=True))
+    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(many), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # and the next decode step sees the same thing
+    _, r1 = engine.generate(params, one)
+    _, r2 = engine.generate(params, many)
+    for a, b in zip(r1, r2, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("slots,rows,samples,message", [
+    ([0, 0], [0, 0], [0, 0], "must be distinct"),
+    ([4], [0], [0], "must be distinct and in"),
+    ([0], [1], [0], "out of range"),
+    ([0, 1], [0], [0, 0], "triples of equal length"),
+])
+def test_insert_many_rejects_bad_triples(engine, params, slots, rows, samples, message):
+    prefix, _ = engine.prefill(params=params, padded_tokens=np.arange(3), true_length=3)
+    with pytest.raises(EngineError, match=message):
+        engine.insert_many(prefix, engine.init_decode_state(), slots, rows, samples)
 
 
 @pytest.mark.parametrize("call,message", [
