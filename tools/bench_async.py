@@ -119,9 +119,11 @@ def _time_rl_cpu() -> None:
     inner = run_mod.rl_steps
 
     def timed(*args, **kwargs):  # run_job's arguments, whatever they are
-        cpu, own = time.process_time(), time.thread_time()
+        job = args[0] if args else kwargs["job"]
+        cpu, own, engines = time.process_time(), time.thread_time(), job.engine_thread_cpu_s
         yield from inner(*args, **kwargs)
         RL_CPU["seconds"], RL_CPU["thread"] = time.process_time() - cpu, time.thread_time() - own
+        RL_CPU["engines"] = job.engine_thread_cpu_s - engines  # the engines' own threads (several replicas)
 
     run_mod.rl_steps = timed
 
@@ -137,7 +139,7 @@ def one_run(cfg: Config, run_dir: str) -> dict:
     intervals = [m["step_seconds"] for m in metrics]  # async: the wall interval between learner updates
     # Python + dispatch seconds (the threads' own CPU; XLA computes on threads of its own): sync runs both roles on
     # the calling thread; async adds the generator thread's, and both threads share one GIL
-    python_s = RL_CPU["thread"] + sum(m.get("generator_thread_cpu_s", 0.0) for m in metrics)
+    python_s = RL_CPU["thread"] + RL_CPU["engines"] + sum(m.get("generator_thread_cpu_s", 0.0) for m in metrics)
     return {"mode": cfg.trainer.mode, "rl_seconds": rl_s, "accuracy_before": summary["accuracy_before"],
             "accuracy_after": summary["accuracy_after"], "gen_s": gen, "rest_s": rest, "interval_s": intervals,
             "gen_work_s": sum(gen), "gen_wait_s": rl_s - sum(gen), "learner_work_s": sum(rest),

@@ -52,7 +52,8 @@ class Rollouts:
     param_versions: np.ndarray  # [rows, max_new_tokens] int32 version of the params behind each token; -1 after
     prompt_index: np.ndarray  # [rows]
     sample_index: np.ndarray  # [rows]
-    stats: dict[str, Any]  # decode_steps, decode_calls (k > 1), prefill_calls, prefill_rows, tokens, seconds, ...
+    stats: dict[str, Any]  # decode_steps, decode_calls (k > 1), prefill_calls, insert_calls, tokens, seconds,
+    # thread_cpu_s (the calling thread's CPU seconds), ...
 
     @property
     def num_rows(self) -> int:
@@ -94,8 +95,9 @@ class Generator:
             raise EngineError(f"prompt_ids needs one id in [0, 2**31) per prompt ({len(prompts)} prompts)")
         run = _Run(self, prompts, sampling, limits, forced=forced_lengths is not None, refill=refill)
         run.prompt_ids = ids
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         run.loop(on_step)
+        run.stats["thread_cpu_s"] = time.thread_time() - cpu  # this thread's Python and dispatch seconds
         return run.result(time.perf_counter() - start)
 
     # ------------------------------------------------------------------------------------- checking

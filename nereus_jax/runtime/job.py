@@ -15,6 +15,7 @@ replica or slot, so the plan changes how fast a step runs, not what it computes 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import time
@@ -110,6 +111,9 @@ class Job:
         self._signatures: dict[Any, dict[str, tuple]] = {}  # program -> its host inputs' (shape, dtype)
         # one per actor-gen replica; None for a replica on another process's devices (its process runs it)
         self._engines: list[Generator | None] = [self._engine(u) for u in self.units[ACTOR_GEN]]
+        self._engine_pool: concurrent.futures.ThreadPoolExecutor | None = None  # see _run_local
+        self._engine_pool_size = 0
+        self.engine_thread_cpu_s = 0.0  # CPU seconds of the engine threads so far (Python and dispatch)
         self._fault: tuple[int, ...] = ()  # devices an injected fault loses in the next step
 
     # ------------------------------------------------------------------------------- construction
@@ -292,9 +296,9 @@ class Job:
         """``fn(engine)`` for each (engine index, fn), in order. With several processes each process runs
         its own replicas' engines, then every result is shared from its owner, so every process holds
         all rollouts (the same on each)."""
+        local = self._run_local([(i, fn) for i, fn in work if self._engines[i] is not None])
         if jax.process_count() == 1:
-            return [fn(self._engines[i]) for i, fn in work]
-        local = {i: fn(self._engines[i]) for i, fn in work if self._engines[i] is not None}
+            return [local[i] for i, _ in work]
         outs = []
         for i, _ in work:
             owner = self.units[ACTOR_GEN][i].devices[0].process_index
@@ -303,6 +307,22 @@ class Job:
                                                                   mine.param_versions, mine.prompt_index,
                                                                   mine.sample_index])
             outs.append(mine or Rollouts(*arrays[:3], (), *arrays[3:], {}))
+        return outs
+
+    def _run_local(self, work: Sequence[tuple[int, Any]]) -> dict[int, Rollouts]:
+        """This process's engines, each in a thread of its own: every engine's decode loop waits on its own
+        devices, so one after another would keep only one replica busy at a time (results do not depend
+        on the order: sampling is keyed per request)."""
+        if len(work) <= 1:
+            return {i: fn(self._engines[i]) for i, fn in work}
+        if self._engine_pool is None or self._engine_pool_size < len(work):
+            if self._engine_pool is not None:
+                self._engine_pool.shutdown(wait=False)
+            self._engine_pool = concurrent.futures.ThreadPoolExecutor(len(work), thread_name_prefix="nereus-engine")
+            self._engine_pool_size = len(work)
+        futures = {i: self._engine_pool.submit(fn, self._engines[i]) for i, fn in work}
+        outs = {i: f.result() for i, f in futures.items()}
+        self.engine_thread_cpu_s += sum(o.stats.get("thread_cpu_s", 0.0) for o in outs.values())
         return outs
 
     def _sampling(self, temperature: float, n: int) -> SamplingParams:
