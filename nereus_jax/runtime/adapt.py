@@ -43,8 +43,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import jax
-
 from nereus_jax.config import ConfigError, StageLayoutConfig
 from nereus_jax.elastic.compile import align_ranks
 from nereus_jax.elastic.controller import Candidate, Controller, Decision, Observation
@@ -57,7 +55,7 @@ from nereus_jax.elastic.planner import InfeasiblePlanError, Planner
 from nereus_jax.elastic.workload import LengthStats, Workload
 from nereus_jax.runtime import steps
 from nereus_jax.runtime.distributed import agree, all_processes
-from nereus_jax.runtime.job import Job, Prepared
+from nereus_jax.runtime.job import Job, Prepared, engine_replicas_across_processes
 from nereus_jax.runtime.plans import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, plan_from_config
 
 # The cost model's name of each timed part of a job step -> the job's model-stage whose layout runs it.
@@ -375,7 +373,8 @@ class Adapter:
         """Every plan of the config's shape (colocated or split) with one tp x pp for the non-generation
         stages and one for actor-gen, on ``devices``: a small exhaustive set, the last resort."""
         n, plans = len(devices), []
-        sizes = [(tp, pp) for tp in range(1, n + 1) for pp in range(1, n + 1) if tp * pp <= n and n % (tp * pp) == 0]
+        divisors = [d for d in range(1, n + 1) if n % d == 0]
+        sizes = sorted((tp, size // tp) for size in divisors for tp in divisors if size % tp == 0)  # tp x pp divides n
         for tp, pp in sizes:
             for gtp in sorted({tp for tp, _ in sizes}):
                 layouts = dataclasses.replace(self.job.cfg.plan, default=StageLayoutConfig(tp=tp, pp=pp),
@@ -388,7 +387,7 @@ class Adapter:
         for plan in plans:
             if any(self.job.rows % plan[ms].dp for ms in plan if ms.kind != "gen"):
                 continue
-            if not _engines_in_one_process(plan):
+            if engine_replicas_across_processes(plan):
                 continue  # an engine's decode loop runs in one process
             gen = set(plan[ACTOR_GEN].devices)
             if self.async_mode and any(gen & set(sp.devices) for ms, sp in plan.items() if ms != ACTOR_GEN):
@@ -442,13 +441,6 @@ class Adapter:
         self.cost = CostModel(self.cost.hardware, d["efficiency"])
         self.planner.cost_model = self.cost
         self._compile_s, self.transitions = d["compile_s"], d["transitions"]
-
-
-def _engines_in_one_process(plan: ExecutionPlan) -> bool:
-    if jax.process_count() == 1:
-        return True
-    devices = jax.devices()
-    return all(len({devices[d].process_index for d in r}) == 1 for r in plan[ACTOR_GEN].replicas)
 
 
 def _short(plan: ExecutionPlan) -> str:

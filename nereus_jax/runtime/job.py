@@ -603,14 +603,20 @@ def _check_plan_devices(plan: ExecutionPlan, available: int) -> None:
     if missing:
         raise JobError(f"the plan uses devices {missing} but only devices 0..{available - 1} exist: "
                        "lower the plan's dp/tp/pp or raise cluster.num_devices")
-    if jax.process_count() > 1 and ACTOR_GEN in plan:
-        devices = jax.devices()
-        for replica in plan[ACTOR_GEN].replicas:
-            owners = sorted({devices[d].process_index for d in replica})
-            if len(owners) > 1:
-                raise JobError(f"actor-gen replica on devices {list(replica)} spans processes {owners}: an engine "
-                               "runs its decode loop in one process; give actor-gen a tp x pp that fits one "
-                               "host's devices (training stages may span hosts)")
+    for replica, owners in engine_replicas_across_processes(plan):
+        raise JobError(f"actor-gen replica on devices {list(replica)} spans processes {owners}: an engine "
+                       "runs its decode loop in one process; give actor-gen a tp x pp that fits one "
+                       "host's devices (training stages may span hosts)")
+
+
+def engine_replicas_across_processes(plan: ExecutionPlan) -> list[tuple[tuple[int, ...], list[int]]]:
+    """(devices, processes) of each actor-gen replica of ``plan`` whose devices belong to several processes
+    (an engine's decode loop runs in one process, so such a plan cannot run)."""
+    if jax.process_count() == 1 or ACTOR_GEN not in plan:
+        return []
+    devices = jax.devices()
+    spans = [(tuple(r), sorted({devices[d].process_index for d in r})) for r in plan[ACTOR_GEN].replicas]
+    return [(r, owners) for r, owners in spans if len(owners) > 1]
 
 
 def _check_rows(plan: ExecutionPlan, rows: int) -> None:
