@@ -52,32 +52,21 @@ Figures (medians over runs; seconds are wall seconds of the RL phase, ``rl_secon
 
 Reading it (this 2-core host is shared with other jobs; each line is one command, modes interleaved):
 
-- ``--single-thread-devices`` on a quiet host (machine_overlap 1.90-2.05 before every run: two free cores):
-  speedup 1.02 (steady 0.90) against an ideal of 1.45 (steady 1.35); sync used 1.40 cores, async 1.54; the
-  job's own threads (Python + dispatch) took 52% of sync's wall time and 51% of async's (gil_bound_speedup 1.93).
-- the same flags at load average 9 (machine_overlap 1.20): 1.03 (steady 0.95); the process got 0.63-0.67 of a core.
-- default flags at load 9 (machine_overlap 1.17): 0.80 (steady 0.80); at load 4-7 with the cores mostly taken
-  (machine_overlap 0.99): 0.96; at load 0.3-4 (machine_overlap 0.98-1.95): 0.80 (steady 0.70).
-- earlier, at load 9-14, 1.10 (steady 1.00): async then wins CPU share from other processes (two runnable
-  threads), not overlap.
+- now (learner Python cut, ``insert_many``, one thread per engine), default flags, machine_overlap 1.94 (two free
+  cores): speedup 0.98 (steady 0.91) against an ideal of 1.41 (steady 1.30); sync_s 9.19, async_s 9.34. The same
+  command on the session-3 code (6f32738, a few minutes earlier): sync_s 12.93, async_s 12.53, speedup 1.03. Both
+  modes got faster (sync 1.41x, async 1.34x), async relative to sync did not.
+- where async loses it: beside the learner, generation runs 1.7x longer (gen_work_s 3.2 -> 5.4 s) and the learner
+  1.34x longer (5.6 -> 7.5 s). The learner's SPMD programs occupy both cores, and every small decode call then
+  waits for a core and for the GIL: cutting Python helps both modes alike.
+- before the engine threads, ``--decode-steps-per-call 8``: 1.06-1.11 (sync_s 9.5-9.6); 32 (one call per
+  generation): 1.01, sync generation gets as much faster as async's.
+- session 3 (before these cuts), ``--single-thread-devices`` on a quiet host: 1.02 (steady 0.90) against an ideal of
+  1.45; at load average 9 (machine_overlap 1.2): 0.80-1.03.
 
-Why not 1.15: generation is ~25% of a steady sync step (0.05 of 0.20 s), so perfect overlap gives ~1.23-1.35 (the
-steady ideal) and 1.15 needs half of that. Under the host's usual load there is no second core to overlap into
-(machine_overlap ~1.0-1.2). With two free cores the limit is the GIL: Python and dispatch are half the RL phase
-(start-up tracing included; ~34 ms on the generator thread and ~42 ms on the learner's in a ~0.2 s steady step),
-both threads' share of it runs one at a time, and generation, which hands the GIL back at every decode step,
-runs 2.5x longer beside the learner
-(gen_work_s 3.9 -> 9.9 s; the learner 7.3 -> 8.2 s).
-
-Several decode steps per dispatch (``--decode-steps-per-call 8``), default flags, 40 steps x 2 runs per mode, the
-host loaded by a CI run (load 4-9), two commands per K, one after the other (K=1, K=8, K=1, K=8): speedup 1.18 and
-0.95 with K=1 (machine_overlap 1.22 and 0.97), 1.02 and 1.14 with K=8 (1.03 and 1.04); sync_s 28.6 (a loaded
-moment) and 16.2 with K=1, 15.7 and 16.6 with K=8; python_fraction sync 0.26 / 0.37 (K=1) and 0.35 / 0.40 (K=8).
-Accuracies are the same to the bit for both K (the same tokens). Within the noise: the decode loop is not the
-generator's main Python cost. One 64-row generation of this job's shapes (16 prompts x 4 samples, 32 slots, 18
-decode steps) takes 12.3 ms wall and 6.0 ms of the calling thread's CPU with K=1, 9.3 and 4.4 ms with K=8; the rest
-is prefill, one ``insert`` dispatch per sample and the per-token bookkeeping on the host. Fewer inserts (all
-samples of a prefix in one call) would be the next lever.
+Why not 1.15: generation is about a third of a sync step, so perfect overlap gives ~1.3-1.45 (the ideal figures),
+and 1.15 needs half of that. Two cores leave no room: sync alone keeps 1.6 of them busy (``cores_used``), and the
+rest goes to the two threads waiting on each other's cores and on the GIL.
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 
 Continuous batching: a slot whose sequence ends is refilled with the next waiting sample before the next
 decode step. The n samples of a prompt share one prefill (one KV cache copied into n slots, n first
-tokens drawn from the same logits). Prompts are prefilled ahead in batches of up to the engine's
-``max_prefill_batch``. New parameters handed to :meth:`Generator.set_params` (from any thread) are
-swapped in between two decode steps; live slots keep their caches and go on, and every token records
-the version of the parameters that produced it.
+tokens drawn from the same logits), and the samples of one prefill that get slots go in with one
+``insert_many`` call. Prompts are prefilled ahead in batches of up to the engine's ``max_prefill_batch``.
+New parameters handed to :meth:`Generator.set_params` (from any thread) are swapped in between two
+decode steps; live slots keep their caches and go on, and every token records the version of the
+parameters that produced it.
 
     engine = JaxEngine(cfg, max_concurrent_decodes=32, max_prefill_length=64, max_target_length=192)
     gen = Generator(engine, engine.load_params(params))
