@@ -3,6 +3,7 @@ runs' figures (medians, speedup, accuracies, the simulator field). No job runs h
 the tool itself (minutes)."""
 
 import importlib.util
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -55,4 +56,6 @@ def test_the_json_reports_medians_speedup_accuracies_and_the_ideal(bench):
     assert out["machine_overlap"] == 1.05 and out["dispatch_overlap"] == 1.0  # medians of the probes before each run
     # sync's Python + dispatch seconds (12 x 0.8) serialise on the GIL in async too: at most 12 / 9.6 faster
     assert out["gil_bound_speedup"] == 1.25
+    # sync's runs keep 1/10, 1/12, 1/30 of a core busy: the cores bound async at cpu_count / (1/12)
+    assert out["core_bound_speedup"] == pytest.approx(round(os.cpu_count() * 12.0, 4))
     assert "--xla_force_host_platform_device_count=8" in out["xla_flags"]

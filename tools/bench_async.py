@@ -31,6 +31,9 @@ Figures (medians over runs; seconds are wall seconds of the RL phase, ``rl_secon
   device 4, run one after the other vs concurrently (time ratio; 2.0 = two free cores, 1.0 = none), measured
   before every run, so it sees the same load as the runs. ``dispatch_overlap``: the same with 300 short calls
   per thread (about a decode step each), so Python, dispatch and the GIL take part as in the job.
+- ``core_bound_speedup``: cpu_count / sync's ``cores_used``: the bound on async if the cores were the limit (both
+  modes do the same CPU work; overlap can only fill the core time sync leaves idle), the machine's physical limit
+  for this comparison.
 - ``gil_bound_speedup``: sync_s / sync's ``python_s``: the bound on async if Python were the limit (the two
   threads' Python and dispatch seconds serialise on the GIL). ``python_s`` per mode (in ``profile``): the CPU
   seconds of the job's own threads (``time.thread_time``; XLA computes on threads of its own), and
@@ -65,8 +68,9 @@ Reading it (this 2-core host is shared with other jobs; each line is one command
   1.45; at load average 9 (machine_overlap 1.2): 0.80-1.03.
 
 Why not 1.15: generation is about a third of a sync step, so perfect overlap gives ~1.3-1.45 (the ideal figures),
-and 1.15 needs half of that. Two cores leave no room: sync alone keeps 1.6 of them busy (``cores_used``), and the
-rest goes to the two threads waiting on each other's cores and on the GIL.
+and 1.15 needs half of that. Two cores leave little room: sync alone keeps 1.59 of them busy (``cores_used``), so
+the most any overlap can give is 2 / 1.59 = 1.26 (``core_bound_speedup``), and async's own costs (the threads
+waiting on each other's cores and on the GIL: +5% CPU seconds) take the rest.
 """
 
 from __future__ import annotations
@@ -249,6 +253,8 @@ def summarize(sync: list[dict], asyn: list[dict], overlap: list[float], args, di
             # async overlaps compute, but the two threads' Python + dispatch seconds serialise on the GIL: with
             # sync's Python seconds unchanged, async takes at least that long
             "gil_bound_speedup": round(sync_s / _median(sync, "python_s"), 4),
+            # the CPU seconds are the same work in both modes: overlap can at most fill the cores sync leaves idle
+            "core_bound_speedup": round((os.cpu_count() or 1) / _median(sync, "cores_used"), 4),
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "flags_note": "both modes ran in this one process under these XLA flags (set before JAX started)",
             "profile": {"sync": profile(sync), "async": profile(asyn)},
