@@ -55,8 +55,9 @@ Figures (medians over runs; seconds are wall seconds of the RL phase, ``rl_secon
 
 Reading it (this 2-core host is shared with other jobs; each line is one command, modes interleaved):
 
-- now (learner Python cut, ``insert_many``, one thread per engine), default flags, machine_overlap 1.94 (two free
-  cores): speedup 0.98 (steady 0.91) against an ideal of 1.41 (steady 1.30); sync_s 9.19, async_s 9.34. The same
+- now (learner Python cut, ``insert_many``, one thread per engine), default flags, machine_overlap 1.93-1.94 (two
+  free cores), two commands: speedup 0.98 / 0.93 (steady 0.91 / 0.90) against an ideal of 1.41 and a core bound of
+  1.27 (sync keeps 1.57 cores busy); sync_s 9.19 / 9.32, async_s 9.34 / 10.00. The same
   command on the session-3 code (6f32738, a few minutes earlier): sync_s 12.93, async_s 12.53, speedup 1.03. Both
   modes got faster (sync 1.41x, async 1.34x), async relative to sync did not.
 - where async loses it: beside the learner, generation runs 1.7x longer (gen_work_s 3.2 -> 5.4 s) and the learner
@@ -68,8 +69,8 @@ Reading it (this 2-core host is shared with other jobs; each line is one command
   1.45; at load average 9 (machine_overlap 1.2): 0.80-1.03.
 
 Why not 1.15: generation is about a third of a sync step, so perfect overlap gives ~1.3-1.45 (the ideal figures),
-and 1.15 needs half of that. Two cores leave little room: sync alone keeps 1.59 of them busy (``cores_used``), so
-the most any overlap can give is 2 / 1.59 = 1.26 (``core_bound_speedup``), and async's own costs (the threads
+and 1.15 needs half of that. Two cores leave little room: sync alone keeps 1.57 of them busy (``cores_used``), so
+the most any overlap can give is 2 / 1.57 = 1.27 (``core_bound_speedup``), and async's own costs (the threads
 waiting on each other's cores and on the GIL: +5% CPU seconds) take the rest.
 """
 
