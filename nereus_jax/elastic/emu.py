@@ -103,9 +103,9 @@ class EMU:
         again without reading them pays nothing."""
         lazy = self.__dict__.get("_lazy")
         if name == "leaves" and lazy is not None:
-            del self.__dict__["_lazy"]
-            self.leaves = lazy()
-            return self.leaves
+            leaves = self.__dict__.setdefault("leaves", lazy())  # two threads at once: both get the first
+            self.__dict__.pop("_lazy", None)
+            return leaves
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
