@@ -185,7 +185,7 @@ def rl_steps(job: Job, adapter: Adapter, steps: int, first: int = 0,
         t = time.perf_counter()
         adapter.boundary(step, metrics)
         boundary_s = time.perf_counter() - t
-        counts = training_snapshot(job)
+        before = training_snapshot(job)
         if step in faults:
             job.inject_device_loss(faults.pop(step))  # once: the redone step does not fail again
         try:
@@ -194,7 +194,7 @@ def rl_steps(job: Job, adapter: Adapter, steps: int, first: int = 0,
             adapter.log(f"step {step}: {lost}")
             if checkpointer is not None:
                 checkpointer.wait()
-            rec = recover_from_device_loss(job, lost.device_ids, step, counts,
+            rec = recover_from_device_loss(job, lost.device_ids, step, before,
                                            checkpointer.directory if checkpointer is not None else None)
             adapter.log(f"step {step}: {rec.describe()}")
             adapter.lose(lost.device_ids, rec.job)

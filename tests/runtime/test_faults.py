@@ -84,12 +84,12 @@ def _lose_during_step(tmp_path, warm, lost, where):
         job.step(s)
         ckpt.maybe_save(job, s + 1)
     ckpt.wait()
-    counts = training_snapshot(job)
+    before = training_snapshot(job)
     _inject(job, lost, where)
     with pytest.raises(DeviceLost) as failure:
         job.step(2)
     vars(job).pop("rewards", None), vars(job).pop("_train_stage", None)  # the injection is over
-    rec = recover_from_device_loss(job, failure.value.device_ids, 2, counts, ckpt.directory)
+    rec = recover_from_device_loss(job, failure.value.device_ids, 2, before, ckpt.directory)
     ckpt.close()
     return rec, [rec.job.step(s) for s in range(rec.next_step, 4)], job
 
