@@ -153,20 +153,26 @@ class AsyncRunner:
         sys.setswitchinterval(min(switch, 5e-4))
         try:
             for u in range(first, steps):
+                boundary_s = time.perf_counter()
                 if self.adapter is not None and u % self.every == 0:
                     self.adapter.boundary(u, metrics)  # only at a weight sync: the safe boundary
                     self._resume()
+                boundary_s = time.perf_counter() - boundary_s
+                waited = time.perf_counter()
                 with self.cond:
                     while u not in self.ready and self.error is None:
                         self.cond.wait()
                     if self.error is not None:
                         raise self.error
                     problems, batch, gen_s, gen_cpu = self.ready.pop(u)
+                waited = time.perf_counter() - waited
                 cpu = time.thread_time()
                 result = self.job.learn(u, problems, batch, {"actor-gen": gen_s}, self._weight_sync)
                 now = time.perf_counter()
                 # each thread's own CPU seconds (Python, dispatch; XLA runs on threads of its own): the GIL's share
                 result.metrics["generator_thread_cpu_s"] = gen_cpu
+                result.metrics["boundary_seconds"] = boundary_s  # the controller's time, as in sync mode
+                result.metrics["rollout_wait_seconds"] = waited  # the learner starved: no rollouts of this step yet
                 result.metrics["learner_thread_cpu_s"] = time.thread_time() - cpu
                 result.metrics["stage_sum_seconds"] = result.metrics["step_seconds"]
                 result.metrics["step_seconds"] = now - last  # the interval between updates, generation overlapped
