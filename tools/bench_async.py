@@ -44,7 +44,9 @@ Figures (medians over runs; seconds are wall seconds of the RL phase, ``rl_secon
 - ``decode_steps_per_call``: ``--decode-steps-per-call K`` (both modes, warm-up included): the engine runs K
   decode steps per dispatch (``rollout.decode_steps_per_call``; null: the config's value). Same tokens as K=1.
 - ``profile``: where the time goes per mode: the generator's working seconds (sum of actor-gen) and waiting
-  seconds (rl_seconds - working), the learner's working seconds (the other stages) and waiting seconds, and
+  seconds (rl_seconds - working), the learner's working seconds (the other stages) and the rest (rl_seconds -
+  working: waits, the controller, bookkeeping), ``rollout_wait_s`` (async: the learner's measured wait for a
+  step's rollouts; sync: 0) and ``boundary_s`` (the controller's seconds at step boundaries), and
   the process's CPU seconds over the RL phase (``cores_used`` = CPU seconds / wall seconds).
 - ``simulator_async``: SIMULATED, not measured: the simulator's async (one-step-off, actor-gen on its own
   devices) policies ``async_fixed`` / ``async_nereus`` and the async oracle against sync ``nereus`` on the first
@@ -138,6 +140,8 @@ def one_run(cfg: Config, run_dir: str) -> dict:
             "accuracy_after": summary["accuracy_after"], "gen_s": gen, "rest_s": rest, "interval_s": intervals,
             "gen_work_s": sum(gen), "gen_wait_s": rl_s - sum(gen), "learner_work_s": sum(rest),
             "learner_wait_s": rl_s - sum(rest), "step_s_median": statistics.median(intervals),
+            "rollout_wait_s": sum(m.get("rollout_wait_seconds", 0.0) for m in metrics),
+            "boundary_s": sum(m.get("boundary_seconds", 0.0) for m in metrics),
             "cpu_s": RL_CPU["seconds"], "cores_used": RL_CPU["seconds"] / rl_s,
             "python_s": python_s, "python_fraction": python_s / rl_s,
             "response_length_mean": statistics.mean(m["response_length_mean"] for m in metrics),
@@ -224,8 +228,8 @@ def _median(runs: list[dict], key: str) -> float:
 
 def profile(runs: list[dict]) -> dict:
     keys = ("rl_seconds", "step_s_median", "gen_work_s", "gen_wait_s", "learner_work_s", "learner_wait_s", "cpu_s",
-            "cores_used", "python_s", "python_fraction")
-    return {k: round(_median(runs, k), 3) for k in keys}
+            "cores_used", "python_s", "python_fraction", "rollout_wait_s", "boundary_s")
+    return {k: round(_median(runs, k), 3) for k in keys if all(k in r for r in runs)}
 
 
 def summarize(sync: list[dict], asyn: list[dict], overlap: list[float], args, dispatch: list[float] = ()) -> dict:

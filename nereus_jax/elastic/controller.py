@@ -24,6 +24,15 @@ triggering signal (1 before any is seen), at most the steps the run has left whe
 back to the runners-up (slightly slower plans with cheaper transitions). The urgent path waives
 profitability; when no candidate can be reached live it says so (checkpoint/restart is the last resort).
 
+Margin (not in the paper): a non-urgent target is admitted only when its predicted dL also exceeds the
+cost model's own error on the moves made so far, ``transfer_error`` x the current step latency (Eq. 2 then
+prices the move as the paper does). After every move (urgent or not) the first measured step on the new
+plan is compared with the latency predicted for it at the decision; ``transfer_error`` is the mean of
+those relative errors (none until one move was measured); ``error_margin=False`` turns it off. A model calibrated on one plan extrapolates to
+others, and a gain smaller than its demonstrated error is a guess (simulated, paper_1024: a move predicted
+to gain 1.5% made 143 steps 5% slower). With ``gamma = inf`` (no admission: ``no_admission``,
+``every_K``) there is no margin either.
+
     controller = Controller(plan_fn, latency_fn, transition_fn, gamma=0.5)
     decision = controller.observe(Observation(step, plan, devices, response_length, step_seconds))
     saved = controller.state_dict()          # JSON-ready: references, horizons, crossings, efficiency window
@@ -33,6 +42,7 @@ profitability; when no candidate can be reached live it says so (checkpoint/rest
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -77,6 +87,7 @@ class Decision:
     transition_s: float | None        # predicted transition cost L_tran
     horizon: float                    # H
     rejected: tuple[tuple[Plan, str], ...] = ()  # candidates turned down, with the reason
+    margin_s: float = 0.0             # the cost model's demonstrated error (s/step): dL must exceed it
 
     def log_line(self) -> str:
         fmt = lambda x: "n/a" if x is None else f"{x:.3g}"  # noqa: E731
@@ -97,12 +108,13 @@ class Controller:
     def __init__(self, plan_fn: PlanFn, latency_fn: LatencyFn, transition_fn: TransitionFn, *,
                  gamma: float = 0.5, length_drift: float = 0.3, efficiency_drift: float = 0.3,
                  efficiency_window: int = 3, ema: float = 0.5, period: int | None = None,
-                 devices: Sequence[int] | None = None):
+                 devices: Sequence[int] | None = None, error_margin: bool = True):
         self.plan_fn, self.latency_fn, self.transition_fn = plan_fn, latency_fn, transition_fn
         self.gamma, self.length_drift, self.efficiency_drift, self.ema = gamma, length_drift, efficiency_drift, ema
         if period is not None and period < 1:
             raise ValueError(f"period={period}: re-plan every K >= 1 steps, or None for drift triggers")
         self.period = period
+        self.error_margin = error_margin  # False: Eq. 2 exactly as the paper has it
         self.reference_length: float | None = None
         self.reference_ratio: float | None = None  # the efficiency signal at the last reset (None: not yet)
         self.devices: tuple[int, ...] | None = None if devices is None else tuple(devices)  # the pool at start
@@ -112,10 +124,25 @@ class Controller:
         self._ratios: deque[float] = deque(maxlen=max(1, efficiency_window))  # on ``_ratio_plan``, newest last
         self._ratio_plan: Plan | None = None
         self._adopt_window = False  # after load_state_dict: the restored window is the next observed plan's
+        self._moved: tuple[Plan, float] | None = None  # (the plan a move left, the target's predicted latency)
+        self.transfer_errors: deque[float] = deque(maxlen=8)  # |measured / predicted - 1| of recent moves
         self.decisions: list[Decision] = []
+
+    @property
+    def transfer_error(self) -> float:
+        """Mean relative error of the cost model on the plans it moved to (0 before one was measured)."""
+        return statistics.mean(self.transfer_errors) if self.transfer_errors else 0.0
+
+    def _check_move(self, obs: Observation) -> None:
+        """The first measured step on a plan a move reached: how far was it from its prediction?"""
+        if self._moved is None or obs.plan == self._moved[0] or obs.step_seconds is None:
+            return
+        self.transfer_errors.append(abs(obs.step_seconds / self._moved[1] - 1))
+        self._moved = None
 
     # --------------------------------------------------------------------------------- triggers
     def observe(self, obs: Observation) -> Decision | None:
+        self._check_move(obs)
         efficiency = self._efficiency(obs)
         if self.reference_ratio is None:  # (re)established once the current plan has run a full window
             self.reference_ratio = efficiency
@@ -131,6 +158,8 @@ class Controller:
         decision = self._replan(obs, trigger, urgent)
         self.reference_length, self.devices = obs.response_length, tuple(obs.devices)  # reset, admitted or not
         self.reference_ratio = efficiency  # an admitted move starts a new window on its target
+        if decision.admitted and decision.target_latency_s:
+            self._moved = (obs.plan, decision.target_latency_s)
         self.decisions.append(decision)
         return decision
 
@@ -191,7 +220,7 @@ class Controller:
         return {"reference_length": self.reference_length, "reference_ratio": self.reference_ratio,
                 "devices": None if self.devices is None else list(self.devices), "horizon": dict(self.horizon),
                 "last_crossing": dict(self._last_crossing), "seen_twice": sorted(self._seen_twice),
-                "ratios": list(self._ratios)}
+                "ratios": list(self._ratios), "transfer_errors": list(self.transfer_errors)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; the efficiency window belongs to whatever plan is observed next
@@ -204,6 +233,8 @@ class Controller:
         self._seen_twice = set(state["seen_twice"])
         self._ratios.clear()
         self._ratios.extend(float(r) for r in state.get("ratios", ()))
+        self.transfer_errors.clear()
+        self.transfer_errors.extend(float(e) for e in state.get("transfer_errors", ()))
         self._adopt_window = True
 
     # ------------------------------------------------------------------------------- admission
@@ -212,6 +243,9 @@ class Controller:
         if obs.steps_left is not None:  # a new plan cannot pay back after the run ends
             H = min(H, float(max(1, obs.steps_left)))
         current = None if urgent else self.latency_fn(obs.plan, obs)
+        margin = 0.0
+        if self.error_margin and current is not None and self.gamma != math.inf:
+            margin = self.transfer_error * current
         candidates = [c for c in self.plan_fn(obs) if c.plan != obs.plan]
         rejected: list[tuple[Plan, str]] = []
         for c in candidates:
@@ -227,10 +261,15 @@ class Controller:
                 rejected.append((c.plan, "no gain" if gain is None else
                                  f"no gain: dL={gain:.3g} s/step (transition {cost:.3g} s)"))
                 continue
+            if gain <= margin:
+                rejected.append((c.plan, f"gain {gain:.3g} s/step is within the cost model's error on past moves "
+                                         f"({margin:.3g} s/step = {self.transfer_error:.1%} of the step)"))
+                continue
             if cost / gain <= self.gamma * H:
                 return Decision(obs.step, trigger, False, c.plan, True,
-                                f"pays back in {cost / gain:.2f} steps <= gamma*H={self.gamma * H:.2f}",
-                                current, c.step_latency_s, gain, cost, H, tuple(rejected))
+                                f"pays back in {cost / gain:.2f} steps <= gamma*H={self.gamma * H:.2f}"
+                                + (f" (gain above the model's error, {margin:.3g} s/step)" if margin else ""),
+                                current, c.step_latency_s, gain, cost, H, tuple(rejected), margin)
             rejected.append((c.plan, f"gain {gain:.3g} s/step, transition {cost:.3g} s: pays back in "
                                      f"{cost / gain:.2f} steps > gamma*H={self.gamma * H:.2f}"))
         reason = ("urgent, but no feasible live transition exists: checkpoint/restart is the last resort"

@@ -97,7 +97,7 @@ class Adapter:
         self.pool = tuple(range(cfg.cluster.num_devices))
         self.controller = Controller(self._candidates, self._latency, self._transition_seconds,
                                      gamma=cfg.controller.gamma, length_drift=cfg.controller.length_drift,
-                                     devices=self.pool)
+                                     devices=self.pool, error_margin=cfg.controller.error_margin)
         self.events: list[dict[str, Any]] = []  # decisions and transitions, for the run's log
         self.transitions = 0
         self.pending: _Pending | None = None

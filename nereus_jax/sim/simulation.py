@@ -235,6 +235,7 @@ class Simulation:
         if "efficiency_window" in c:
             kw["efficiency_window"] = int(c["efficiency_window"])
         kw["devices"] = self.trace.pool(0)  # the pool at start: a change before the first observation triggers
+        kw["error_margin"] = bool(c.get("error_margin", True))
         gamma = float(c.get("gamma", 0.5))
         args = (model.plan_fn, model.latency_fn, model.transition_fn)
         every = re.fullmatch(r"every_(\d+)", name)

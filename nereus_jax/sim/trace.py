@@ -32,7 +32,7 @@ _TOP = {"name", "description", "hardware", "models", "algorithm", "steps", "work
 _SECTIONS = {
     "workload": {"prompts_per_step", "samples_per_prompt", "packed", "prompt_length"},
     "response_length": {"keyframes", "max_over_p95", "jitter"},
-    "controller": {"gamma", "length_drift", "efficiency_drift", "efficiency_window", "ema"},
+    "controller": {"gamma", "length_drift", "efficiency_drift", "efficiency_window", "ema", "error_margin"},
     "planner": {"gap", "max_nodes", "headroom"},
     "truth": {"noise_cv", "straggler_per_device", "straggler_slowdown", "fragmentation"},
 }

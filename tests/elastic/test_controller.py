@@ -201,3 +201,28 @@ def test_a_pool_change_before_the_first_observation_triggers_when_the_starting_p
     assert d is not None and d.trigger == "pool" and d.urgent and d.admitted and d.target == B
     assert _controller({A: 1.0, B: 50.0}, [B], {B: 1000.0}).observe(_obs(0, 100, devices=(0, 1, 2))) is None
     assert _controller({A: 1.0}, [B], {B: 1.0}, devices=(0, 1, 2, 3)).observe(_obs(0, 100)) is None
+
+
+def _moved_then_missed(**kw):
+    """A move to B predicted at 8 s whose first measured step takes 10 s (a 25% error), then a length drift
+    whose only candidate, C, is predicted to gain 1 s/step (12.5%) for a 0.4 s transition."""
+    c = _controller({A: 10.0, B: 8.0, C: 7.0}, [B, C], {B: 0.4, C: 0.4}, gamma=0.5, **kw)
+    c.observe(_obs(0, 100))
+    moved = c.observe(_obs(1, 200))
+    assert moved.admitted and moved.target == B
+    assert c.observe(_obs(2, 200, plan=B, seconds=10.0)) is None
+    return c, c.observe(_obs(3, 300, plan=B))
+
+
+def test_a_gain_within_the_cost_models_error_on_past_moves_is_not_admitted():
+    c, d = _moved_then_missed()
+    assert c.transfer_error == 0.25  # |10 / 8 - 1|, measured on the first step the move reached
+    assert not d.admitted and "within the cost model's error" in d.rejected[0][1] and "25.0%" in d.rejected[0][1]
+    restarted = _controller({A: 10.0}, [], {})
+    restarted.load_state_dict(json.loads(json.dumps(c.state_dict())))
+    assert restarted.transfer_error == 0.25  # a checkpoint keeps it
+
+
+def test_without_the_error_margin_eq2_admits_the_same_gain_as_the_paper_does():
+    c, d = _moved_then_missed(error_margin=False)
+    assert d.admitted and d.target == C and d.gain_s == 1.0 and d.margin_s == 0.0
