@@ -28,10 +28,10 @@ Margin (not in the paper): a non-urgent target is admitted only when its predict
 cost model's own error on the moves made so far, ``transfer_error`` x the current step latency (Eq. 2 then
 prices the move as the paper does). After every move (urgent or not) the first measured step on the new
 plan is compared with the latency predicted for it at the decision; ``transfer_error`` is the mean of
-those relative errors (none until one move was measured); ``error_margin=False`` turns it off. A model calibrated on one plan extrapolates to
+those relative errors (none until one move was measured). A model calibrated on one plan extrapolates to
 others, and a gain smaller than its demonstrated error is a guess (simulated, paper_1024: a move predicted
-to gain 1.5% made 143 steps 5% slower). With ``gamma = inf`` (no admission: ``no_admission``,
-``every_K``) there is no margin either.
+to gain 1.5% made 143 steps 5% slower). ``error_margin=False`` turns it off; with ``gamma = inf`` (no
+admission: ``no_admission``, ``every_K``) there is no margin either.
 
     controller = Controller(plan_fn, latency_fn, transition_fn, gamma=0.5)
     decision = controller.observe(Observation(step, plan, devices, response_length, step_seconds))
