@@ -133,6 +133,11 @@ class Controller:
         """Mean relative error of the cost model on the plans it moved to (0 before one was measured)."""
         return statistics.mean(self.transfer_errors) if self.transfer_errors else 0.0
 
+    def forget_move(self) -> None:
+        """The runtime dropped the last admitted move (replaced, or its devices left first): the next plan
+        change is not the one predicted, so it does not measure the model's error."""
+        self._moved = None
+
     def _check_move(self, obs: Observation) -> None:
         """The first measured step on a plan a move reached: how far was it from its prediction?"""
         if self._moved is None or obs.plan == self._moved[0] or obs.step_seconds is None:

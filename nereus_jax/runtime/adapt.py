@@ -131,6 +131,7 @@ class Adapter:
             self.pending.future.result()  # planned before this loss: discard it and re-plan below
             self.log(f"step {step}: devices {sorted(gone)} left before the admitted move ran; re-planning")
             self.pending = None
+            self.controller.forget_move()
         if self.pending is not None:
             ready = all_processes(self.pending.future.done())
             if ready or self.pending.wait or gone & set(self.job.plan.devices):
@@ -172,6 +173,7 @@ class Adapter:
         decision = Decision(-1, "request", True, target, True, reason, None, None, None, None, 1.0)
         if self.pending is not None:
             self.pending.future.cancel()
+        self.controller.forget_move()  # the next plan change is this request, not the controller's last move
         steady = statistics.median(self._steady_s) if self._steady_s else None
         self.pending = _Pending(decision, target, self._pool_ex.submit(self.job.prepare, target),
                                 time.perf_counter(), -1, steady, wait=wait)
@@ -184,6 +186,7 @@ class Adapter:
         if self.pending is not None:
             self.pending.future.cancel()
             self.pending = None
+            self.controller.forget_move()
         self.job = job
         self.pool = tuple(d for d in self.pool if d not in set(devices))
         self.controller.devices = self.pool  # the recovery already re-planned for this pool

@@ -226,3 +226,12 @@ def test_a_gain_within_the_cost_models_error_on_past_moves_is_not_admitted():
 def test_without_the_error_margin_eq2_admits_the_same_gain_as_the_paper_does():
     c, d = _moved_then_missed(error_margin=False)
     assert d.admitted and d.target == C and d.gain_s == 1.0 and d.margin_s == 0.0
+
+
+def test_a_dropped_move_does_not_count_as_the_models_error():
+    c = _controller({A: 10.0, B: 8.0, C: 7.0}, [B, C], {B: 0.4, C: 0.4}, gamma=0.5)
+    c.observe(_obs(0, 100))
+    assert c.observe(_obs(1, 200)).target == B
+    c.forget_move()  # the runtime replaced it (a requested plan C, measured at 10 s)
+    assert c.observe(_obs(2, 200, plan=C, seconds=10.0)) is None
+    assert c.transfer_error == 0.0
