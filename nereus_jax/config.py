@@ -93,10 +93,17 @@ class RopeScalingConfig(_Node):
 
 @dataclass(frozen=True)
 class ModelConfig(_Node):
-    """Decoder architecture (Llama / Qwen2 family) and its dtypes; presets live in configs/models/."""
+    """Decoder architecture (Llama / Qwen2 / Qwen3 family) and its dtypes; presets live in configs/models/,
+    or ``hf_path`` names a local Hugging Face checkpoint whose config.json gives the architecture."""
 
     name: str = "tiny"
-    family: Literal["llama", "qwen2"] = "llama"
+    hf_path: str | None = _field(
+        None, "local Hugging Face checkpoint dir (config.json, *.safetensors, tokenizer): its config.json sets "
+              "the architecture, its weights start actor-train, actor-gen, ref-infer and the critic's trunk")
+    critic_hf_path: str | None = _field(
+        None, "local *ForSequenceClassification checkpoint the critic starts from (null: the actor's trunk "
+              "with a zero value head)")
+    family: Literal["llama", "qwen2", "qwen3"] = "llama"
     vocab_size: int = 128
     hidden_size: int = 64
     num_layers: int = 2
@@ -108,6 +115,7 @@ class ModelConfig(_Node):
     rope_scaling: RopeScalingConfig | None = None
     rms_norm_eps: float = 1e-5
     qkv_bias: bool = False
+    qk_norm: bool = _field(False, "per-head RMSNorm on queries and keys before RoPE (Qwen3)")
     tie_embeddings: bool = False
     max_position_embeddings: int = 2048
     param_dtype: Literal["float32", "bfloat16"] = _field("float32", "master weights and optimizer state")
@@ -142,6 +150,8 @@ class ModelConfig(_Node):
             )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         _check_positive("model", self, "head_dim")
+        if self.family == "qwen3":
+            require(self.qk_norm, "model.family=qwen3 has per-head q/k RMSNorm: set model.qk_norm=true")
 
 
 @dataclass(frozen=True)
@@ -315,21 +325,52 @@ class TaskConfig(_Node):
     """The prompts and their verifiable reward."""
 
     name: Literal["addition", "sorting", "countdown", "copy", "file"] = "addition"
-    prompt_file: str | None = _field(None, "prompts for task.name=file")
-    tokenizer_path: str | None = None
+    prompt_file: str | None = _field(None, "task.name=file: prompts with reference answers, JSONL or Parquet")
+    prompt_key: str = _field("prompt", "a row's prompt field (dotted path allowed): a string or a list of chat "
+                                       "messages {role, content}")
+    answer_key: str = _field("answer", "a row's reference-answer field (dotted path allowed, e.g. "
+                                       "reward_model.ground_truth)")
+    eval_file: str | None = _field(None, "held-out prompts (same format); null: the last task.eval_size rows of "
+                                         "task.prompt_file are held out")
+    system_prompt: str | None = _field(None, "a system message put before every prompt")
+    chat_template: bool | None = _field(
+        None, "render prompts with the tokenizer's chat template (add_generation_prompt); null: when it has one")
+    overlong: Literal["drop", "error"] = _field(
+        "drop", "prompts longer than rollout.max_prompt_length tokens: 'drop' them (counted, logged) or 'error'")
+    reward: Literal["exact", "math", "python"] = _field(
+        "exact", "exact: response equals the answer; math: the final answer (\\boxed{}, '#### N' or the last "
+                 "number) is equivalent to it (math-verify); python: task.reward_fn")
+    reward_fn: str | None = _field(None, "task.reward=python: 'package.module:function', called as "
+                                         "fn(prompt, response, answer) -> float")
+    reward_timeout: float = _field(10.0, "seconds a reward call (math or python) may take; slower calls score 0")
+    tokenizer_path: str | None = _field(None, "a local tokenizer.json (or its folder); null: model.hf_path's, else "
+                                              "the built-in character tokenizer")
     reward_model_path: str | None = _field(
         None, "a local Hugging Face *ForSequenceClassification checkpoint scoring responses (reward-infer) "
               "instead of the task's verifiable reward; it must share the actor's tokenizer")
     eval_size: int = 256
+    eval_samples: int = _field(1, "k > 1: also report sampled pass@k on the held-out prompts before and after RL")
     num_digits: int = 2
 
     def __post_init__(self) -> None:
         _check_at_least("task", self, 0, "eval_size")
-        _check_positive("task", self, "num_digits")
+        _check_positive("task", self, "num_digits", "eval_samples", "reward_timeout")
         require(
             self.name != "file" or self.prompt_file is not None,
-            "task.name is 'file' but task.prompt_file is not set: add task.prompt_file=path/to/prompts",
+            "task.name is 'file' but task.prompt_file is not set: add task.prompt_file=path/to/prompts.jsonl",
         )
+        require(
+            self.reward != "python" or self.reward_fn is not None,
+            "task.reward is 'python' but task.reward_fn is not set: add task.reward_fn=package.module:function",
+        )
+        require(
+            self.reward_fn is None or self.reward_fn.count(":") == 1,
+            f"task.reward_fn={self.reward_fn!r}: expected 'package.module:function'",
+        )
+        for key in ("prompt_key", "answer_key"):
+            value = getattr(self, key)
+            require(bool(value) and "" not in value.split("."),
+                    f"task.{key}={value!r}: expected a field name or a dotted path like reward_model.ground_truth")
 
 
 @dataclass(frozen=True)
@@ -361,6 +402,8 @@ class CheckpointConfig(_Node):
     every_steps: int = 0
     keep: int = 2
     resume_from: str | None = None
+    export_hf: bool = _field(False, "also write the actor as a Hugging Face checkpoint with every checkpoint "
+                                    "(<step>/hf); the run's end always writes RUN_DIR/hf")
 
     def __post_init__(self) -> None:
         _check_at_least("checkpoint", self, 0, "every_steps")
@@ -535,7 +578,9 @@ def _merge(base: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any
 
 
 def _expand_model(data: Mapping[str, Any]) -> dict[str, Any]:
-    """Replace `model: NAME` / `model: {preset: NAME, ...}` with the preset's keys plus the changes."""
+    """Replace `model: NAME` / `model: {preset: NAME, ...}` with the preset's keys plus the changes, and
+    `model: {hf_path: DIR, ...}` with the checkpoint's architecture plus the changes (a preset is then
+    ignored; a change that contradicts the checkpoint is an error naming both values)."""
     data = dict(data)
     model = data.get("model")
     if isinstance(model, str):
@@ -545,7 +590,9 @@ def _expand_model(data: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError(
             f"model: expected a preset name ({names}) or a mapping of ModelConfig keys, got {show(model)}"
         )
-    if isinstance(model, Mapping) and "preset" in model:
+    if isinstance(model, Mapping) and model.get("hf_path") is not None:
+        data["model"] = _checkpoint_model(model)
+    elif isinstance(model, Mapping) and "preset" in model:
         name = model["preset"]
         require(
             isinstance(name, str),
@@ -554,6 +601,38 @@ def _expand_model(data: Mapping[str, Any]) -> dict[str, Any]:
         changes = {k: v for k, v in model.items() if k != "preset"}
         data["model"] = _merge(_preset_data(name), changes)
     return data
+
+
+def _checkpoint_model(model: Mapping[str, Any]) -> dict[str, Any]:
+    """The model keys of `model.hf_path`'s config.json, plus the explicit keys of `model` that agree."""
+    from nereus_jax.hf_config import ARCHITECTURE_KEYS, HFImportError, model_keys_from_hf, read_hf_config
+
+    path = model["hf_path"]
+    require(isinstance(path, str) and path != "", f"model.hf_path: expected a directory path, got {show(path)}")
+    try:
+        keys = model_keys_from_hf(read_hf_config(path))
+    except HFImportError as e:
+        raise ConfigError(f"model.hf_path={path!r}: {e}") from None
+    explicit = {k: v for k, v in model.items() if k != "preset"}
+    for key in ARCHITECTURE_KEYS:
+        if key in explicit and explicit[key] is not None and not _same_value(explicit[key], keys[key]):
+            raise ConfigError(
+                f"model.{key}={_render(explicit[key])} contradicts the checkpoint model.hf_path={path!r}, whose "
+                f"config.json gives {_render(keys[key])}: drop model.{key} (the checkpoint decides the "
+                "architecture) or use another checkpoint")
+    name = Path(path).resolve().name or "hf"
+    return {"name": name, **keys, **{k: v for k, v in explicit.items() if k not in ARCHITECTURE_KEYS}}
+
+
+def _same_value(given: Any, expected: Any) -> bool:
+    """Config values compared as the tree would read them (1e-6 == 1.0e-6; mappings key by key)."""
+    if isinstance(expected, Mapping) and isinstance(given, Mapping):
+        return set(given) <= set(expected) and all(_same_value(v, expected[k]) for k, v in given.items())
+    if isinstance(expected, bool) or isinstance(given, bool):
+        return given is expected
+    if isinstance(expected, int | float) and isinstance(given, int | float):
+        return float(given) == float(expected)
+    return given == expected
 
 
 # ---------------------------------------------------------------------------------------------- overrides

@@ -51,7 +51,7 @@ from nereus_jax.sharding import Layout, device_index, make_mesh
 
 FORMAT = 1
 # model keys that may differ between the run that wrote a checkpoint and the run that resumes it
-_MODEL_KEYS_FREE = ("name", "remat", "compute_dtype")
+_MODEL_KEYS_FREE = ("name", "remat", "compute_dtype", "hf_path", "critic_hf_path")
 
 
 class CheckpointError(JobError):
