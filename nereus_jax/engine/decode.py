@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nereus_jax.config import ModelConfig
-from nereus_jax.models.layers import apply_rope, attention, constrain, rms_norm, rope_inv_freq, swiglu
+from nereus_jax.models.layers import apply_rope, attention, constrain, project_heads, rms_norm, rope_inv_freq, swiglu
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # as nereus_jax.models.layers
 LayerCaches = tuple[tuple[jax.Array, jax.Array], ...]  # per layer (k, v) [batch, kv_heads, length, head_dim]
@@ -72,14 +72,15 @@ def logits(params: dict, x_bd: jax.Array) -> jax.Array:
 def _layer(x, lp, cfg, positions_bt, start_b, inv_freq, mask_bts, k_cache, v_cache, only_b=None):
     a = lp["attn"]
     h = rms_norm(x, lp["attn_norm"]["scale"], cfg.rms_norm_eps)
-    k = apply_rope(_project(h, a["wk"], a.get("bk")), positions_bt, inv_freq)
-    v = _project(h, a["wv"], a.get("bv"))
+    q_norm, k_norm = (a["q_norm"]["scale"], a["k_norm"]["scale"]) if cfg.qk_norm else (None, None)
+    k = apply_rope(project_heads(h, a["wk"], a.get("bk"), k_norm, cfg.rms_norm_eps), positions_bt, inv_freq)
+    v = project_heads(h, a["wv"], a.get("bv"))
     k_cache = _write_rows(k_cache, k, start_b)
     v_cache = _write_rows(v_cache, v, start_b)
     if only_b is not None:  # from here on, only the selected token of each row
         pick = lambda y: jnp.take_along_axis(y, only_b.reshape((-1, 1) + (1,) * (y.ndim - 2)), axis=1)  # noqa: E731
         x, h, positions_bt, mask_bts = pick(x), pick(h), pick(positions_bt), pick(mask_bts)
-    q = apply_rope(_project(h, a["wq"], a.get("bq")), positions_bt, inv_freq)
+    q = apply_rope(project_heads(h, a["wq"], a.get("bq"), q_norm, cfg.rms_norm_eps), positions_bt, inv_freq)
     q = constrain(q, ("batch", "length", "heads", "head_dim"))
     out = attention(q, k_cache, v_cache, mask_bts) if q.shape[1] > 1 else _attend_one(q, k_cache, v_cache, mask_bts)
     x = constrain(x + jnp.einsum("bthe,hed->btd", out, a["wo"]), ("batch", "length", "embed"))
@@ -98,11 +99,6 @@ def _attend_one(q_b1he: jax.Array, k_bkse: jax.Array, v_bkse: jax.Array, mask_b1
     scores = jnp.where(mask_b1s[:, None, :, :], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_bkse.dtype)
     return jnp.einsum("bkgs,bkse->bkge", probs, v_bkse).reshape(b, 1, h, e)
-
-
-def _project(h_btd, w_dhe, b_he):
-    y = jnp.einsum("btd,dhe->bthe", h_btd, w_dhe)
-    return y if b_he is None else y + b_he
 
 
 def _write_rows(cache_bkse: jax.Array, new_btke: jax.Array, start_b: jax.Array) -> jax.Array:

@@ -1,4 +1,4 @@
-"""The Llama/Qwen2-family decoder: a Flax NNX module over a pure, jit-friendly forward.
+"""The Llama/Qwen2/Qwen3-family decoder: a Flax NNX module over a pure, jit-friendly forward.
 
 Layers are stacked along a leading ``layers`` axis and run under ``lax.scan``. Every parameter carries
 its logical axis names as NNX metadata (``logical_axes``); no mesh axis name appears in this package.
@@ -9,6 +9,7 @@ The parameter tree (``nnx.to_pure_dict(nnx.state(model, nnx.Param))``) is::
     layers/attn/wq             [layers, embed, heads, head_dim]      (+ bq [layers, heads, head_dim])
     layers/attn/wk, wv         [layers, embed, kv_heads, head_dim]   (+ bk, bv)
     layers/attn/wo             [layers, heads, head_dim, embed]
+    layers/attn/q_norm/scale   [layers, head_dim]   (+ k_norm: per-head RMSNorm of q and k, Qwen3's qk_norm)
     layers/mlp_norm/scale      [layers, embed]
     layers/mlp/w_gate, w_up    [layers, embed, mlp];  layers/mlp/w_down [layers, mlp, embed]
     final_norm/scale           [embed]
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nereus_jax.config import ModelConfig
-from nereus_jax.models.layers import apply_rope, attention, constrain, rms_norm, rope_inv_freq, swiglu
+from nereus_jax.models.layers import apply_rope, attention, constrain, project_heads, rms_norm, rope_inv_freq, swiglu
 
 Head = Literal["lm", "value"]
 _INIT_STD = 0.02
@@ -69,6 +70,9 @@ class _Attention(nnx.Module):
             self.bq = _param(rngs, (n, h, e), ("layers", "heads", "head_dim"), dtype, "zeros")
             self.bk = _param(rngs, (n, k, e), ("layers", "kv_heads", "head_dim"), dtype, "zeros")
             self.bv = _param(rngs, (n, k, e), ("layers", "kv_heads", "head_dim"), dtype, "zeros")
+        if cfg.qk_norm:
+            self.q_norm = _Norm((n, e), ("layers", "head_dim"), dtype, rngs)
+            self.k_norm = _Norm((n, e), ("layers", "head_dim"), dtype, rngs)
 
 
 class _Mlp(nnx.Module):
@@ -99,7 +103,7 @@ class _Dense(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    """Llama/Qwen2 decoder with a language-model head (``head="lm"``) or a value head (``head="value"``)."""
+    """Llama/Qwen2/Qwen3 decoder with a language-model head (``head="lm"``) or a value head (``head="value"``)."""
 
     def __init__(self, cfg: ModelConfig, *, head: Head = "lm", num_labels: int = 1, rngs: nnx.Rngs,
                  dtype: str | None = None):
@@ -257,9 +261,10 @@ def _scan_layers(layers, cfg, x, positions_bt, kv_fn, cache):
 def _block(x, lp, cfg, positions_bt, inv_freq, kv_fn, cache):
     a = lp["attn"]
     h = rms_norm(x, lp["attn_norm"]["scale"], cfg.rms_norm_eps)
-    q = _project(h, a["wq"], a.get("bq"))
-    k = _project(h, a["wk"], a.get("bk"))
-    v = _project(h, a["wv"], a.get("bv"))
+    q_norm, k_norm = (a["q_norm"]["scale"], a["k_norm"]["scale"]) if cfg.qk_norm else (None, None)
+    q = project_heads(h, a["wq"], a.get("bq"), q_norm, cfg.rms_norm_eps)
+    k = project_heads(h, a["wk"], a.get("bk"), k_norm, cfg.rms_norm_eps)
+    v = project_heads(h, a["wv"], a.get("bv"))
     q = constrain(apply_rope(q, positions_bt, inv_freq), ("batch", "length", "heads", "head_dim"))
     k = apply_rope(k, positions_bt, inv_freq)
     out, cache = kv_fn(q, k, v, cache)
@@ -269,7 +274,3 @@ def _block(x, lp, cfg, positions_bt, inv_freq, kv_fn, cache):
     h = rms_norm(x, lp["mlp_norm"]["scale"], cfg.rms_norm_eps)
     return x + swiglu(h, m["w_gate"], m["w_up"], m["w_down"]), cache
 
-
-def _project(h_btd, w_dhe, b_he):
-    y = jnp.einsum("btd,dhe->bthe", h_btd, w_dhe)
-    return y if b_he is None else y + b_he

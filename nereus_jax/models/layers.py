@@ -1,4 +1,4 @@
-"""Building blocks of the Llama/Qwen2 decoder as pure functions over arrays.
+"""Building blocks of the Llama/Qwen2/Qwen3 decoder as pure functions over arrays.
 
 Shapes are spelled in names: b batch, t query length, s key length, d embed, h query heads,
 k kv heads, g query heads per kv head, e head_dim, f mlp, v vocab. No mesh names appear here; the
@@ -42,6 +42,16 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (scale.astype(jnp.float32) * y.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
+
+
+def project_heads(h_btd: jax.Array, w_dhe: jax.Array, b_he: jax.Array | None = None,
+                  norm_scale_e: jax.Array | None = None, eps: float = 1e-6) -> jax.Array:
+    """Hidden states to per-head queries, keys or values [b, t, heads, e]: the projection, its bias
+    (Qwen2), then RMSNorm over each head's e (Qwen3's q_norm/k_norm, applied before RoPE)."""
+    y = jnp.einsum("btd,dhe->bthe", h_btd, w_dhe)
+    if b_he is not None:
+        y = y + b_he
+    return y if norm_scale_e is None else rms_norm(y, norm_scale_e, eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling=None) -> np.ndarray:

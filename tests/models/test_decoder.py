@@ -1,4 +1,5 @@
-"""The decoder against its own uncached reference: padding, KV cache, heads, full-size shapes."""
+"""The decoder against its own references: uncached vs cached, one device vs tensor parallel, the engine's
+unrolled decode path vs ``forward``, padding, heads, Qwen3's q/k norms, full-size shapes."""
 
 import dataclasses
 
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 from nereus_jax.config import ModelConfig, RopeScalingConfig, resolve_model
+from nereus_jax.engine import decode
 from nereus_jax.models import (
     Decoder,
     abstract_params,
@@ -16,9 +18,14 @@ from nereus_jax.models import (
     forward_with_cache,
     init_cache,
     init_params,
+    param_axes,
 )
+from nereus_jax.sharding import Layout, activation_sharding, make_mesh, shard_params
 
 TINY = ModelConfig()
+# Qwen3-shaped: per-head q/k RMSNorm, head_dim (32) != hidden / heads (16), tied embeddings, GQA.
+QWEN3 = ModelConfig(name="qwen3-tiny", family="qwen3", qk_norm=True, head_dim=32, tie_embeddings=True,
+                    rms_norm_eps=1e-6, rope_theta=1e6)
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +135,120 @@ def test_remat_gives_identical_logits_and_grads(params):
     np.testing.assert_allclose(np.asarray(loss(params, cfg)), np.asarray(loss(params, TINY)), rtol=1e-6)
     g1, g2 = jax.grad(loss)(params, cfg), jax.grad(loss)(params, TINY)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6), g1, g2)
+
+
+def _random_norms(params: dict, seed: int) -> dict:
+    """init_params sets norm scales to one; random scales make a misplaced or skipped norm change the output."""
+    rng = np.random.RandomState(seed)
+    out = jax.tree.map(np.asarray, params)
+    attn = out["layers"]["attn"]
+    for name in ("q_norm", "k_norm"):
+        if name in attn:
+            attn[name]["scale"] = (1.0 + 0.3 * rng.standard_normal(attn[name]["scale"].shape)).astype(np.float32)
+    return out
+
+
+@pytest.fixture(scope="module")
+def qwen3_params():
+    return _random_norms(init_params(QWEN3, seed=4), seed=4)
+
+
+def test_qk_norm_params_are_per_layer_head_dim_vectors(qwen3_params):
+    attn = qwen3_params["layers"]["attn"]
+    assert attn["q_norm"]["scale"].shape == attn["k_norm"]["scale"].shape == (QWEN3.num_layers, QWEN3.head_dim)
+    assert param_axes(QWEN3)["layers"]["attn"]["k_norm"]["scale"] == ("layers", "head_dim")
+    assert "q_norm" not in init_params(TINY)["layers"]["attn"]
+
+
+def test_qk_norm_normalises_each_head_of_q_and_k_before_rope(qwen3_params):
+    """Against a hand-written single-layer reference: the norm over head_dim sits between projection and RoPE."""
+    from nereus_jax.models.layers import apply_rope, attention, rms_norm, rope_inv_freq, swiglu
+
+    cfg = dataclasses.replace(QWEN3, num_layers=1)
+    p = {**qwen3_params, "layers": jax.tree.map(lambda x: x[:1], qwen3_params["layers"])}
+    tokens = _tokens(2, 6, seed=8)
+    lp = jax.tree.map(lambda x: x[0], p["layers"])
+    a, eps = lp["attn"], cfg.rms_norm_eps
+    x = p["embed"]["embedding"][tokens]
+    h = rms_norm(x, lp["attn_norm"]["scale"], eps)
+    pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
+    inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta)
+
+    def heads(w, scale):
+        y = jnp.einsum("btd,dhe->bthe", h, w)
+        y32 = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + eps)
+        return apply_rope(scale * y32, pos, inv)
+
+    q, k = heads(a["wq"], a["q_norm"]["scale"]), heads(a["wk"], a["k_norm"]["scale"])
+    v = jnp.einsum("btd,dhe->bhte", h, a["wv"])
+    out = attention(q, k.transpose(0, 2, 1, 3), v, jnp.tril(jnp.ones((6, 6), bool))[None])
+    x = x + jnp.einsum("bthe,hed->btd", out, a["wo"])
+    x = x + swiglu(rms_norm(x, lp["mlp_norm"]["scale"], eps), lp["mlp"]["w_gate"], lp["mlp"]["w_up"],
+                   lp["mlp"]["w_down"])
+    ref = rms_norm(x, p["final_norm"]["scale"], eps) @ p["embed"]["embedding"].T
+    np.testing.assert_allclose(np.asarray(forward(p, cfg, tokens)), np.asarray(ref), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_qwen3_sharded_forward_matches_one_device(qwen3_params, devices, tp):
+    """q_norm/k_norm (axes layers, head_dim) stay whole on every tp rank; tp=4 exceeds the 2 kv heads."""
+    tokens = _tokens(2, 9, seed=6)
+    mask = jnp.array([[0] * 3 + [1] * 6, [1] * 9])
+    ref = np.asarray(forward(qwen3_params, QWEN3, tokens, None, mask))
+    layout = Layout(tp=tp)
+    mesh = make_mesh(devices[:tp], layout)
+    sharded = shard_params(qwen3_params, QWEN3, layout, mesh)
+    assert sharded["layers"]["attn"]["q_norm"]["scale"].sharding.is_fully_replicated
+    with activation_sharding(mesh, "train"):
+        logits = jax.jit(forward, static_argnums=1)(sharded, QWEN3, tokens, None, mask)
+    assert len(logits.sharding.device_set) == tp
+    np.testing.assert_allclose(np.asarray(logits), ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("cfg", [TINY, dataclasses.replace(TINY, qkv_bias=True), QWEN3],
+                         ids=["llama", "qkv_bias", "qwen3"])
+def test_engine_decode_path_equals_forward_for_prefill_and_each_step(cfg):
+    """The engine's unrolled per-layer path (nereus_jax.engine.decode) against models.forward, per family."""
+    raw = _random_norms(init_params(cfg, seed=2), seed=2)
+    if cfg.qkv_bias:
+        raw["layers"]["attn"] = {k: v + 0.1 if k.startswith("b") else v for k, v in raw["layers"]["attn"].items()}
+    params = decode.unstack_layers(raw)
+    run = jax.jit(decode.run, static_argnums=1)
+    tokens = _tokens(2, 10, seed=9)
+    full = np.asarray(forward(raw, cfg, tokens))
+    caches = decode.empty_caches(cfg, 2, 16, cfg.num_kv_heads, jnp.float32)
+    hidden, caches = run(params, cfg, tokens[:, :6], jnp.zeros(2, jnp.int32), caches)
+    prefill = jax.vmap(lambda h: decode.logits(params, h), in_axes=1, out_axes=1)(hidden)
+    np.testing.assert_allclose(np.asarray(prefill), full[:, :6], atol=1e-5, rtol=0)
+    for t in range(6, 10):
+        hidden, caches = run(params, cfg, tokens[:, t:t + 1], jnp.full(2, t, jnp.int32), caches)
+        np.testing.assert_allclose(np.asarray(decode.logits(params, hidden[:, 0])), full[:, t], atol=1e-5, rtol=0)
+
+
+def test_qwen3_cached_decode_matches_full_forward(qwen3_params):
+    tokens = _tokens(2, 8, seed=10)
+    full = forward(qwen3_params, QWEN3, tokens)
+    cache = init_cache(QWEN3, batch=2, max_len=8)
+    logits, cache = forward_with_cache(qwen3_params, QWEN3, tokens[:, :5], jnp.broadcast_to(jnp.arange(5), (2, 5)),
+                                       cache)
+    steps = [logits]
+    for t in range(5, 8):
+        out, cache = forward_with_cache(qwen3_params, QWEN3, tokens[:, t:t + 1], jnp.full((2, 1), t), cache)
+        steps.append(out)
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, axis=1)), np.asarray(full), atol=1e-5)
+
+
+@pytest.mark.smoke
+def test_qwen3_8b_has_8_19b_params_without_allocating():
+    """Reference: the Qwen/Qwen3-8B model card, "Number of Parameters: 8.2B; Number of Paramaters
+    (Non-Embedding): 6.95B" (8.19e9 to three figures: untied 151,936 x 4,096 embedding and lm head)."""
+    cfg = resolve_model("qwen3-8b")
+    shapes = abstract_params(cfg)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(shapes))
+    n = count_params(shapes)
+    assert abs(n - 8.19e9) / 8.19e9 < 5e-3, n
+    embedding = 2 * cfg.vocab_size * cfg.hidden_size
+    assert abs(n - embedding - 6.95e9) / 6.95e9 < 5e-3, n - embedding
 
 
 @pytest.mark.smoke

@@ -51,6 +51,11 @@ def _layer_bias_params(cfg: ModelConfig, kv_heads: int) -> int:
     return (cfg.num_heads + 2 * kv_heads) * cfg.head_dim if cfg.qkv_bias else 0
 
 
+def _layer_norm_params(cfg: ModelConfig) -> int:
+    """The norms of one layer (replicated over tp): two over embed, plus Qwen3's q/k norms over head_dim."""
+    return 2 * cfg.hidden_size + (2 * cfg.head_dim if cfg.qk_norm else 0)
+
+
 def _head_params(cfg: ModelConfig, head: str, num_labels: int = 1) -> int:
     assert head in HEADS, head
     if head == "value":
@@ -61,14 +66,14 @@ def _head_params(cfg: ModelConfig, head: str, num_labels: int = 1) -> int:
 def param_count(cfg: ModelConfig, head: str = "lm", num_labels: int = 1) -> int:
     """Scalars in the canonical parameter tree (``count_params(abstract_params(cfg, head=...))``)."""
     k, d = cfg.num_kv_heads, cfg.hidden_size
-    per_layer = _layer_matmul_params(cfg, k) + _layer_bias_params(cfg, k) + 2 * d
+    per_layer = _layer_matmul_params(cfg, k) + _layer_bias_params(cfg, k) + _layer_norm_params(cfg)
     return cfg.vocab_size * d + cfg.num_layers * per_layer + d + _head_params(cfg, head, num_labels)
 
 
 def layer_params_per_device(cfg: ModelConfig, tp: int) -> float:
     """Scalars of one decoder layer on one device of a tp group (kv copies included, norms whole)."""
     kv = cfg.num_kv_heads * kv_copies(cfg, tp)
-    return (_layer_matmul_params(cfg, kv) + _layer_bias_params(cfg, kv)) / tp + 2 * cfg.hidden_size
+    return (_layer_matmul_params(cfg, kv) + _layer_bias_params(cfg, kv)) / tp + _layer_norm_params(cfg)
 
 
 def params_per_device(cfg: ModelConfig, tp: int, pp: int, head: str = "lm", num_labels: int = 1) -> float:
