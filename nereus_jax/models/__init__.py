@@ -1,4 +1,5 @@
-"""Llama/Qwen2-family decoder in Flax NNX (logical axes only, no meshes) and Hugging Face import/export."""
+"""Llama/Qwen2/Qwen3-family decoder in Flax NNX (logical axes only, no meshes) and Hugging Face import/export
+(host numpy; a streaming reader of checkpoint slices)."""
 
 from nereus_jax.models.decoder import (
     Decoder,
@@ -17,10 +18,18 @@ from nereus_jax.models.decoder import (
     output_head,
     param_axes,
 )
-from nereus_jax.models.hf import HFImportError, hf_config_from_model, load_hf, model_config_from_hf, save_hf
+from nereus_jax.models.hf import (
+    HFCheckpoint,
+    HFImportError,
+    hf_config_from_model,
+    load_hf,
+    model_config_from_hf,
+    save_hf,
+)
 
 __all__ = [
     "Decoder",
+    "HFCheckpoint",
     "HFImportError",
     "KVCache",
     "abstract_params",

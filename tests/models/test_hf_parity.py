@@ -1,4 +1,4 @@
-"""Parity with Hugging Face transformers on tiny random Llama / Qwen2 models: logits and pooled scores
+"""Parity with Hugging Face transformers on tiny random Llama / Qwen2 / Qwen3 models: logits and pooled scores
 within 1e-4, bit-exact export round trips, loading onto tensor-parallel layouts, and import errors.
 
 Run: ``.venv311/bin/python -m pytest tests/models/test_hf_parity.py -q`` (torch + transformers needed;
@@ -22,7 +22,7 @@ from safetensors.numpy import save_file
 from nereus_jax.config import ModelConfig, RopeScalingConfig
 from nereus_jax.models import forward, init_params
 from nereus_jax.models.hf import HFImportError, hf_config_from_model, load_hf, model_config_from_hf, save_hf
-from nereus_jax.sharding import Layout, gather_params, make_mesh
+from nereus_jax.sharding import Layout, gather_params, make_mesh, shard_params
 
 if os.environ.get("NEREUS_REQUIRE_HF") == "1":
     import torch
@@ -49,6 +49,10 @@ MODELS = {
                                                                         num_labels=1, pad_token_id=PAD)),
     "qwen_cls": ("Qwen2ForSequenceClassification", "Qwen2Config", dict(num_labels=1, pad_token_id=PAD)),
     "qwen_cls2": ("Qwen2ForSequenceClassification", "Qwen2Config", dict(num_labels=2, pad_token_id=PAD)),
+    # Qwen3: per-head q_norm/k_norm; head_dim 32 set apart from hidden / heads = 16.
+    "qwen3_lm": ("Qwen3ForCausalLM", "Qwen3Config", dict(head_dim=32, rope_theta=1e6, tie_word_embeddings=False)),
+    "qwen3_cls": ("Qwen3ForSequenceClassification", "Qwen3Config", dict(head_dim=32, num_labels=1,
+                                                                         pad_token_id=PAD)),
 }
 
 
@@ -121,7 +125,7 @@ def _copy_with(src: Path, dst: Path, *, drop: str | None = None, replace: dict |
 
 
 # --------------------------------------------------------------------------------------------- logits
-@pytest.mark.parametrize("key", ["llama_lm", "qwen_lm"])
+@pytest.mark.parametrize("key", ["llama_lm", "qwen_lm", "qwen3_lm"])
 def test_hf_parity_causal_lm_logits_match_on_padded_batch(hf_models, batch, key):
     hf = hf_models[key]
     cfg, params = load_hf(hf.path)
@@ -142,6 +146,19 @@ def test_hf_parity_llama3_rope_scaling_is_applied_by_both(hf_models, batch):
     assert np.abs(unscaled[real] - _hf_out(hf.model, batch)[real]).max() > 1e-2
 
 
+def test_hf_parity_qwen3_qk_norms_and_wide_heads_are_imported(hf_models, batch):
+    hf = hf_models["qwen3_lm"]
+    assert hf.model.config.head_dim == 32 != hf.model.config.hidden_size // hf.model.config.num_attention_heads
+    cfg, params = load_hf(hf.path)
+    assert (cfg.family, cfg.qk_norm, cfg.head_dim, cfg.qkv_bias) == ("qwen3", True, 32, False)
+    attn = hf.model.model.layers[1].self_attn
+    for name, module in (("q_norm", attn.q_norm), ("k_norm", attn.k_norm)):
+        np.testing.assert_array_equal(params["layers"]["attn"][name]["scale"][1], module.weight.detach().numpy())
+    real = batch.mask == 1  # the norms matter: skipping them moves the logits far past 1e-4
+    unnormed = _ours(params, dataclasses.replace(cfg, family="llama", qk_norm=False), batch)
+    assert np.abs(unnormed[real] - _hf_out(hf.model, batch)[real]).max() > 1e-2
+
+
 def test_hf_parity_qwen2_biases_and_tied_head_are_imported(hf_models):
     cfg, params = load_hf(hf_models["qwen_lm"].path)
     assert cfg.family == "qwen2" and cfg.qkv_bias and cfg.tie_embeddings and "lm_head" not in params
@@ -149,7 +166,7 @@ def test_hf_parity_qwen2_biases_and_tied_head_are_imported(hf_models):
 
 
 # ----------------------------------------------------------------------------------- pooled scores
-@pytest.mark.parametrize("key, labels", [("llama_cls", 1), ("qwen_cls", 1), ("qwen_cls2", 2)])
+@pytest.mark.parametrize("key, labels", [("llama_cls", 1), ("qwen_cls", 1), ("qwen_cls2", 2), ("qwen3_cls", 1)])
 def test_hf_parity_sequence_classification_scores_match_value_head(hf_models, batch, key, labels):
     hf = hf_models[key]
     cfg, params = load_hf(hf.path)
@@ -161,7 +178,7 @@ def test_hf_parity_sequence_classification_scores_match_value_head(hf_models, ba
 
 
 # ------------------------------------------------------------------------------------------ export
-@pytest.mark.parametrize("key", ["llama_lm", "qwen_lm", "qwen_cls2"])
+@pytest.mark.parametrize("key", ["llama_lm", "qwen_lm", "qwen_cls2", "qwen3_lm", "qwen3_cls"])
 def test_hf_parity_export_round_trip_is_bit_exact(hf_models, batch, key, tmp_path):
     hf = hf_models[key]
     cfg, params = load_hf(hf.path)
@@ -182,18 +199,26 @@ def test_hf_parity_export_round_trip_is_bit_exact(hf_models, batch, key, tmp_pat
     ModelConfig(family="llama", qkv_bias=True, rope_theta=500000.0, rms_norm_eps=1e-6,
                 rope_scaling=RopeScalingConfig(original_max_position_embeddings=16)),
     ModelConfig(family="qwen2", qkv_bias=False, tie_embeddings=True, head_dim=32),
-], ids=["llama_qkv_bias", "qwen2_no_bias_wide_heads"])
+    ModelConfig(family="qwen3", qk_norm=True, qkv_bias=True, head_dim=32, rms_norm_eps=1e-6),
+], ids=["llama_qkv_bias", "qwen2_no_bias_wide_heads", "qwen3_attention_bias"])
 def test_hf_parity_export_of_our_random_model_matches_in_transformers(cfg, batch, tmp_path):
-    """Our-side parameters (not from HF) through save_hf: Llama's qkv bias goes out with a zero o_proj bias,
-    a bias-free Qwen2 with zero biases (HF Qwen2 always has them); explicit head_dim != hidden / heads."""
+    """Our-side parameters (not from HF) through save_hf: Llama's and Qwen3's qkv bias go out with a zero
+    o_proj bias, a bias-free Qwen2 with zero biases (HF Qwen2 always has them); explicit head_dim != hidden /
+    heads. transformers finds every tensor it expects (none initialised at random)."""
     rng = np.random.RandomState(1)
     params = jax.tree.map(lambda x: (0.2 * rng.standard_normal(x.shape)).astype(np.float32), init_params(cfg, seed=1))
     params["layers"]["attn_norm"]["scale"] += 1.0
+    if cfg.qk_norm:
+        for name in ("q_norm", "k_norm"):
+            params["layers"]["attn"][name]["scale"] += 1.0
     save_hf(tmp_path / "export", cfg, params)
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", attn_implementation="eager").eval()
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "export", attn_implementation="eager", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
     real = batch.mask == 1
-    np.testing.assert_allclose(_hf_out(model, batch)[real], _ours(params, cfg, batch)[real], atol=1e-4, rtol=0)
-    if cfg.family == "llama":  # an o_proj bias our decoder cannot hold is refused, naming it
+    np.testing.assert_allclose(_hf_out(model.eval(), batch)[real], _ours(params, cfg, batch)[real], atol=1e-4,
+                               rtol=0)
+    if cfg.family != "qwen2":  # an o_proj bias our decoder cannot hold is refused, naming it
         name = "model.layers.1.self_attn.o_proj.bias"
         _copy_with(tmp_path / "export", tmp_path / "biased", replace={name: np.ones(64, np.float32)})
         with pytest.raises(HFImportError, match=name):
@@ -204,8 +229,8 @@ def test_hf_parity_sharded_export_of_laid_out_params(hf_models, batch, devices, 
     hf = hf_models["llama_lm"]
     cfg, params = load_hf(hf.path)
     layout = Layout(tp=4)  # exceeds the 2 kv heads: the laid-out tree stores each kv head twice
-    _, laid_out = load_hf(hf.path, layout=layout, mesh=make_mesh(devices[:4], layout))
-    save_hf(tmp_path, cfg, laid_out, max_shard_bytes=40_000)
+    laid_out = shard_params(params, cfg, layout, make_mesh(devices[:4], layout))
+    save_hf(tmp_path, cfg, gather_params(laid_out, cfg), max_shard_bytes=40_000)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1 and not (tmp_path / "model.safetensors").exists()
     original = _tensors(hf.path)
@@ -232,13 +257,13 @@ def test_hf_parity_bfloat16_checkpoint_loads_casts_and_exports(hf_models, tmp_pa
 
 
 # -------------------------------------------------------------------------------- sharded loading
-@pytest.mark.parametrize("key", ["llama_lm", "qwen_lm"])
+@pytest.mark.parametrize("key", ["llama_lm", "qwen_lm", "qwen3_lm"])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_hf_parity_loading_onto_tensor_parallel_layout(hf_models, batch, devices, key, tp):
     hf = hf_models[key]
     cfg, params = load_hf(hf.path)
     layout = Layout(tp=tp)
-    _, sharded = load_hf(hf.path, layout=layout, mesh=make_mesh(devices[:tp], layout))
+    sharded = shard_params(params, cfg, layout, make_mesh(devices[:tp], layout))
     for leaf in jax.tree.leaves(sharded):
         assert isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) == tp
     wq, wk = sharded["layers"]["attn"]["wq"], sharded["layers"]["attn"]["wk"]
