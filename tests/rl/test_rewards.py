@@ -131,6 +131,17 @@ def test_math_reward_of_a_grpo_sized_batch_takes_well_under_a_second(math_reward
     assert out.correct.tolist() == [(k // 4) % 4 == 0 or k % 3 == 0 or k % 2 == 0 for k in range(256)]
 
 
+def test_an_answer_that_hangs_math_verify_times_out_and_the_batch_goes_on():
+    log = Log()
+    with make_rewarder(_cfg("math"), None, log=log, workers=1) as rewarder:
+        rewarder.score(_problems(["1"]), ["\\boxed{\\frac{2}{2}}"])  # started
+        start = time.perf_counter()
+        out = rewarder.score(_problems(["1", "\\frac{1}{2}"]), ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{0.5}"])
+        assert time.perf_counter() - start < TIMEOUT + 2.0
+        assert out.rewards.tolist() == [0.0, 1.0] and out.timeouts == 1 and out.format_ok.all()
+        assert "reward math-verify timed out after task.reward_timeout=1 s on data.jsonl:1" in log[0]
+
+
 # ------------------------------------------------------------------------------------------------ python rewards
 def _python(name: str, log=None, timeout: float = TIMEOUT):
     return make_rewarder(_cfg("python", f"reward_fns:{name}", timeout), None, log=log, workers=1)
