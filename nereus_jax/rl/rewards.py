@@ -293,22 +293,35 @@ def _last_match(pattern: re.Pattern, text: str, group: int = 0) -> str | None:
 
 
 _PLAIN_NUMBER = re.compile(r"-?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?")
+_PLAIN_FRACTION = re.compile(r"(-?)(?:\\[dt]?frac\{(-?[0-9]+)\}\{([0-9]+)\}"  # \frac{3}{4}, \dfrac{-3}{4}
+                             r"|\\[dt]?frac([0-9])([0-9])|([0-9]+)/([0-9]+))")  # \frac34, 3/4
 
 
 def _plain_verdict(reference: str, answer: str | None) -> _Outcome | None:
     """The verdict where it needs no math-verify call (None where it does): no answer is wrong, the same text
-    is right, and two plain numbers compare exactly (integers of up to 15 digits are also unequal exactly;
-    other unequal numbers go to math-verify, which allows rounding)."""
+    is right, two plain numbers or fractions of equal value are right, two different integers (up to 15
+    digits) are wrong. Other pairs go to math-verify (it allows rounding, forms, symbols)."""
     if answer is None or answer == reference:
         return _Outcome("ok", float(answer is not None))
-    if not (_PLAIN_NUMBER.fullmatch(reference) and _PLAIN_NUMBER.fullmatch(answer)):
+    ref, ans = _plain_value(reference), _plain_value(answer)
+    if ref is None or ans is None:
         return None
-    ref, ans = reference.replace(",", ""), answer.replace(",", "")
-    if Fraction(ref) == Fraction(ans):
+    if ref == ans:
         return _Outcome("ok", 1.0)
-    if "." not in ref + ans and max(len(ref), len(ans)) <= 15:
+    if all(_PLAIN_NUMBER.fullmatch(t) and "." not in t and len(t) <= 15 for t in (reference, answer)):
         return _Outcome("ok", 0.0)
     return None
+
+
+def _plain_value(text: str) -> Fraction | None:
+    """The exact value of a plain number (``-1,234.5``) or fraction (``\\frac{3}{4}``, ``\\dfrac12``, ``3/4``)."""
+    if _PLAIN_NUMBER.fullmatch(text):
+        return Fraction(text.replace(",", ""))
+    m = _PLAIN_FRACTION.fullmatch(text)
+    if m is None:
+        return None
+    num, den = [int(g) for g in m.groups()[1:] if g is not None]
+    return None if den == 0 else Fraction(-num if m.group(1) else num, den)
 
 
 def _as_given(prompt: str | tuple) -> str | list[dict]:

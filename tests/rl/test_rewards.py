@@ -12,6 +12,7 @@ from nereus_jax.rl.rewards import (
     ExactRewarder,
     RewardBatch,
     RewardFunctionError,
+    _plain_verdict,
     extract_answer,
     make_rewarder,
     reference_answer,
@@ -117,11 +118,11 @@ def test_math_reward_rejects_a_wrong_answer_and_flags_a_missing_one(math_rewarde
 
 
 def test_math_reward_of_a_grpo_sized_batch_takes_well_under_a_second(math_rewarder):
-    # 64 prompts x 4 samples: integer answers (boxed, '#### N', right or off by one) and, for every fourth
-    # prompt, a fraction written differently from the reference (one math-verify call per prompt).
-    refs = [f"\\frac{{{i}}}{{7}}" if i % 4 == 0 else str(i) for i in range(64)]
+    # 64 prompts x 4 samples: integer answers (boxed or '#### N', right or off by one) and, for every fourth
+    # prompt, a thirds fraction answered as a rounded decimal (one math-verify call per prompt).
+    refs = [f"\\frac{{{i + 1}}}{{3}}" if i % 4 == 0 else str(i) for i in range(64)]
     problems = [p for p in _problems(refs) for _ in range(4)]
-    responses = [f"... \\boxed{{\\dfrac{{{2 * (k // 4)}}}{{14}}}}" if (k // 4) % 4 == 0
+    responses = [f"... \\boxed{{{(k // 4 + 1) / 3:.6f}}}" if (k // 4) % 4 == 0
                  else f"... so \\boxed{{{int(p.answer) + k % 2}}}" if k % 3 else f"#### {p.answer}"
                  for k, p in enumerate(problems)]
     math_rewarder.score(problems[:8], responses[:8])
@@ -129,6 +130,16 @@ def test_math_reward_of_a_grpo_sized_batch_takes_well_under_a_second(math_reward
     out = math_rewarder.score(problems, responses)
     assert time.perf_counter() - start < 1.0
     assert out.correct.tolist() == [(k // 4) % 4 == 0 or k % 3 == 0 or k % 2 == 0 for k in range(256)]
+
+
+@pytest.mark.parametrize(("reference", "answer", "verdict"), [
+    ("0.5", "\\frac{1}{2}", 1.0), ("-\\dfrac12", "-0.5", 1.0), ("3/4", "\\tfrac{6}{8}", 1.0),
+    ("1234", "1,234", 1.0), ("42", "41", 0.0), ("x+1", "x+1", 1.0),
+    ("0.5", "0.6", None), ("\\frac{1}{3}", "0.333333", None), ("x+1", "1+x", None), ("1", "\\frac{1}{0}", None),
+])
+def test_plain_numbers_and_fractions_are_judged_without_a_math_verify_call(reference, answer, verdict):
+    outcome = _plain_verdict(reference, answer)
+    assert (outcome.value if outcome is not None else None) == verdict
 
 
 def test_an_answer_that_hangs_math_verify_times_out_and_the_batch_goes_on():
