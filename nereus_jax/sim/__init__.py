@@ -10,9 +10,10 @@ policies: ``--policies async_fixed,async_nereus`` (``sim.asynchronous``).
 
 from nereus_jax.sim.asynchronous import ASYNC_POLICIES
 from nereus_jax.sim.plans import SimPlan
-from nereus_jax.sim.simulation import POLICIES, PolicyError, PolicyRun, Simulation, StepRecord
+from nereus_jax.sim.simulation import POLICIES, PolicyError, PolicyRun, Simulation, StepRecord, check_policy
 from nereus_jax.sim.trace import Trace, TraceError, build_trace, load_trace, resolve_trace_path
 from nereus_jax.sim.truth import GroundTruth, TruthSettings
 
 __all__ = ["ASYNC_POLICIES", "POLICIES", "GroundTruth", "PolicyError", "PolicyRun", "SimPlan", "Simulation",
-           "StepRecord", "Trace", "TraceError", "TruthSettings", "build_trace", "load_trace", "resolve_trace_path"]
+           "StepRecord", "Trace", "TraceError", "TruthSettings", "build_trace", "check_policy", "load_trace",
+           "resolve_trace_path"]

@@ -215,7 +215,7 @@ class Simulation:
     # ---------------------------------------------------------------------------------- policies
     def run(self, policies: Sequence[str] = POLICIES) -> dict[str, PolicyRun]:
         for p in policies:
-            _check_policy(p)
+            check_policy(p)
         runs: dict[str, PolicyRun] = {}
         oracle_picks = self._oracle_picks() if {"fixed_best", "oracle"} & set(policies) else None
         for name in policies:
@@ -392,10 +392,11 @@ def true_transition_seconds(truth: GroundTruth, graph: TransitionGraph) -> float
     return data + max((truth.setup_seconds(v) for v in changed), default=0.0)
 
 
-def _check_policy(name: str) -> None:
-    if name not in POLICIES + ASYNC_POLICIES + ("async_oracle",) and not re.fullmatch(r"every_\d+", name):
+def check_policy(name: str) -> None:
+    """Raises PolicyError unless ``name`` is a policy ``run`` knows (the message lists them)."""
+    if name not in POLICIES + ASYNC_POLICIES + ("async_oracle",) and not re.fullmatch(r"every_[1-9]\d*", name):
         raise PolicyError(f"unknown policy '{name}'; valid: {', '.join(POLICIES + ASYNC_POLICIES)}, async_oracle "
-                          "(every_K for any K)")
+                          "(every_K for any K >= 1)")
 
 
 def _bucket(wl: Workload) -> Workload:
