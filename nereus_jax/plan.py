@@ -9,7 +9,7 @@ seconds), memory per GPU, the predicted step latency and how long the decision t
 one JSON object instead (``plan``, ``step_latency_s``, ``stage_latency_s``, ``memory_per_device_bytes``,
 ``decision_ms``, ...). Every prompt and response has the given length (the worst case the cost model
 plans for). Exit status: 0 planned, 1 no plan fits (the message names the model-stage and bytes short),
-2 bad arguments.
+2 bad arguments (one line on stderr naming the flag and what to change; nothing is planned).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from nereus_jax._typed_tree import ConfigError
 from nereus_jax.config import available_models, resolve_model
@@ -29,9 +30,21 @@ from nereus_jax.rl.algorithms import ALGORITHMS, algorithm_spec
 GIB = 2**30
 
 
+class PlanArgumentError(ValueError):
+    """Command-line values that cannot describe a planning problem (the message names the flag to change)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Argument errors on one line, like every other bad input (argparse prints its usage block first)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m nereus_jax.plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="python -m nereus_jax.plan", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama3.1-8b", help=f"model preset ({', '.join(available_models())})")
     p.add_argument("--algorithm", default="ppo", help=f"RL algorithm ({', '.join(ALGORITHMS)})")
     p.add_argument("--gpus", type=int, default=64, help="devices in the pool")
@@ -84,24 +97,57 @@ def _json(result: PlanResult, args: argparse.Namespace, workload: Workload) -> s
     return json.dumps(out)
 
 
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Sizes positive, --runners-up non-negative, --headroom a fraction: before any planning."""
+    for name in ("gpus", "batch", "prompt_length", "response_length", "samples_per_prompt"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            default = " (or omit it: 8 for grpo/rloo, 1 otherwise)" if name == "samples_per_prompt" else ""
+            raise PlanArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {value}{default}")
+    if args.runners_up < 0:
+        raise PlanArgumentError(f"--runners-up must be >= 0, got {args.runners_up}")
+    if not 0 <= args.headroom < 1:
+        raise PlanArgumentError(f"--headroom must be in [0, 1) (a fraction of device memory), got {args.headroom}")
+
+
+def _check_context(args: argparse.Namespace, limit: int) -> None:
+    """A prompt plus its response must fit the model's context (its KV cache and positions)."""
+    total = args.prompt_length + args.response_length
+    if total > limit:
+        raise PlanArgumentError(
+            f"--prompt-length ({args.prompt_length}) + --response-length ({args.response_length}) = {total} "
+            f"exceeds max_position_embeddings ({limit}) of --model {args.model}: shorten them or use a "
+            "longer-context model")
+
+
+def _problem(args: argparse.Namespace):
+    """The model config, workload and planner the arguments describe; any bad argument raises first."""
+    try:
+        cfg = resolve_model(args.model)
+    except ConfigError as error:
+        raise PlanArgumentError(f"--model: {error}") from None
+    if args.algorithm not in ALGORITHMS:
+        raise PlanArgumentError(f"--algorithm: unknown algorithm '{args.algorithm}'; valid: {', '.join(ALGORITHMS)}")
+    spec = algorithm_spec(args.algorithm)
+    try:
+        hardware = get_hardware(args.hardware)
+    except HardwareError as error:
+        raise PlanArgumentError(f"--hardware: {error}") from None
+    _check_numbers(args)
+    _check_context(args, cfg.max_position_embeddings)
+    samples = args.samples_per_prompt or (8 if spec.needs_group else 1)
+    if spec.needs_group and samples < 2:
+        raise PlanArgumentError(f"--algorithm {args.algorithm} compares a prompt's samples: --samples-per-prompt >= 2")
+    workload = Workload.fixed(args.batch, args.prompt_length, args.response_length, samples,
+                              greedy_baseline=spec.needs_greedy_baseline)
+    return cfg, workload, Planner(hardware.name, headroom=args.headroom, runners_up=args.runners_up)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        cfg = resolve_model(args.model)
-        spec = algorithm_spec(args.algorithm)
-        hardware = get_hardware(args.hardware)
-        samples = args.samples_per_prompt or (8 if spec.needs_group else 1)
-        if args.gpus < 1:
-            raise ValueError(f"--gpus must be >= 1, got {args.gpus}")
-        for name in ("batch", "prompt_length", "response_length"):
-            if getattr(args, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-        if spec.needs_group and samples < 2:
-            raise ValueError(f"--algorithm {args.algorithm} compares a prompt's samples: --samples-per-prompt >= 2")
-        workload = Workload.fixed(args.batch, args.prompt_length, args.response_length, samples,
-                                  greedy_baseline=spec.needs_greedy_baseline)
-        planner = Planner(hardware.name, headroom=args.headroom, runners_up=args.runners_up)
-    except (ConfigError, HardwareError, WorkloadError, ValueError) as error:
+        cfg, workload, planner = _problem(args)
+    except (PlanArgumentError, WorkloadError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     try:
