@@ -104,11 +104,15 @@ def _check_sharding(cfg: Config, run_dir: str) -> dict:
 
 def _user_errors() -> tuple[type[Exception], ...]:
     """Errors a user's input causes: reported as one line with exit status 2, no traceback."""
+    from nereus_jax.hf_config import HFImportError
+    from nereus_jax.rl.rewards import RewardFunctionError
     from nereus_jax.rl.tasks import PromptDataError
+    from nereus_jax.rl.tokenizer import TokenizerError
     from nereus_jax.runtime.job import JobError
     from nereus_jax.sharding import LayoutError
 
-    return ConfigError, LayoutError, JobError, PromptDataError, FileNotFoundError
+    return (ConfigError, LayoutError, JobError, PromptDataError, TokenizerError, HFImportError, RewardFunctionError,
+            FileNotFoundError)
 
 
 if __name__ == "__main__":

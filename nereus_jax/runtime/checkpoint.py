@@ -44,7 +44,9 @@ from nereus_jax.elastic.emu import EMU, split_replicas
 from nereus_jax.elastic.executor import TransitionExecutor
 from nereus_jax.elastic.graph import TransitionGraph
 from nereus_jax.elastic.plan import DEVICE, ExecutionPlan, ModelStage, StagePlan
+from nereus_jax.elastic.sources import ZeroSource
 from nereus_jax.models import abstract_params
+from nereus_jax.runtime.export import export_dtype, tokenizer_dir
 from nereus_jax.runtime.job import DeviceLost, Job, JobError  # noqa: F401 - DeviceLost re-exported
 from nereus_jax.runtime.plans import job_stages, plan_from_config
 from nereus_jax.sharding import Layout, device_index, make_mesh
@@ -62,8 +64,11 @@ class CheckpointError(JobError):
 class Checkpointer:
     """Saves a job every ``every_steps`` steps (0 = only when asked) into ``directory``, keeping ``keep``."""
 
-    def __init__(self, directory: str, *, every_steps: int = 0, keep: int = 2, async_save: bool = True):
-        self.directory, self.every_steps = os.path.abspath(directory), every_steps
+    def __init__(self, directory: str, *, every_steps: int = 0, keep: int = 2, async_save: bool = True,
+                 export_hf: bool = False):
+        """``export_hf``: every save also writes ``<step>/hf``, the actor as a Hugging Face checkpoint (the
+        save is then waited for, so the export lands in the finished step folder)."""
+        self.directory, self.every_steps, self.export_hf = os.path.abspath(directory), every_steps, export_hf
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                                create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
@@ -86,8 +91,12 @@ class Checkpointer:
         meta = _to_json(job_metadata(job, steps_done))
         self.manager.save(steps_done, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                               meta=ocp.args.JsonSave(meta)))
-        if wait:
+        if wait or self.export_hf:
             self.wait()
+        if self.export_hf:
+            from nereus_jax.runtime.export import export_actor
+
+            export_actor(job, os.path.join(self.directory, str(steps_done), "hf"))
         return True
 
     def wait(self) -> None:
@@ -145,6 +154,8 @@ def job_metadata(job: Job, steps_done: int) -> dict[str, Any]:
         "plan": plan_to_json(job.plan), "num_devices": len(job.devices),
         "seeds": {"trainer": cfg.trainer.seed, "rollout": cfg.rollout.seed},
         "algorithm": cfg.algorithm.name, "model": model, "model_fingerprint": fingerprint(model),
+        "export": {"dtype": export_dtype(cfg), "tokenizer_dir": tokenizer_dir(cfg), "eos_ids": list(job.tok.eos_ids),
+                   "bos_id": job.tok.bos_id, "pad_id": job.tok.pad_id},
         "stages": {str(ms): [[list(leaf.shape), str(leaf.dtype)] for leaf in job.specs[ms].leaves]
                    for ms in job.units},
         "controller": adapter.state_dict() if adapter is not None and hasattr(adapter, "state_dict") else None,
@@ -252,7 +263,7 @@ def choose_plan(cfg: Config, meta: Mapping[str, Any], devices: int) -> Execution
 
 
 def restore_job(cfg: Config, task, tokenizer, path: str, *, plan: ExecutionPlan | None = None,
-                devices: Sequence[jax.Device] | None = None) -> tuple[Job, dict[str, Any]]:
+                devices: Sequence[jax.Device] | None = None, rewarder=None) -> tuple[Job, dict[str, Any]]:
     """A Job on ``devices`` (default: the config's) with the state of the checkpoint at ``path`` laid out in
     ``plan`` (default: :func:`choose_plan`); returns (job, metadata). ``meta["step"]`` is the next step."""
     meta = read_metadata(path)
@@ -260,8 +271,8 @@ def restore_job(cfg: Config, task, tokenizer, path: str, *, plan: ExecutionPlan 
     devices = list(devices or jax.devices()[: cfg.cluster.num_devices])
     plan = plan or choose_plan(cfg, meta, len(devices))
     _check_plan_fits(plan, len(devices), meta["_step_dir"])
-    zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), abstract_params(cfg.model))
-    job = Job(cfg, task, tokenizer, actor_params=zeros, plan=plan, devices=devices)
+    job = Job(cfg, task, tokenizer, actor=ZeroSource(abstract_params(cfg.model)), plan=plan, devices=devices,
+              rewarder=rewarder)
     restore_into(job, meta)
     return job, meta
 
@@ -287,6 +298,38 @@ def restore_into(job: Job, meta: Mapping[str, Any]) -> None:
     units = {ms: _units(job, ms, state[str(ms)], targets[str(ms)][1]) for ms in job.units}
     install(job, units, int(meta["policy_version"]))
     load_controller(job, meta)
+
+
+def restore_actor(path: str) -> tuple[Any, dict, dict[str, Any]]:
+    """(model config, canonical host parameters of actor-train, metadata) of the checkpoint at ``path``
+    (a root or a step folder), read without devices of any particular count: what an export needs."""
+    from nereus_jax._typed_tree import from_dict
+    from nereus_jax.config import ModelConfig
+    from nereus_jax.elastic.spec import StateSpec
+
+    meta = read_metadata(path)
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {meta['_step_dir']!r} has format {meta.get('format')}, this version "
+                              f"reads {FORMAT}")
+    model = from_dict(ModelConfig, meta["model"], "model")
+    key = str(ModelStage("actor", "train"))
+    saved = meta["stages"][key]
+    spec = StateSpec(model, "infer")
+    if [list(leaf.shape) for leaf in spec.leaves] != [s for s, _ in saved[: spec.n_params]]:
+        raise CheckpointError(f"checkpoint {meta['_step_dir']!r}: {key}'s saved shapes do not match its model config")
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    item = {key: [jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=cpu) for shape, dtype in saved]}
+    manager = ocp.CheckpointManager(meta["_root"], options=ocp.CheckpointManagerOptions(create=False))
+    try:
+        restored = manager.restore(meta["step"], args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(item, partial_restore=True)))["state"]
+    except Exception as e:  # Orbax/tensorstore raise many types for missing or cut files
+        raise CheckpointError(f"checkpoint {meta['_step_dir']!r} is incomplete or damaged ({type(e).__name__}: "
+                              f"{str(e)[:300]}): export an older step folder") from e
+    finally:
+        manager.close()
+    leaves = [np.asarray(x) for x in restored[key][: spec.n_params]]
+    return model, spec.unflatten(leaves)["params"], meta
 
 
 def load_controller(job: Job, meta: Mapping[str, Any]) -> bool:

@@ -32,6 +32,7 @@ from nereus_jax.elastic.emu import EMU, assemble_replicas, split_replicas
 from nereus_jax.elastic.executor import TransitionExecutor
 from nereus_jax.elastic.graph import TransitionGraph
 from nereus_jax.elastic.plan import DEVICE, HOST, ExecutionPlan, ModelStage
+from nereus_jax.elastic.sources import HostSource, ParamSource, ValueHeadSource, units_from_source
 from nereus_jax.elastic.spec import StateSpec
 from nereus_jax.elastic.weight_sync import WeightSync
 from nereus_jax.engine import Generator, JaxEngine, Rollouts, SamplingParams
@@ -85,8 +86,12 @@ class StepResult:
 class Job:
     """Holds every model-stage's units (EMUs), the engines of actor-gen, and the data position."""
 
-    def __init__(self, cfg: Config, task, tokenizer, *, actor_params: dict | None = None,
-                 plan: ExecutionPlan | None = None, devices: Sequence[jax.Device] | None = None):
+    def __init__(self, cfg: Config, task, tokenizer, *, actor: ParamSource | dict | None = None,
+                 plan: ExecutionPlan | None = None, devices: Sequence[jax.Device] | None = None, rewarder=None):
+        """``actor``: where actor-train, actor-gen, ref-infer (and the critic's trunk) start from: a parameter
+        source (a Hugging Face checkpoint, read slice by slice into each stage's shardings), a canonical host
+        tree, or None for random weights. ``rewarder``: the task's reward (default: built from the config;
+        the job does not close one it was given)."""
         self.cfg, self.task, self.tok = cfg, task, tokenizer
         self.algo = alg.algorithm_spec(cfg.algorithm.name)
         self.devices = list(devices or jax.devices()[: cfg.cluster.num_devices])
@@ -100,11 +105,18 @@ class Job:
         self.rows = cfg.trainer.prompts_per_step * self.n
         _check_rows(self.plan, self.rows)
         self.specs = _specs(cfg, self.algo.uses_critic)
-        self.reward_model = _load_reward_model(cfg, self.specs) if cfg.task.reward_model_path else None
+        self.reward_model = _reward_model(cfg, self.specs) if cfg.task.reward_model_path else None
+        self._own_rewarder = rewarder is None
+        if rewarder is None:
+            from nereus_jax.rl.rewards import make_rewarder
+
+            rewarder = make_rewarder(cfg.task, task)
+        self.rewarder = rewarder
         self.version = 0
         self.updates: dict[ModelStage, int] = {}  # successful training updates per model-stage (this Job)
-        params = actor_params if actor_params is not None else init_params(cfg.model, seed=cfg.trainer.seed)
-        self.units = self._initial_units(params)
+        if actor is None:
+            actor = init_params(cfg.model, seed=cfg.trainer.seed)
+        self.units = self._initial_units(actor if hasattr(actor, "read") else HostSource(actor))
         self.sync = WeightSync(self.plan, self.specs[ACTOR_TRAIN], self.specs[ACTOR_GEN],
                                caps=cfg.cluster.device_memory_bytes)
         self._programs: dict[Any, Any] = {}
@@ -117,23 +129,27 @@ class Job:
         self._fault: tuple[int, ...] = ()  # devices an injected fault loses in the next step
 
     # ------------------------------------------------------------------------------- construction
-    def _initial_units(self, actor: dict) -> dict[ModelStage, list[EMU]]:
-        host = jax.tree.map(np.asarray, actor)
-        states = {ACTOR_TRAIN: {"params": host, "opt": self.specs[ACTOR_TRAIN].optimizer.init(host)},
-                  ACTOR_GEN: {"params": host}, REF_INFER: {"params": host}}
+    def _initial_units(self, actor: ParamSource) -> dict[ModelStage, list[EMU]]:
+        """Every model-stage laid out in its plan straight from its source (each device reads its shard)."""
+        sources = {ACTOR_TRAIN: actor, ACTOR_GEN: actor, REF_INFER: actor}
         if self.algo.uses_critic:
-            critic = _critic_from_actor(host, self.cfg)
-            states[CRITIC_TRAIN] = {"params": critic, "opt": self.specs[CRITIC_TRAIN].optimizer.init(critic)}
+            sources[CRITIC_TRAIN] = _critic_source(self.cfg, actor)
         if self.reward_model is not None:
-            states[REWARD_INFER] = {"params": self.reward_model}
+            sources[REWARD_INFER] = self.reward_model
         units = {}
         for ms in job_stages(self.cfg):
-            sp, spec = self.plan[ms], self.specs[ms]
-            state = states[ms]
-            if ms.kind != "train":
-                state = {"params": jax.tree.map(lambda x, dt=spec.dtype: np.asarray(x, dt), state["params"])}
-            units[ms] = [EMU.create(ms, spec, sp.layout, [self.devices[i] for i in r], state) for r in sp.replicas]
+            sp = self.plan[ms]
+            replicas = [[self.devices[i] for i in r] for r in sp.replicas]
+            units[ms] = units_from_source(ms, self.specs[ms], sp.layout, replicas, sources[ms])
         return units
+
+    def close(self) -> None:
+        """Releases the engines' threads and the reward workers this job started."""
+        if self._engine_pool is not None:
+            self._engine_pool.shutdown(wait=False)
+            self._engine_pool = None
+        if self._own_rewarder:
+            self.rewarder.close()
 
     def _engine(self, unit: EMU) -> Generator | None:
         if not is_local(unit.devices[0]):
@@ -141,12 +157,17 @@ class Job:
         engine = self._new_engine(unit.mesh)
         return Generator(engine, engine.adopt_params(unit.params), version=self.version, pad_id=self.tok.pad_id)
 
+    def prompt_ids(self, problem: Problem) -> list[int]:
+        """A problem's prompt as the model sees it (see :func:`prompt_ids`)."""
+        return prompt_ids(self.tok, self.cfg.task, problem)
+
     def _new_engine(self, mesh) -> JaxEngine:
         cfg = self.cfg
         return JaxEngine(cfg.model, mesh, max_concurrent_decodes=max(1, cfg.rollout.max_concurrent_decodes),
                          max_prefill_length=self.P, max_target_length=self.P + self.R,
                          decode_steps_per_call=cfg.rollout.decode_steps_per_call,
-                         max_prefill_batch=min(16, max(1, cfg.trainer.prompts_per_step)))
+                         max_prefill_batch=min(16, max(1, cfg.trainer.prompts_per_step)),
+                         max_stop_tokens=max(4, len(self.tok.eos_ids)))
 
     # ------------------------------------------------------------------------------ plan changes
     def prepare(self, plan: ExecutionPlan) -> Prepared:
@@ -186,7 +207,7 @@ class Job:
             gen = Generator(engine, engine.load_params(_zeros(self.cfg.model)), pad_id=self.tok.pad_id)
             problems, positions = self.problems(0)
             share = -(-len(problems) // len(plan[ACTOR_GEN].replicas))
-            prompts = [[self.tok.bos_id] + self.tok.encode(p.prompt) for p in problems[:share]]
+            prompts = [self.prompt_ids(p) for p in problems[:share]]
             gen.generate(prompts, self._sampling(self.cfg.rollout.temperature, self.n),
                          prompt_ids=positions[:share] % (2**31))
             engines.append(gen)
@@ -248,7 +269,7 @@ class Job:
             lost, self._fault = self._fault, ()
             raise DeviceLost(lost, f"devices {list(lost)} failed during step {step} (injected)")
         t = time.perf_counter()
-        scores = self.rewards(problems, batch)
+        scores, reward_metrics = self.rewards(problems, batch)
         seconds["reward-infer" if self.reward_model is not None else "reward"] = time.perf_counter() - t
         staleness = self.version - batch.policy_version_b
         stale = {"rollout_staleness_max": int(staleness.max()), "rollouts_dropped": 0}
@@ -265,14 +286,15 @@ class Job:
         t = time.perf_counter()
         sync()
         seconds["weight-sync"] = time.perf_counter() - t
-        metrics = self._metrics(step, batch, scores, scored, train_metrics, seconds)
+        metrics = self._metrics(step, batch, scores, scored, train_metrics, seconds) | reward_metrics
+        metrics["accuracy"] = reward_metrics.get("answer_correct_fraction", metrics["accuracy"])
         return StepResult(metrics | stale, batch)
 
     def generate(self, problems: Sequence[Problem], positions: np.ndarray, temperature: float,
                  n: int | None = None) -> RolloutBatch:
         """Rollouts of every prompt, the prompts split over the actor-gen replicas in order."""
         n = self.n if n is None else n
-        prompts = [[self.tok.bos_id] + self.tok.encode(p.prompt) for p in problems]
+        prompts = [self.prompt_ids(p) for p in problems]
         _check_prompt_lengths(prompts, self.P)
         sampling = self._sampling(temperature, n)
         chunks = np.array_split(np.arange(len(prompts)), len(self._engines))
@@ -329,17 +351,26 @@ class Job:
         c = self.cfg.rollout
         return SamplingParams(temperature=temperature, top_k=c.top_k if temperature else 0,
                               top_p=c.top_p if temperature else 1.0, max_new_tokens=self.R,
-                              stop_tokens=(self.tok.eos_id,), n=n, seed=c.seed)
+                              stop_tokens=tuple(self.tok.eos_ids), n=n, seed=c.seed)
 
-    def rewards(self, problems: Sequence[Problem], batch: RolloutBatch) -> np.ndarray:
-        """[rows] sequence rewards: the reward model's scores (reward-infer), else the task's rule."""
+    def rewards(self, problems: Sequence[Problem], batch: RolloutBatch) -> tuple[np.ndarray, dict[str, float]]:
+        """[rows] sequence rewards and their metrics: the reward model's scores (reward-infer), else the
+        task's reward (exact, math or a user function; ``problems`` has one entry per prompt)."""
         if self.reward_model is not None:
-            return self._infer(REWARD_INFER, "scores", batch)
-        return np.asarray([self.task.reward(problems[i // self.n], self._text(r))
-                           for i, r in enumerate(batch.response_br * batch.response_mask_br)], np.float32)
+            scores = self._infer(REWARD_INFER, "scores", batch)
+            if not np.all(np.isfinite(scores)):
+                raise JobError(f"the reward model task.reward_model_path={self.cfg.task.reward_model_path!r} gave "
+                               f"{int((~np.isfinite(scores)).sum())} non-finite scores: check that its vocabulary "
+                               "covers the tokenizer's and that its weights are finite")
+            return scores, {"reward_mean": float(scores.mean())}
+        n = len(batch.response_br) // len(problems)
+        out = self.rewarder.score([p for p in problems for _ in range(n)], self.texts(batch))
+        return out.rewards, out.metrics()
 
-    def _text(self, response_tokens) -> str:
-        return self.tok.decode([int(x) for x in response_tokens if x != self.tok.pad_id])
+    def texts(self, batch: RolloutBatch) -> list[str]:
+        """Each row's response, decoded up to its length."""
+        lengths = batch.response_mask_br.sum(1)
+        return [self.tok.decode(r[:n].tolist()) for r, n in zip(batch.response_br, lengths, strict=True)]
 
     # ------------------------------------------------------------------------- scoring and training
     def _score(self, batch: RolloutBatch, seconds: dict[str, float]) -> dict[str, np.ndarray]:
@@ -405,10 +436,9 @@ class Job:
                                       kl_in_reward=a.kl_in_reward, kl_coef=a.kl_coef, gamma=a.gamma, lam=a.lam,
                                       n=self.n)
         mask = jnp.asarray(batch.response_mask_br)
-        greedy = self.generate([self.task.problem(int(p)) for p in batch.prompt_index_b[:: self.n]],
-                               batch.prompt_index_b[:: self.n], 0.0, n=1)
-        base = np.asarray([self.task.reward(self.task.problem(int(p)), self._text(r))
-                           for p, r in zip(greedy.prompt_index_b, greedy.response_br, strict=True)], np.float32)
+        problems = [self.task.problem(int(p)) for p in batch.prompt_index_b[:: self.n]]
+        greedy = self.generate(problems, batch.prompt_index_b[:: self.n], 0.0, n=1)
+        base = self.rewarder.score(problems, self.texts(greedy)).rewards
         return alg.remax(jnp.asarray(scores), mask, jnp.asarray(np.repeat(base, self.n)))
 
     def _train(self, batch, scored, adv, seconds) -> dict[str, float]:
@@ -479,16 +509,30 @@ class Job:
                 "policy_version": self.version, "plan": repr(self.plan), "plan_short": plan_short(self.plan)}
 
     # ----------------------------------------------------------------------------------- evaluation
-    def evaluate(self, problems: Sequence[Problem]) -> float:
-        """Greedy held-out accuracy of the current actor-gen parameters."""
+    def evaluate(self, problems: Sequence[Problem], samples: int = 1) -> dict[str, float]:
+        """Held-out scores of the current actor-gen parameters: ``pass_at_1``, greedy (the fraction of
+        prompts answered correctly), and with ``samples`` = k > 1 ``pass_at_k``, the fraction of prompts
+        with at least one correct answer among k samples at the rollout temperature."""
         positions = np.arange(len(problems), dtype=np.int64)
-        batch = self.generate(problems, positions, 0.0, n=1)
-        rewards = [self.task.reward(p, self._text(r)) for p, r in zip(problems, batch.response_br, strict=True)]
-        return float(np.mean(np.asarray(rewards) >= 1.0))
+        greedy = self.generate(problems, positions, 0.0, n=1)
+        out = {"pass_at_1": float(self.rewarder.score(problems, self.texts(greedy)).correct.mean())}
+        if samples > 1:
+            sampled = self.generate(problems, positions, self.cfg.rollout.temperature, n=samples)
+            rows = [p for p in problems for _ in range(samples)]
+            correct = self.rewarder.score(rows, self.texts(sampled)).correct.reshape(len(problems), samples)
+            out["pass_at_k"] = float(correct.any(axis=1).mean())
+        return out
 
     def actor_host_params(self) -> dict:
         """The actor's training parameters as a canonical numpy tree."""
         return self.units[ACTOR_TRAIN][0].to_host()["params"]
+
+
+def prompt_ids(tokenizer, task_cfg, problem: Problem) -> list[int]:
+    """A problem's prompt as the model sees it: rendered with the tokenizer's chat template where
+    ``task.chat_template`` says so (with ``task.system_prompt``), then tokenized; prompt lengths are counted
+    in these tokens."""
+    return tokenizer.encode_prompt(problem.prompt, system_prompt=task_cfg.system_prompt, chat=task_cfg.chat_template)
 
 
 def plan_short(plan: ExecutionPlan) -> str:
@@ -506,28 +550,46 @@ def _specs(cfg: Config, critic: bool) -> dict[ModelStage, StateSpec]:
     return specs
 
 
-def _load_reward_model(cfg: Config, specs: dict) -> dict:
-    """A local reward model (Hugging Face *ForSequenceClassification) as canonical numpy params; adds its
-    StateSpec to ``specs``."""
-    from nereus_jax.models.hf import load_hf
+def _reward_model(cfg: Config, specs: dict) -> ParamSource:
+    """A local reward model (Hugging Face *ForSequenceClassification), read into reward-infer's units slice
+    by slice; adds its StateSpec to ``specs``."""
+    from nereus_jax.models.hf import HFCheckpoint
 
     path = cfg.task.reward_model_path
     try:
-        rm_cfg, params = load_hf(path, dtype=cfg.model.compute_dtype)
+        ckpt = HFCheckpoint(path)
     except (OSError, ValueError) as e:
         raise JobError(f"task.reward_model_path={path!r}: {e}") from None
-    if "value_head" not in params:
+    if ckpt.head != "value":
         raise JobError(f"task.reward_model_path={path!r} is a language model, not a reward model: give a "
                        "*ForSequenceClassification checkpoint (one score per sequence)")
-    specs[REWARD_INFER] = StateSpec(rm_cfg, "infer", head="value", num_labels=params["value_head"]["kernel"].shape[1],
+    specs[REWARD_INFER] = StateSpec(ckpt.config, "infer", head="value", num_labels=ckpt.num_labels,
                                     dtype=cfg.model.compute_dtype)
-    return params
+    return ckpt
 
 
-def _critic_from_actor(actor: dict, cfg: Config) -> dict:
-    """The critic starts from the actor's trunk with a zero value head (values start at 0)."""
-    trunk = {k: v for k, v in actor.items() if k != "lm_head"}
-    return {**trunk, "value_head": {"kernel": np.zeros((cfg.model.hidden_size, 1), np.float32)}}
+def _critic_source(cfg: Config, actor: ParamSource) -> ParamSource:
+    """The critic starts from ``model.critic_hf_path`` (a *ForSequenceClassification checkpoint of the actor's
+    architecture, one label), else from the actor's trunk with a zero value head (values start at 0)."""
+    path = cfg.model.critic_hf_path
+    if path is None:
+        return ValueHeadSource(actor, cfg.model.hidden_size)
+    from nereus_jax.hf_config import ARCHITECTURE_KEYS
+    from nereus_jax.models.hf import HFCheckpoint
+
+    try:
+        ckpt = HFCheckpoint(path)
+    except (OSError, ValueError) as e:
+        raise JobError(f"model.critic_hf_path={path!r}: {e}") from None
+    if ckpt.head != "value" or ckpt.num_labels != 1:
+        raise JobError(f"model.critic_hf_path={path!r} is not a one-label *ForSequenceClassification checkpoint "
+                       f"(head {ckpt.head!r}, {ckpt.num_labels} labels): give a critic / reward-model checkpoint")
+    differ = [k for k in ARCHITECTURE_KEYS if getattr(ckpt.config, k) != getattr(cfg.model, k)]
+    if differ:
+        shown = ", ".join(f"{k}={getattr(ckpt.config, k)!r} (actor: {getattr(cfg.model, k)!r})" for k in differ)
+        raise JobError(f"model.critic_hf_path={path!r} has another architecture than the actor: {shown}; the critic "
+                       "shares the actor's architecture (the planner prices both with it)")
+    return ckpt
 
 
 def _infer_program(cfg, prompt_len: int, what: str):

@@ -18,23 +18,30 @@ from nereus_jax.runtime.tensorboard import EventWriter
 
 
 class RunReport:
-    """Owns the run directory's outputs and the console."""
+    """Owns the run directory's outputs and the console. The console works from the start; the run
+    directory is created by :meth:`open` (called once the inputs are checked, so a run that fails on its
+    inputs leaves no directory behind) or by the first step or summary written."""
 
     def __init__(self, run_dir: str, total_steps: int, *, progress: bool = True, tensorboard: bool = True,
                  primary: bool = True):
-        self.run_dir, self.primary = run_dir, primary
-        if not primary:
+        self.run_dir, self.primary, self.total_steps = run_dir, primary, total_steps
+        self._want_progress, self._want_tb = progress, tensorboard
+        self._metrics = self._tb = self._progress = None
+        if primary:
+            self.console = Console(stderr=True)
+
+    def open(self) -> None:
+        """Creates the run directory, the metrics file, the TensorBoard writer and the progress bar."""
+        if not self.primary or self._metrics is not None:
             return
-        os.makedirs(run_dir, exist_ok=True)
-        self.console = Console(stderr=True)
-        self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a")  # noqa: SIM115 - closed in close()
-        self._tb = EventWriter(os.path.join(run_dir, "tensorboard")) if tensorboard else None
-        self._progress = None
-        if progress:
+        os.makedirs(self.run_dir, exist_ok=True)
+        self._metrics = open(os.path.join(self.run_dir, "metrics.jsonl"), "a")  # noqa: SIM115 - closed in close()
+        self._tb = EventWriter(os.path.join(self.run_dir, "tensorboard")) if self._want_tb else None
+        if self._want_progress:
             self._progress = Progress(TextColumn("[bold]RL"), BarColumn(), MofNCompleteColumn(),
                                       TimeElapsedColumn(), TextColumn("{task.description}"),
                                       console=self.console, transient=False, disable=not sys.stderr.isatty())
-            self._task = self._progress.add_task("", total=total_steps)
+            self._task = self._progress.add_task("", total=self.total_steps)
             self._progress.start()
 
     def log(self, message: str) -> None:
@@ -44,6 +51,7 @@ class RunReport:
     def step(self, metrics: dict[str, Any]) -> None:
         if not self.primary:
             return
+        self.open()
         self._metrics.write(json.dumps(metrics) + "\n")
         self._metrics.flush()
         if self._tb is not None:
@@ -59,6 +67,7 @@ class RunReport:
     def finish(self, summary: dict[str, Any]) -> None:
         if not self.primary:
             return
+        self.open()
         if self._progress is not None:
             self._progress.stop()
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
@@ -73,7 +82,7 @@ class RunReport:
         self.close()
 
     def close(self) -> None:
-        if not self.primary:
+        if not self.primary or self._metrics is None:
             return
         self._metrics.close()
         if self._tb is not None:

@@ -8,18 +8,18 @@ checked before any compute, with an error naming the input and the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import jax
-import numpy as np
 
 from nereus_jax.config import Config, ConfigError
+from nereus_jax.elastic.sources import ParamSource
 from nereus_jax.engine import Generator, SamplingParams
 from nereus_jax.models import init_params
 from nereus_jax.rl.tasks import PromptDataError, make_task
-from nereus_jax.rl.tokenizer import CharTokenizer, HFTokenizer
 from nereus_jax.runtime.adapt import Adapter
 from nereus_jax.runtime.async_rl import AsyncRunner
 from nereus_jax.runtime.checkpoint import (
@@ -33,7 +33,8 @@ from nereus_jax.runtime.checkpoint import (
     training_snapshot,
 )
 from nereus_jax.runtime.distributed import is_primary
-from nereus_jax.runtime.job import DeviceLost, Job, JobError, StepResult
+from nereus_jax.runtime.export import export_actor
+from nereus_jax.runtime.job import DeviceLost, Job, JobError, StepResult, prompt_ids
 from nereus_jax.runtime.report import RunReport
 from nereus_jax.runtime.warmstart import SFT_INDEX_OFFSET, cached_warm_start, run_sft
 from nereus_jax.sharding import Layout, make_mesh, shard_params
@@ -46,15 +47,24 @@ def _jax_cpu_collectives_hang() -> bool:
     return tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 11) and jax.default_backend() == "cpu"
 
 
-def check_inputs(cfg: Config):
-    """(task, tokenizer), or a JobError / PromptDataError / ConfigError before anything is compiled."""
+@dataclasses.dataclass
+class Inputs:
+    """Everything a run reads before any compute, checked: the task, the tokenizer, where the actor starts
+    (None: random, then the warm start) and the reward."""
+
+    task: object
+    tokenizer: object
+    actor: ParamSource | None
+    rewarder: object
+    dropped: int = 0  # prompts longer than rollout.max_prompt_length, dropped (task.overlong=drop)
+
+
+def check_inputs(cfg: Config, log: Callable[[str], None] = print) -> Inputs:
+    """The run's inputs, or a JobError / PromptDataError / ConfigError (one line naming the input and the
+    fix) before anything is compiled or any run directory exists."""
     if cfg.checkpoint.resume_from and not os.path.exists(cfg.checkpoint.resume_from):
         raise JobError(f"checkpoint.resume_from={cfg.checkpoint.resume_from!r} does not exist: give the path of "
                        "a checkpoint folder, or drop the key to start fresh")
-    rm = cfg.task.reward_model_path
-    if rm and not os.path.isdir(rm):
-        raise JobError(f"task.reward_model_path={rm!r} is not a folder: give a local Hugging Face "
-                       "*ForSequenceClassification checkpoint (config.json + safetensors)")
     n = len(jax.devices())
     if cfg.cluster.num_devices > n:
         raise JobError(f"cluster.num_devices={cfg.cluster.num_devices} but only {n} devices exist; lower it (on "
@@ -62,37 +72,116 @@ def check_inputs(cfg: Config):
     if cfg.trainer.mode == "async" and jax.process_count() > 1:
         raise JobError(f"trainer.mode=async runs in one process (its generator thread drives local engines); "
                        f"this launch has {jax.process_count()} processes: use trainer.mode=sync, or one process")
-    tok = HFTokenizer(cfg.task.tokenizer_path) if cfg.task.tokenizer_path else CharTokenizer()
-    if tok.vocab_size > cfg.model.vocab_size:
-        raise JobError(f"the tokenizer has {tok.vocab_size} tokens but model.vocab_size={cfg.model.vocab_size}")
+    from nereus_jax.rl.rewards import make_rewarder
+    from nereus_jax.rl.tokenizer import load_tokenizer
+
+    actor = _checkpoint("model.hf_path", cfg.model.hf_path)
+    tok = load_tokenizer(cfg.task.tokenizer_path, cfg.model.hf_path)
+    _check_vocabularies(cfg, tok)
     task = make_task(cfg.task, seed=cfg.trainer.seed)
+    dropped = _check_prompt_lengths(cfg, task, tok, log)
+    rewarder = make_rewarder(cfg.task, task, log=log)
+    return Inputs(task, tok, actor, rewarder, dropped)
+
+
+def _checkpoint(key: str, path: str | None):
+    """The Hugging Face checkpoint at ``path`` opened (headers read and checked, no tensor data), or None."""
+    if path is None:
+        return None
+    from nereus_jax.models.hf import HFCheckpoint
+
+    try:
+        return HFCheckpoint(path)
+    except (OSError, ValueError) as e:
+        raise JobError(f"{key}={path!r}: {e}") from None
+
+
+def _check_vocabularies(cfg: Config, tok) -> None:
+    """Every model reads the tokenizer's ids: each vocabulary must cover them (an id out of range would be
+    looked up as NaN and poison every score)."""
+    models = [("model.vocab_size", cfg.model.vocab_size)]
+    rm = cfg.task.reward_model_path
+    if rm:
+        if not os.path.isdir(rm):
+            raise JobError(f"task.reward_model_path={rm!r} is not a folder: give a local Hugging Face "
+                           "*ForSequenceClassification checkpoint (config.json + safetensors)")
+        from nereus_jax.hf_config import HFImportError, read_hf_config
+
+        try:
+            models.append((f"the reward model's vocab_size (task.reward_model_path={rm!r})",
+                           int(read_hf_config(rm).get("vocab_size", 0))))
+        except HFImportError as e:
+            raise JobError(f"task.reward_model_path={rm!r}: {e}") from None
+    for name, size in models:
+        if tok.vocab_size > size:
+            raise JobError(f"the tokenizer has {tok.vocab_size} tokens but {name} is {size}: every model must "
+                           "cover the tokenizer's ids; use the tokenizer the model was trained with")
+
+
+def _check_prompt_lengths(cfg: Config, task, tok, log: Callable[[str], None]) -> int:
+    """Prompts longer than rollout.max_prompt_length tokens (with the chat template and bos): dropped and
+    counted from a prompt file with ``task.overlong=drop``, else an error naming the prompt. Built-in tasks
+    are checked on the held-out set and the first batch (their lengths do not vary beyond that)."""
     limit = cfg.rollout.max_prompt_length
+
+    def fits(p) -> bool:
+        length = len(prompt_ids(tok, cfg.task, p))
+        if length > limit and cfg.task.overlong == "error":
+            where = f"{p.source}: " if p.source else ""
+            raise PromptDataError(f"{where}prompt {str(p.prompt)[:40]!r} has {length} tokens (with the chat template "
+                                  f"and bos), more than rollout.max_prompt_length={limit}: raise it, shorten the "
+                                  "prompt, or set task.overlong=drop")
+        return length <= limit
+
+    if hasattr(task, "drop_prompts"):
+        dropped = task.drop_prompts(fits)
+        if dropped:
+            log(f"dropped {len(dropped)} prompts longer than rollout.max_prompt_length={limit} tokens (first: "
+                f"{dropped[0].source or repr(dropped[0].prompt)[:60]}); raise it to keep them, or set "
+                "task.overlong=error to stop instead")
+        return len(dropped)
     for p in task.eval_problems() + [task.problem(i) for i in range(cfg.trainer.prompts_per_step)]:
-        if len(tok.encode(p.prompt)) + 1 > limit:
-            raise PromptDataError(f"prompt {p.prompt[:40]!r} has {len(tok.encode(p.prompt)) + 1} tokens (with bos), "
-                                  f"more than rollout.max_prompt_length={limit}: raise it or shorten the prompts")
-    return task, tok
+        if not fits(p):
+            raise PromptDataError(f"prompt {str(p.prompt)[:40]!r} has {len(prompt_ids(tok, cfg.task, p))} tokens "
+                                  f"(with bos), more than rollout.max_prompt_length={limit}: raise it or shorten "
+                                  "the prompts")
+    return 0
 
 
 def run_job(cfg: Config, run_dir: str, *, started: float | None = None) -> dict:
     started = time.perf_counter() if started is None else started
-    task, tok = check_inputs(cfg)
     report = RunReport(run_dir, cfg.trainer.steps, progress=cfg.logging.progress,
                        tensorboard=cfg.logging.tensorboard, primary=is_primary())
+    inputs = check_inputs(cfg, log=report.log)
+    try:
+        return _run(cfg, run_dir, inputs, report, started)
+    finally:
+        inputs.rewarder.close()
+
+
+def _run(cfg: Config, run_dir: str, inputs: Inputs, report: RunReport, started: float) -> dict:
+    task, tok = inputs.task, inputs.tokenizer
     cache_dir = cfg.logging.cache_dir or os.path.join(os.path.dirname(os.path.abspath(run_dir)), "cache")
     resume = cfg.checkpoint.resume_from
-    warm, hit, sft_s = (None, False, 0.0) if resume else _warm_start(cfg, task, tok, cache_dir, report)
-    job, first, meta = _start_job(cfg, task, tok, warm, report)
+    if inputs.actor is not None:
+        if cfg.trainer.warmup_sft_steps and not resume:
+            report.log("model.hf_path is given: the supervised warm start (for the random tiny model) is skipped")
+        warm, hit, sft_s = inputs.actor, False, 0.0
+    else:
+        warm, hit, sft_s = (None, False, 0.0) if resume else _warm_start(cfg, task, tok, cache_dir, report)
+    job, first, meta = _start_job(cfg, inputs, warm, report)
+    report.open()  # the inputs are checked and the job is built: only now does the run directory appear
     report.log(f"plan:\n{job.plan}")
     held_out = task.eval_problems()
-    acc_before = job.evaluate(held_out)
-    report.log(f"held-out accuracy after the warm start: {acc_before:.3f}")
+    samples = cfg.task.eval_samples
+    before = job.evaluate(held_out, samples)
+    report.log(f"held-out before RL: {_scores_text(before, samples)}")
     adapter = Adapter(job, log=report.log)
     job.adapter = adapter
     if meta is not None and not load_controller(job, meta):
         report.log("the controller starts afresh (the checkpoint was written on another device count)")
     ckpt = Checkpointer(checkpoint_dir(cfg, run_dir), every_steps=cfg.checkpoint.every_steps,
-                        keep=cfg.checkpoint.keep)
+                        keep=cfg.checkpoint.keep, export_hf=cfg.checkpoint.export_hf)
     rl_start, tokens, step_s, stopped = time.perf_counter(), 0, 0.0, None
     with GracefulStop() as stop:
         try:
@@ -111,31 +200,46 @@ def run_job(cfg: Config, run_dir: str, *, started: float | None = None) -> dict:
     rl_s = time.perf_counter() - rl_start
     if stopped is not None:
         return _stopped(cfg, job, report, ckpt.directory, stopped, started)
-    acc_after = job.evaluate(held_out)
-    report.log(f"held-out accuracy after {cfg.trainer.steps} RL steps: {acc_after:.3f}")
+    after = job.evaluate(held_out, samples)
+    report.log(f"held-out after {cfg.trainer.steps} RL steps: {_scores_text(after, samples)}")
+    exported = export_actor(job, os.path.join(run_dir, "hf"))
+    report.log(f"the tuned actor is a Hugging Face checkpoint: {exported}")
     control = None
-    if cfg.trainer.warmup_sft_steps and cfg.trainer.sft_control and warm is not None:  # not on a resume
+    if cfg.trainer.warmup_sft_steps and cfg.trainer.sft_control and warm is not None and inputs.actor is None:
         if _jax_cpu_collectives_hang():
             report.log("SFT control skipped: on jax < 0.11 (CPU) its 8-device all-reduce deadlocks after the RL "
                         "steps (XLA rendezvous timeout); accuracy_sft_control is null")
         else:
             control = _sft_control(cfg, task, tok, job, warm, rl_s, held_out)
     summary = {"algorithm": cfg.algorithm.name, "model": cfg.model.name, "task": cfg.task.name,
-               "accuracy_before": acc_before, "accuracy_after": acc_after, "accuracy_sft_control": control,
+               "model_source": cfg.model.hf_path or cfg.model.name,
+               "accuracy_before": before["pass_at_1"], "accuracy_after": after["pass_at_1"],
+               "eval_samples": samples, "eval_prompts": len(held_out),
+               **({"pass_at_k_before": before["pass_at_k"], "pass_at_k_after": after["pass_at_k"]}
+                  if samples > 1 else {}),
+               "accuracy_sft_control": control, "prompts_dropped_overlong": inputs.dropped,
                "steps": cfg.trainer.steps, "transitions": adapter.transitions,
                "controller_events": adapter.events, "tokens_per_s": tokens / max(step_s, 1e-9),
                "rl_seconds": rl_s, "warm_start_seconds": sft_s, "warm_start_cache_hit": hit,
+               "hf_export": str(exported) if exported else None,
                "plan": repr(job.plan), "wall_s": time.perf_counter() - started}
     report.finish(summary)
+    job.close()
     return summary
 
 
-def _start_job(cfg: Config, task, tok, warm: dict | None, report: RunReport) -> tuple[Job, int, dict | None]:
+def _scores_text(scores: dict[str, float], samples: int) -> str:
+    text = f"greedy pass@1 {scores['pass_at_1']:.3f}"
+    return text + (f", pass@{samples} {scores['pass_at_k']:.3f}" if samples > 1 else "")
+
+
+def _start_job(cfg: Config, inputs: Inputs, warm, report: RunReport) -> tuple[Job, int, dict | None]:
     """(job, first step, checkpoint metadata): from checkpoint.resume_from, laid out in the plan for the
-    devices present now, else a fresh job from the warm-started actor."""
+    devices present now, else a fresh job from the checkpoint or the warm-started actor."""
+    task, tok = inputs.task, inputs.tokenizer
     if not cfg.checkpoint.resume_from:
-        return Job(cfg, task, tok, actor_params=warm), 0, None
-    job, meta = restore_job(cfg, task, tok, cfg.checkpoint.resume_from)
+        return Job(cfg, task, tok, actor=warm, rewarder=inputs.rewarder), 0, None
+    job, meta = restore_job(cfg, task, tok, cfg.checkpoint.resume_from, rewarder=inputs.rewarder)
     report.log(f"resumed from {meta['_step_dir']} at step {meta['step']} (written on {meta['num_devices']} "
                f"devices, now {len(job.devices)})")
     return job, meta["step"], meta
@@ -244,8 +348,8 @@ def _sft_control(cfg: Config, task, tok, job: Job, warm: dict, seconds: float, h
 
 def evaluate_params(job: Job, params: dict, problems) -> float:
     """Greedy held-out accuracy of arbitrary (canonical) parameters on the first actor-gen engine."""
-    prompts = [[job.tok.bos_id] + job.tok.encode(p.prompt) for p in problems]
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=job.R, stop_tokens=(job.tok.eos_id,))
+    prompts = [job.prompt_ids(p) for p in problems]
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=job.R, stop_tokens=tuple(job.tok.eos_ids))
 
     def run(actor_gen: Generator):
         gen = Generator(actor_gen.engine, actor_gen.engine.load_params(params), pad_id=job.tok.pad_id)
@@ -253,7 +357,7 @@ def evaluate_params(job: Job, params: dict, problems) -> float:
 
     out = job._on_engines([(0, run)])[0]  # with several processes: on its owner, shared with every process
     texts = [job.tok.decode(out.tokens[i, : out.lengths[i]]) for i in range(len(problems))]
-    return float(np.mean([job.task.reward(p, t) >= 1.0 for p, t in zip(problems, texts, strict=True)]))
+    return float(job.rewarder.score(list(problems), texts).correct.mean())
 
 
 __all__ = ["ConfigError", "check_inputs", "evaluate_params", "run_job"]

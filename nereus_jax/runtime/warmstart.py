@@ -42,9 +42,12 @@ VALIDATION_OFFSET = 1 << 41  # the warm start's validation split (never the held
 CHECK_EVERY = 100  # supervised steps between validation checks when a target accuracy is set
 
 
-def encode_prompts(problems: Sequence[Problem], tokenizer, prompt_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """[bos] + prompt tokens, left-padded to ``prompt_len``; too long is an error naming the fix."""
-    seqs = [[tokenizer.bos_id] + tokenizer.encode(p.prompt) for p in problems]
+def encode_prompts(problems: Sequence[Problem], tokenizer, prompt_len: int,
+                   task_cfg=None) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt tokens as the job encodes them (chat template and bos where they apply, ``task_cfg``'s system
+    prompt), left-padded to ``prompt_len``; too long is an error naming the fix."""
+    system, chat = (task_cfg.system_prompt, task_cfg.chat_template) if task_cfg is not None else (None, None)
+    seqs = [tokenizer.encode_prompt(p.prompt, system_prompt=system, chat=chat) for p in problems]
     longest = max(len(s) for s in seqs)
     if longest > prompt_len:
         raise ValueError(f"a prompt has {longest} tokens (with bos) but rollout.max_prompt_length={prompt_len}: "
@@ -52,9 +55,9 @@ def encode_prompts(problems: Sequence[Problem], tokenizer, prompt_len: int) -> t
     return left_pad(seqs, prompt_len, tokenizer.pad_id)
 
 
-def encode_sft(problems: Sequence[Problem], tokenizer, prompt_len: int, response_len: int) -> dict:
+def encode_sft(problems: Sequence[Problem], tokenizer, prompt_len: int, response_len: int, task_cfg=None) -> dict:
     """Prompt + reference answer + eos as a training batch (the layout of nereus_jax.rl.batch)."""
-    prompt, prompt_mask = encode_prompts(problems, tokenizer, prompt_len)
+    prompt, prompt_mask = encode_prompts(problems, tokenizer, prompt_len, task_cfg)
     answers = [tokenizer.encode(p.answer)[: response_len - 1] + [tokenizer.eos_id] for p in problems]
     response, response_mask = right_pad(answers, response_len, tokenizer.pad_id)
     return {"tokens": np.concatenate([prompt, response], 1), "mask": np.concatenate([prompt_mask, response_mask], 1),
@@ -107,7 +110,8 @@ def run_sft(params: dict, cfg: Config, task, tokenizer, mesh: Mesh,
     opt_state = opt.init(params)
     accum = accumulation_steps(t.sft_batch, dp, P + R, t.micro_batch_tokens)
     target = t.warmup_target_accuracy if max_seconds is None else 0.0
-    valid = encode_sft([task.problem(VALIDATION_OFFSET + j) for j in range(256)], tokenizer, P, R) if target else None
+    valid = encode_sft([task.problem(VALIDATION_OFFSET + j) for j in range(256)], tokenizer, P, R,
+                       cfg.task) if target else None
     start = time.perf_counter()
     for i in itertools.count():
         if (i >= t.warmup_sft_steps) if max_seconds is None else (time.perf_counter() - start >= max_seconds):
@@ -115,7 +119,7 @@ def run_sft(params: dict, cfg: Config, task, tokenizer, mesh: Mesh,
         if target and i and i % CHECK_EVERY == 0 and teacher_forced_accuracy(params, m, valid, P) >= target:
             break
         problems = [task.problem(first_index + i * t.sft_batch + j) for j in range(t.sft_batch)]
-        data = put_micro(split_micro(encode_sft(problems, tokenizer, P, R), accum), mesh)
+        data = put_micro(split_micro(encode_sft(problems, tokenizer, P, R, cfg.task), accum), mesh)
         params, opt_state, metrics = step(params, opt_state, data)
         if progress is not None:
             progress(i, metrics)

@@ -59,7 +59,7 @@ def reference(warm, tmp_path_factory):
     """6 steps straight on 8 devices; a checkpoint is written (asynchronously) after step 3 of the same run."""
     ckdir = str(tmp_path_factory.mktemp("ckpt") / "ref")
     cfg = _cfg()
-    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor_params=warm)
+    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
     ckpt = Checkpointer(ckdir, every_steps=3, keep=2)
     results = []
     for s in range(6):

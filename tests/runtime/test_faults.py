@@ -78,7 +78,7 @@ def _lose_during_step(tmp_path, warm, lost, where):
     """Steps 0, 1 (checkpointed after each), then ``lost`` devices fail in step 2 at ``where``; recovers
     and runs steps up to 3. Returns (recovery, results of the recovered steps, the job that failed)."""
     cfg = load_config(None, BASE)
-    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor_params=warm)
+    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
     ckpt = Checkpointer(str(tmp_path / "ckpt"), every_steps=1, keep=2)
     for s in range(2):
         job.step(s)

@@ -21,7 +21,7 @@ BASE = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "traine
 
 def _three_steps(overrides, warm):
     cfg = load_config(None, BASE + overrides)
-    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor_params=warm)
+    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
     return job.plan, [job.step(s) for s in range(3)]
 
 
@@ -138,7 +138,7 @@ def test_reward_model_stage_scores_rollouts_like_a_direct_forward(tmp_path):
     rm_params = init_params(cfg0.model, seed=9, head="value")
     batch = result.batch
     want = np.asarray(sequence_scores(rm_params, cfg0.model, batch.tokens(), batch.attention_mask()))
-    np.testing.assert_allclose(job.rewards(problems, batch), want, atol=1e-5)
+    np.testing.assert_allclose(job.rewards(problems, batch)[0], want, atol=1e-5)
     assert "reward-infer" in result.metrics["stage_seconds"]
 
 
@@ -149,7 +149,7 @@ def test_missing_reward_model_fails_before_compute(tmp_path, capsys):
 def test_parking_idle_stages_in_host_memory_changes_nothing_but_where_state_lives(colocated, warm):
     """plan.park_idle offloads ref-infer, critic-train and actor-train to pinned_host between uses."""
     cfg = load_config(None, BASE + ["plan.colocate=true", "plan.park_idle=true"])
-    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor_params=warm)
+    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
     _, reference = colocated
     for s in range(2):
         got = job.step(s)

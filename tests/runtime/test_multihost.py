@@ -71,7 +71,7 @@ CHILD = textwrap.dedent("""
     if me == 0:
         np.savez(os.path.join(out, "sft.npz"), *jax.tree.leaves(trained))
     # 3. the job's state on the 8 devices of both processes, checkpointed by both together
-    job = Job(cfg, task, tok, actor_params=trained)
+    job = Job(cfg, task, tok, actor=trained)
     ckpt = Checkpointer(os.path.join(out, "ckpt"))
     ckpt.save(job, 0, wait=True)
     ckpt.close()
@@ -96,7 +96,7 @@ CHILD = textwrap.dedent("""
         from nereus_jax.runtime.checkpoint import plan_from_json
         from nereus_jax.runtime.plans import CRITIC_TRAIN
         target = plan_from_json(json.loads(os.environ["NEREUS_TEST_TARGET"]))
-        job = Job(cfg, task, tok, actor_params=trained)
+        job = Job(cfg, task, tok, actor=trained)
         adapter = Adapter(job, log=lambda m: print("ADAPT", m, flush=True))
         metrics, rl = None, []
         for s in range(3):
@@ -217,7 +217,7 @@ def test_checkpoint_written_by_two_processes_resumes_in_one(two_processes):
     treedef = jax.tree.structure(abstract_params(cfg.model))
     warm = jax.tree.unflatten(treedef, [sft[f"arr_{i}"] for i in range(len(sft.files))])
     job, _ = restore_job(cfg, make_task(cfg.task), CharTokenizer(), str(out / "ckpt"))
-    ref = Job(cfg, make_task(cfg.task), CharTokenizer(), actor_params=warm)  # the state it was written from
+    ref = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)  # the state it was written from
     for ms in ref.units:
         assert job.units[ms][0].checksum().tolist() == ref.units[ms][0].checksum().tolist(), ms
 
@@ -250,7 +250,7 @@ def test_ppo_job_with_a_transition_across_processes_matches_one_process(two_proc
     sft = np.load(out / "sft.npz")
     warm = jax.tree.unflatten(jax.tree.structure(abstract_params(cfg.model)), [sft[f"arr_{i}"]
                                                                               for i in range(len(sft.files))])
-    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor_params=warm)
+    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
     adapter = Adapter(job, log=lambda m: None)
     target = crossing_plan(cfg)
     metrics = None
