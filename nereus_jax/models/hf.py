@@ -65,6 +65,9 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' "5GB" shards
 # as one span, gap included, since one more request costs about as much as reading this many bytes (Arrow's
 # ReadRangeCache uses the same 8 KiB hole limit). Farther apart: one pread per row segment.
 DEFAULT_MAX_HOLE_BYTES = 8192
+# A transposing copy goes in blocks of the source's leading axis of about this size, which stay in cache;
+# one strided copy of a large transpose misses it on nearly every element.
+_TRANSPOSE_BLOCK_BYTES = 128 * 1024
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
            "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64, "I32": np.int32,
            "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8,
@@ -332,8 +335,7 @@ class HFCheckpoint:
             for j, i in enumerate(layers):
                 part = self._read_box(files, self._tensor(rule.hf.format(i=i)),
                                       rule.view(self.config, self.num_labels), view_box)
-                target = out[j] if rule.per_layer else out
-                target[...] = part.transpose(rule.perm)  # the one copy: transpose and cast together
+                _copy_transposed(out[j] if rule.per_layer else out, part, rule.perm)
             if rule.ours == ("layers", "attn", "wo") and _has_o_bias(self.config):
                 self._check_zero_o_bias(files, [i for i in layers if i is not None])
         return out
@@ -438,6 +440,21 @@ def _pread_into(fd: int, out: memoryview, offset: int) -> int:
     chunk = os.pread(fd, len(out), offset)
     out[:len(chunk)] = chunk
     return len(chunk)
+
+
+def _copy_transposed(out: np.ndarray, part: np.ndarray, perm: tuple[int, ...]) -> None:
+    """``out[...] = part.transpose(perm)`` cast to ``out.dtype``: the cast first (a contiguous pass; ml_dtypes
+    casts element by element inside a strided copy), then the transpose in cache-sized blocks."""
+    part = part.astype(out.dtype, copy=False)
+    if perm == tuple(range(len(perm))) or part.size == 0:
+        out[...] = part
+        return
+    axis = perm.index(0)
+    step = max(1, _TRANSPOSE_BLOCK_BYTES // max(1, part[0].nbytes))
+    for start in range(0, part.shape[0], step):
+        index = [slice(None)] * out.ndim
+        index[axis] = slice(start, start + step)
+        out[tuple(index)] = part[start:start + step].transpose(perm)
 
 
 def _box(index: tuple[slice, ...] | None, shape: tuple[int, ...], path) -> list[tuple[int, int]]:

@@ -177,6 +177,20 @@ def test_sharded_checkpoint_reads_the_same_as_one_file(saved, devices, tmp_path)
     jax.tree.map(np.testing.assert_array_equal, loaded, params)
 
 
+def test_tensors_larger_than_a_transpose_block_convert_exactly(tmp_path):
+    """Every matrix here spans several of the reader's cache-sized transpose blocks (128 KiB)."""
+    cfg = ModelConfig(family="llama", num_layers=1, vocab_size=4096, hidden_size=1024, intermediate_size=2048)
+    params = _random_params(cfg, "lm", 1, seed=5)
+    save_hf(tmp_path, cfg, params, dtype="bfloat16")
+    ckpt = HFCheckpoint(tmp_path)
+    for param in [("lm_head", "kernel"), ("layers", "attn", "wq"), ("layers", "attn", "wk"), ("layers", "attn", "wo"),
+                  ("layers", "mlp", "w_gate"), ("layers", "mlp", "w_down")]:
+        want = _at(params, param).astype(ml_dtypes.bfloat16)
+        np.testing.assert_array_equal(ckpt.read(param), want)
+        index = tuple(slice(n // 4, n // 2) for n in want.shape)
+        np.testing.assert_array_equal(ckpt.read(param, index, dtype="float32"), want[index].astype(np.float32))
+
+
 # -------------------------------------------------------------------------------------- bytes read
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
 def test_reading_the_whole_model_once_reads_every_tensor_byte_once(saved, name):
