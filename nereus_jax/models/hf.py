@@ -107,7 +107,9 @@ class _Rule:
 
     def to_hf(self, x: np.ndarray, cfg: ModelConfig, num_labels: int) -> np.ndarray:
         """One layer of our parameter as the HF tensor."""
-        return np.ascontiguousarray(x.transpose(np.argsort(self.perm))).reshape(self.hf_shape(cfg, num_labels))
+        out = np.empty(self.view(cfg, num_labels), x.dtype)
+        _copy_transposed(out, x, tuple(int(p) for p in np.argsort(self.perm)))
+        return out.reshape(self.hf_shape(cfg, num_labels))
 
 
 def _rule(ours: tuple[str, ...], hf: str, hf_shape: Callable, perm: tuple[int, ...],
