@@ -318,11 +318,12 @@ def restore_actor(path: str) -> tuple[Any, dict, dict[str, Any]]:
     if [list(leaf.shape) for leaf in spec.leaves] != [s for s, _ in saved[: spec.n_params]]:
         raise CheckpointError(f"checkpoint {meta['_step_dir']!r}: {key}'s saved shapes do not match its model config")
     cpu = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    # the whole stage (Orbax's partial restore takes no prefix of a list): its optimizer state is read too
     item = {key: [jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=cpu) for shape, dtype in saved]}
     manager = ocp.CheckpointManager(meta["_root"], options=ocp.CheckpointManagerOptions(create=False))
     try:
         restored = manager.restore(meta["step"], args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(item, partial_restore=True)))["state"]
+            state=ocp.args.PyTreeRestore(item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))["state"]
     except Exception as e:  # Orbax/tensorstore raise many types for missing or cut files
         raise CheckpointError(f"checkpoint {meta['_step_dir']!r} is incomplete or damaged ({type(e).__name__}: "
                               f"{str(e)[:300]}): export an older step folder") from e
