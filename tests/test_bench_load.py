@@ -28,6 +28,7 @@ def test_the_json_has_the_headline_figures_and_says_what_the_goal_applies_to(out
     assert "transient_over_ckpt" in out["rss_note"] and "1.5" in out["rss_note"]
     assert out["goal_met"] == (out["transient_over_ckpt"] <= out["goal_transient_over_ckpt"] == 1.5)
     assert out["optimizer"] is False and "params only" in out["optimizer_note"]
+    assert out["checkpoint"]["files"] > 1 and out["checkpoint"]["dtype"] == "bfloat16"  # save_hf, sharded
 
 
 def test_transient_is_peak_minus_before_minus_live_over_the_checkpoint(out):

@@ -82,7 +82,8 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--train", default="2x4", help="actor-train layout, TPxDP")
     p.add_argument("--gen", default="2x4", help="actor-gen layout, TPxDP")
     p.add_argument("--ref", default="4x2", help="ref-infer layout, TPxDP")
-    p.add_argument("--max-shard-bytes", type=int, default=2**30, help="safetensors shard size of the checkpoint")
+    p.add_argument("--max-shard-bytes", type=int, default=None,
+                   help="safetensors shard size (256 MiB; 64 KiB with --smoke); a larger tensor gets its own file")
     p.add_argument("--ckpt", help="use (or keep) the checkpoint in this directory (written when missing)")
     p.add_argument("--hugetlb", action="store_true",
                    help="run the loads with glibc's transparent-hugepage tunable (fewer page faults)")
@@ -92,6 +93,8 @@ def _args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.num_layers is None:
         args.num_layers = 2 if args.smoke else DEFAULT_LAYERS
+    if args.max_shard_bytes is None:
+        args.max_shard_bytes = 2**16 if args.smoke else 2**28
     return args
 
 
@@ -387,14 +390,15 @@ def file_read_bandwidth(files: list[Path], chunk: int = 16 * 2**20) -> dict:
     return {"bytes": total, "seconds": seconds, "GBps": total / seconds / 1e9}
 
 
-def cached_bytes(files: list[Path]) -> int | None:
-    """Bytes of ``files`` resident in the page cache (util-linux ``fincore``), None without it."""
+def cached_fraction(files: list[Path], nbytes: int) -> float | None:
+    """The fraction of ``files`` (``nbytes`` in all) resident in the page cache (util-linux ``fincore``, whole
+    pages, so capped at 1), None without it."""
     if not shutil.which("fincore"):
         return None
     res = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", *map(str, files)],
                          capture_output=True, text=True)
     try:
-        return sum(int(v) for v in res.stdout.split())
+        return min(1.0, sum(int(v) for v in res.stdout.split()) / nbytes)
     except ValueError:
         return None
 
@@ -524,16 +528,15 @@ def _checkpoint_files(path: Path) -> list[Path]:
 
 def _timed_child(args, role: str, files: list[Path], ckpt_bytes: int) -> dict:
     """A load child, with how much of the checkpoint the page cache held when it started."""
-    cached = cached_bytes(files)
+    cached = cached_fraction(files, ckpt_bytes)
     out = _child(args, role)
-    out["page_cache_before"] = None if cached is None else cached / ckpt_bytes
+    out["page_cache_before"] = cached
     return out
 
 
 def _machine(args, files: list[Path], ckpt_bytes: int, available: int) -> dict:
-    cached = cached_bytes(files)
-    return {"file_read": {**file_read_bandwidth(files), "page_cache_before": None if cached is None else
-                          cached / ckpt_bytes},
+    cached = cached_fraction(files, ckpt_bytes)
+    return {"file_read": {**file_read_bandwidth(files), "page_cache_before": cached},
             "page_cache_note": "nothing is dropped: the files were just written (or given by --ckpt) and are "
                                "read once for file_read before the loads; page_cache_before: the fraction cached",
             "host": host_bandwidth(16 * 2**20 if args.smoke else 512 * 2**20),
