@@ -459,7 +459,7 @@ def _check_at_least(section: str, obj: Any, minimum: float, *names: str) -> None
 
 
 def _check_schedule(schedule: Sequence[PoolChange], num_devices: int) -> None:
-    previous = 0
+    previous, present = 0, set(range(num_devices))
     for i, change in enumerate(schedule):
         key = f"cluster.schedule[{i}]"
         require(
@@ -478,6 +478,12 @@ def _check_schedule(schedule: Sequence[PoolChange], num_devices: int) -> None:
                     f"{key}.{kind}: device id {device} is outside [0, {num_devices}): ids index the "
                     f"cluster.num_devices ({num_devices}) devices",
                 )
+        present = (present - set(change.leave) - set(change.fail)) | set(change.join)
+        require(
+            bool(present),
+            f"{key} leaves no device in the pool at step {change.step} (leave/fail remove every one of the "
+            f"cluster.num_devices={num_devices} devices): keep at least one device, or join some at that step",
+        )
 
 
 def _check_plan_fits(plan: PlanConfig, cluster: ClusterConfig) -> None:
@@ -514,6 +520,8 @@ def _read_mapping(path: Path) -> dict[str, Any]:
         data = parse_yaml(path.read_text(encoding="utf-8"))
     except OSError as error:
         raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {error.start}): give a YAML file") from None
     except yaml.YAMLError as error:
         raise ConfigError(f"{path} is not valid YAML: {error}") from None
     if data is None:
