@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config or ("default" if args.check_sharding else "ppo_tiny"), args.overrides)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         return 2
     from nereus_jax.runtime.distributed import DistributedError, initialize
 

@@ -315,7 +315,7 @@ def _field(where: str, row: dict, key: str, what: str) -> Any:
                                       f"field holding the {what}, e.g. task.{what}_key={example}")
             value = value[part]
     if value is None:
-        raise PromptDataError(f"{where}: field {key!r} is null: give every row a {what}, or drop the row")
+        raise PromptDataError(f"{where}: field {key!r} is null: give every row its {what}, or drop the row")
     return value
 
 

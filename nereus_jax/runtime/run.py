@@ -20,6 +20,7 @@ from nereus_jax.elastic.sources import ParamSource
 from nereus_jax.engine import Generator, SamplingParams
 from nereus_jax.models import init_params
 from nereus_jax.rl.tasks import PromptDataError, make_task
+from nereus_jax.rl.tokenizer import TokenizerError
 from nereus_jax.runtime.adapt import Adapter
 from nereus_jax.runtime.async_rl import AsyncRunner
 from nereus_jax.runtime.checkpoint import (
@@ -78,6 +79,7 @@ def check_inputs(cfg: Config, log: Callable[[str], None] = print) -> Inputs:
     actor = _checkpoint("model.hf_path", cfg.model.hf_path)
     tok = load_tokenizer(cfg.task.tokenizer_path, cfg.model.hf_path)
     _check_vocabularies(cfg, tok)
+    _check_layouts(cfg)
     task = make_task(cfg.task, seed=cfg.trainer.seed)
     dropped = _check_prompt_lengths(cfg, task, tok, log)
     rewarder = make_rewarder(cfg.task, task, log=log)
@@ -118,6 +120,26 @@ def _check_vocabularies(cfg: Config, tok) -> None:
                            "cover the tokenizer's ids; use the tokenizer the model was trained with")
 
 
+def _check_layouts(cfg: Config) -> None:
+    """Every model-stage's configured layout splits its model: a tp or pp that cannot divide a dimension is
+    a ConfigError naming the plan key and the model-stage, before the warm start or any compile."""
+    from nereus_jax.runtime.plans import REWARD_INFER, job_stages
+    from nereus_jax.sharding import Layout, LayoutError, check_layout
+
+    for ms in job_stages(cfg):
+        model, head, labels = cfg.model, "value" if ms.model == "critic" else "lm", 1
+        if ms == REWARD_INFER:
+            rm = _checkpoint("task.reward_model_path", cfg.task.reward_model_path)
+            model, head, labels = rm.config, rm.head, rm.num_labels
+        lc = cfg.plan.layout_for(str(ms))
+        key = f"plan.stages.{ms}" if str(ms) in cfg.plan.stages else "plan.default"
+        for axis, layout in (("tp", Layout(tp=lc.tp)), ("pp", Layout(tp=lc.tp, pp=lc.pp))):
+            try:
+                check_layout(model, layout, kind=ms.kind, head=head, num_labels=labels)
+            except LayoutError as e:
+                raise ConfigError(f"{key}.{axis}={getattr(lc, axis)} cannot lay out model-stage {ms}: {e}") from None
+
+
 def _check_prompt_lengths(cfg: Config, task, tok, log: Callable[[str], None]) -> int:
     """Prompts longer than rollout.max_prompt_length tokens (with the chat template and bos): dropped and
     counted from a prompt file with ``task.overlong=drop``, else an error naming the prompt. Built-in tasks
@@ -125,7 +147,10 @@ def _check_prompt_lengths(cfg: Config, task, tok, log: Callable[[str], None]) ->
     limit = cfg.rollout.max_prompt_length
 
     def fits(p) -> bool:
-        length = len(prompt_ids(tok, cfg.task, p))
+        try:
+            length = len(prompt_ids(tok, cfg.task, p))
+        except TokenizerError as e:  # a character the tokenizer lacks, a template that fails: name the row
+            raise TokenizerError(f"{p.source}: {e}" if p.source else str(e)) from None
         if length > limit and cfg.task.overlong == "error":
             where = f"{p.source}: " if p.source else ""
             raise PromptDataError(f"{where}prompt {str(p.prompt)[:40]!r} has {length} tokens (with the chat template "
