@@ -301,6 +301,9 @@ class TrainerConfig(_Node):
         "ratio against the behaviour policy's log-probs and drop none, or 'drop' (mask out, counted) the rows "
         "staler than max_staleness and keep the rest unweighted")
     importance_clip: float = _field(2.0, "async, reweight: upper bound of the per-token importance weight")
+    max_nonfinite_steps: int = _field(
+        3, "a step whose loss, gradient norm or update is not finite skips its update; this many in a row stop "
+           "the job (the state and checkpoints stay finite)")
     seed: int = 0
     warmup_sft_steps: int = _field(0, "supervised steps before RL, at most (cached on disk, reused next time)")
     warmup_target_accuracy: float = _field(
@@ -314,7 +317,7 @@ class TrainerConfig(_Node):
         names = ("steps", "actor_lr", "critic_lr", "max_staleness", "warmup_sft_steps", "sft_lr",
                  "warmup_target_accuracy")
         _check_at_least("trainer", self, 0, *names)
-        _check_positive("trainer", self, "sync_every", "importance_clip")
+        _check_positive("trainer", self, "sync_every", "importance_clip", "max_nonfinite_steps")
         require(self.sync_every <= self.max_staleness + 1,
                 f"trainer.sync_every ({self.sync_every}) must be <= trainer.max_staleness + 1 "
                 f"({self.max_staleness + 1}): a rollout would wait for a policy version no sync delivers")

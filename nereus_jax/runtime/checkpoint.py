@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
@@ -88,6 +89,7 @@ class Checkpointer:
             state = {str(ms): canonical_leaves(units[0]) for ms, units in job.units.items()}
         else:
             state = {str(ms): shared_host_leaves(units) for ms, units in job.units.items()}
+        _check_finite(state)
         meta = _to_json(job_metadata(job, steps_done))
         self.manager.save(steps_done, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                               meta=ocp.args.JsonSave(meta)))
@@ -109,6 +111,23 @@ class Checkpointer:
         """Waits for the save in flight, then releases Orbax's threads."""
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _check_finite(state: Mapping[str, list]) -> None:
+    """A checkpoint is never written from non-finite weights (it would rotate the last good one away)."""
+    for name, leaves in state.items():
+        floats = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)]
+        finite = bool(_all_finite(floats)) if isinstance(floats[0], jax.Array) else all(
+            np.isfinite(x).all() for x in floats)
+        if not finite:
+            raise CheckpointError(f"refusing to checkpoint: {name}'s state holds non-finite values (NaN or inf); the "
+                                  "checkpoints already written are kept. Lower the learning rate and resume from "
+                                  "the last one")
+
+
+@jax.jit
+def _all_finite(leaves: list[jax.Array]) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
 def canonical_leaves(unit: EMU) -> list[jax.Array]:

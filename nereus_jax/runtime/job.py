@@ -68,6 +68,11 @@ class Prepared:
     seconds: float
 
 
+class NonFiniteTraining(JobError):
+    """Training stopped: a model-stage's updates were non-finite ``trainer.max_nonfinite_steps`` times in a
+    row (each was skipped, so the state and its checkpoints stay finite)."""
+
+
 class DeviceLost(RuntimeError):
     """Devices (plan ids: positions in ``jax.devices()``) that stopped working during a step; raised by the
     runtime (or by an injected fault, :meth:`Job.inject_device_loss`)."""
@@ -114,6 +119,8 @@ class Job:
         self.rewarder = rewarder
         self.version = 0
         self.updates: dict[ModelStage, int] = {}  # successful training updates per model-stage (this Job)
+        self.nonfinite: dict[ModelStage, int] = {}  # consecutive skipped (non-finite) updates per stage
+        self.skipped: dict[ModelStage, int] = {}  # skipped updates per stage in all
         if actor is None:
             actor = init_params(cfg.model, seed=cfg.trainer.seed)
         self.units = self._initial_units(actor if hasattr(actor, "read") else HostSource(actor))
@@ -465,7 +472,24 @@ class Job:
         self.updates[ms] = self.updates.get(ms, 0) + 1
         if ms != ACTOR_TRAIN:  # the actor's state is read again by the weight sync
             self.park(ms)
-        return {k: float(v) for k, v in tree_to_numpy(metrics).items()}  # several processes: a collective
+        metrics = {k: float(v) for k, v in tree_to_numpy(metrics).items()}  # several processes: a collective
+        self._check_finite(ms, metrics.pop("nonfinite") > 0, metrics)
+        metrics[f"{ms.model}_updates_skipped"] = self.skipped.get(ms, 0)
+        return metrics
+
+    def _check_finite(self, ms: ModelStage, skipped: bool, metrics: dict[str, float]) -> None:
+        """Counts consecutive training steps whose update was skipped as non-finite (the program kept the old
+        state); after ``trainer.max_nonfinite_steps`` of them the job stops, naming the stage and the cause."""
+        self.nonfinite[ms] = self.nonfinite.get(ms, 0) + 1 if skipped else 0
+        self.skipped[ms] = self.skipped.get(ms, 0) + int(skipped)
+        limit = self.cfg.trainer.max_nonfinite_steps
+        if self.nonfinite[ms] >= limit:
+            lr = self.cfg.trainer.actor_lr if ms.model == "actor" else self.cfg.trainer.critic_lr
+            raise NonFiniteTraining(
+                f"{ms}: {limit} consecutive training steps gave a non-finite loss, gradient norm or update (last "
+                f"loss {metrics.get('loss')}, gradient norm {metrics.get('grad_norm')}); their updates were skipped "
+                f"and no checkpoint holds them. Likely cause: the learning rate (trainer.{ms.model}_lr={lr}) or the "
+                "loss coefficients; lower it and resume from the last checkpoint")
 
     def _train_program(self, ms: ModelStage, spec: StateSpec, mesh):
         a, m = self.cfg.algorithm, self.cfg.model

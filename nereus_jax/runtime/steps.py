@@ -131,9 +131,18 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, cf
         norm = canonical_global_norm(grads, cfg)
         scale = jnp.minimum(1.0, max_grad_norm / jnp.maximum(norm, 1e-12))
         grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        out = {"loss": jnp.sum(losses), "grad_norm": norm, **jax.tree.map(jnp.sum, metrics)}
+        updates, new_opt = optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        loss = jnp.sum(losses)
+        # A non-finite loss, gradient norm or updated parameter skips the update: the state stays as it was
+        # (a select, not arithmetic, so it is the same bits), and "nonfinite" says the step was skipped.
+        finite = [jnp.isfinite(loss), jnp.isfinite(norm)] + [jnp.all(jnp.isfinite(x)) for x in
+                                                            jax.tree.leaves(new_params)]
+        ok = jnp.all(jnp.stack(finite))
+        keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+        params, opt_state = jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_opt, opt_state)
+        out = {"loss": loss, "grad_norm": norm, "nonfinite": (~ok).astype(jnp.float32),
+               **jax.tree.map(jnp.sum, metrics)}
         return params, opt_state, out
 
     return step
