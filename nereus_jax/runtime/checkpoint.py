@@ -340,9 +340,10 @@ def restore_actor(path: str) -> tuple[Any, dict, dict[str, Any]]:
     # the whole stage (Orbax's partial restore takes no prefix of a list): its optimizer state is read too
     item = {key: [jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=cpu) for shape, dtype in saved]}
     manager = ocp.CheckpointManager(meta["_root"], options=ocp.CheckpointManagerOptions(create=False))
+    args = ocp.args.PyTreeRestore(item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                                  partial_restore=True)
     try:
-        restored = manager.restore(meta["step"], args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))["state"]
+        restored = manager.restore(meta["step"], args=ocp.args.Composite(state=args))["state"]
     except Exception as e:  # Orbax/tensorstore raise many types for missing or cut files
         raise CheckpointError(f"checkpoint {meta['_step_dir']!r} is incomplete or damaged ({type(e).__name__}: "
                               f"{str(e)[:300]}): export an older step folder") from e
