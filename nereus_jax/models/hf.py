@@ -332,7 +332,7 @@ class HFCheckpoint:
         inner = box[1:] if rule.per_layer else box
         view_box = [inner[rule.perm.index(a)] for a in range(len(rule.perm))]  # our axis k is view axis perm[k]
         own_dtype = self._tensor(rule.hf.format(i=0)).dtype
-        out = np.empty(tuple(b - a for a, b in box), own_dtype if dtype is None else _np_dtype(dtype))
+        out = _aligned_empty(tuple(b - a for a, b in box), own_dtype if dtype is None else _np_dtype(dtype))
         with _Files() as files:
             for j, i in enumerate(layers):
                 part = self._read_box(files, self._tensor(rule.hf.format(i=i)),
@@ -444,19 +444,28 @@ def _pread_into(fd: int, out: memoryview, offset: int) -> int:
     return len(chunk)
 
 
+def _aligned_empty(shape: tuple[int, ...], dtype, alignment: int = 64) -> np.ndarray:
+    """``np.empty`` on a 64-byte boundary: JAX's CPU backend adopts such a host buffer as a device buffer
+    without copying it (an unaligned one is copied), so a shard read for a CPU device is not held twice."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + alignment, np.uint8)
+    offset = (-raw.ctypes.data) % alignment
+    return raw[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
 def _copy_transposed(out: np.ndarray, part: np.ndarray, perm: tuple[int, ...]) -> None:
     """``out[...] = part.transpose(perm)`` cast to ``out.dtype``: the cast first (a contiguous pass; ml_dtypes
     casts element by element inside a strided copy), then the transpose in cache-sized blocks."""
-    part = part.astype(out.dtype, copy=False)
     if perm == tuple(range(len(perm))) or part.size == 0:
-        out[...] = part
+        np.copyto(out, part, casting="unsafe")  # cast straight into out: no whole cast copy of the part
         return
     axis = perm.index(0)
-    step = max(1, _TRANSPOSE_BLOCK_BYTES // max(1, part[0].nbytes))
+    step = max(1, _TRANSPOSE_BLOCK_BYTES // max(1, part[0].astype(out.dtype, copy=False).nbytes))
     for start in range(0, part.shape[0], step):
         index = [slice(None)] * out.ndim
         index[axis] = slice(start, start + step)
-        out[tuple(index)] = part[start:start + step].transpose(perm)
+        out[tuple(index)] = part[start:start + step].astype(out.dtype, copy=False).transpose(perm)
 
 
 def _box(index: tuple[slice, ...] | None, shape: tuple[int, ...], path) -> list[tuple[int, int]]:
