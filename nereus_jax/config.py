@@ -407,6 +407,8 @@ class CheckpointConfig(_Node):
     resume_from: str | None = None
     export_hf: bool = _field(False, "also write the actor as a Hugging Face checkpoint with every checkpoint "
                                     "(<step>/hf); the run's end always writes RUN_DIR/hf")
+    strict_resume: bool = _field(False, "a damaged newest checkpoint (unreadable, or an array not matching its "
+                                        "checksum) stops the resume instead of falling back to the one before")
 
     def __post_init__(self) -> None:
         _check_at_least("checkpoint", self, 0, "every_steps")

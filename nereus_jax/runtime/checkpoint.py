@@ -24,11 +24,14 @@ by restoring the last checkpoint onto the surviving devices, and says which (:cl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -61,6 +64,10 @@ class CheckpointError(JobError):
     """A checkpoint that cannot be resumed here: the message names the checkpoint, the problem and the fix."""
 
 
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint whose files cannot be read or whose arrays do not match the checksums written with them."""
+
+
 # ------------------------------------------------------------------------------------------- saving
 class Checkpointer:
     """Saves a job every ``every_steps`` steps (0 = only when asked) into ``directory``, keeping ``keep``."""
@@ -90,7 +97,7 @@ class Checkpointer:
         else:
             state = {str(ms): shared_host_leaves(units) for ms, units in job.units.items()}
         _check_finite(state)
-        meta = _to_json(job_metadata(job, steps_done))
+        meta = _to_json({**job_metadata(job, steps_done), "checksums": {k: checksums(v) for k, v in state.items()}})
         self.manager.save(steps_done, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                               meta=ocp.args.JsonSave(meta)))
         if wait or self.export_hf:
@@ -282,9 +289,34 @@ def choose_plan(cfg: Config, meta: Mapping[str, Any], devices: int) -> Execution
 
 
 def restore_job(cfg: Config, task, tokenizer, path: str, *, plan: ExecutionPlan | None = None,
-                devices: Sequence[jax.Device] | None = None, rewarder=None) -> tuple[Job, dict[str, Any]]:
+                devices: Sequence[jax.Device] | None = None, rewarder=None,
+                log=None) -> tuple[Job, dict[str, Any]]:
     """A Job on ``devices`` (default: the config's) with the state of the checkpoint at ``path`` laid out in
-    ``plan`` (default: :func:`choose_plan`); returns (job, metadata). ``meta["step"]`` is the next step."""
+    ``plan`` (default: :func:`choose_plan`); returns (job, metadata). ``meta["step"]`` is the next step.
+
+    ``path`` a checkpoint root: its newest complete step, and if that one is damaged (unreadable files, or an
+    array that does not match its checksum) the one before, with a warning through ``log``, unless
+    ``checkpoint.strict_resume`` (then the damage is the error). A step folder: that step only."""
+    root, step = locate(path)
+    steps = [step] if os.path.basename(os.path.abspath(path)) == str(step) else _complete_steps(root)
+    for i, candidate in enumerate(steps):
+        try:
+            return _restore_step(cfg, task, tokenizer, os.path.join(root, str(candidate)), plan, devices, rewarder)
+        except DamagedCheckpoint as e:
+            if cfg.checkpoint.strict_resume or i == len(steps) - 1:
+                raise
+            if log is not None:
+                log(f"warning: {e}; resuming from step {steps[i + 1]} instead (checkpoint.strict_resume=true stops)")
+    raise AssertionError("unreachable: at least one step is tried")
+
+
+def _complete_steps(root: str) -> list[int]:
+    """The complete step folders under ``root``, newest first."""
+    return sorted((int(n) for n in os.listdir(root) if n.isdigit() and os.path.isdir(os.path.join(root, n, "meta"))),
+                  reverse=True)
+
+
+def _restore_step(cfg, task, tokenizer, path, plan, devices, rewarder) -> tuple[Job, dict[str, Any]]:
     meta = read_metadata(path)
     check_compatible(cfg, meta)
     devices = list(devices or jax.devices()[: cfg.cluster.num_devices])
@@ -292,7 +324,11 @@ def restore_job(cfg: Config, task, tokenizer, path: str, *, plan: ExecutionPlan 
     _check_plan_fits(plan, len(devices), meta["_step_dir"])
     job = Job(cfg, task, tokenizer, actor=ZeroSource(abstract_params(cfg.model)), plan=plan, devices=devices,
               rewarder=rewarder)
-    restore_into(job, meta)
+    try:
+        restore_into(job, meta)
+    except BaseException:
+        job.close()
+        raise
     return job, meta
 
 
@@ -307,13 +343,15 @@ def restore_into(job: Job, meta: Mapping[str, Any]) -> None:
     _check_shapes(meta, abstract)
     manager = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(create=False))
     try:
-        state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+        with _quiet_asyncio():
+            state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
     except Exception as e:  # Orbax/tensorstore raise many types for missing or cut files
-        raise CheckpointError(f"checkpoint {meta['_step_dir']!r} is incomplete or damaged ({type(e).__name__}: "
-                              f"{str(e)[:300]}): delete that folder to resume from the one before, or point "
-                              "checkpoint.resume_from at an older step folder") from e
+        raise DamagedCheckpoint(f"checkpoint {meta['_step_dir']!r} is incomplete or damaged ({type(e).__name__}: "
+                                f"{_one_line(e)}): delete that folder to resume from the one before, or point "
+                                "checkpoint.resume_from at an older step folder") from e
     finally:
         manager.close()
+    _verify(meta, state, job)
     units = {ms: _units(job, ms, state[str(ms)], targets[str(ms)][1]) for ms in job.units}
     install(job, units, int(meta["policy_version"]))
     load_controller(job, meta)
@@ -351,6 +389,85 @@ def restore_actor(path: str) -> tuple[Any, dict, dict[str, Any]]:
         manager.close()
     leaves = [np.asarray(x) for x in restored[key][: spec.n_params]]
     return model, spec.unflatten(leaves)["params"], meta
+
+
+def checksums(leaves: Sequence[Any]) -> list[int]:
+    """One uint32 per array over its raw bits and their positions (a flipped bit anywhere changes it):
+    computed on device for device arrays, with numpy for host arrays, and equal for equal contents."""
+    if leaves and isinstance(leaves[0], jax.Array):
+        return [int(x) for x in np.asarray(_device_checksums(list(leaves)))]
+    return [_host_checksum(np.asarray(x)) for x in leaves]
+
+
+_MULTIPLIER = 2654435761  # Knuth's multiplicative hash constant: positions weigh differently
+
+
+def _bits_uint32(x):
+    width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+    if x.dtype.itemsize == 8:  # a 64-bit leaf as two 32-bit halves
+        return jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
+    return jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32).reshape(-1)
+
+
+@jax.jit
+def _device_checksums(leaves: list[jax.Array]) -> jax.Array:
+    sums = []
+    for x in leaves:
+        bits = _bits_uint32(x)
+        index = jax.lax.iota(jnp.uint32, bits.shape[0])
+        sums.append(jnp.sum(bits * (index * jnp.uint32(_MULTIPLIER) + jnp.uint32(1)), dtype=jnp.uint32))
+    return jnp.stack(sums) if sums else jnp.zeros((0,), jnp.uint32)
+
+
+def _host_checksum(x: np.ndarray) -> int:
+    raw = np.ascontiguousarray(x).reshape(-1)
+    view = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}[raw.dtype.itemsize]
+    bits = raw.view(view).astype(np.uint32)
+    index = np.arange(bits.shape[0], dtype=np.uint64).astype(np.uint32)
+    with np.errstate(over="ignore"):
+        return int(np.sum(bits * (index * np.uint32(_MULTIPLIER) + np.uint32(1)), dtype=np.uint32))
+
+
+def _verify(meta: Mapping[str, Any], state: Mapping[str, list], job: Job) -> None:
+    """Compares every restored array with the checksum written with it; names the first that differs."""
+    saved = meta.get("checksums")
+    if saved is None:  # written before checksums existed
+        return
+    for name, leaves in state.items():
+        got = checksums(leaves)
+        for i, (a, b) in enumerate(zip(got, saved[name], strict=True)):
+            if a != b:
+                spec = job.specs[ModelStage.parse(name)]
+                raise DamagedCheckpoint(f"checkpoint {meta['_step_dir']!r}: array {_leaf_name(spec, i)} of {name} "
+                                        f"does not match the checksum written with it (the file was changed or "
+                                        "corrupted): delete that folder to resume from the one before")
+
+
+def _leaf_name(spec, i: int) -> str:
+    if i < spec.n_params:
+        from nereus_jax.elastic.sources import param_paths
+
+        return "/".join(param_paths(spec)[i])
+    return f"optimizer state leaf {i - spec.n_params}"
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300]
+
+
+@contextlib.contextmanager
+def _quiet_asyncio():
+    """Orbax's reads fail inside asyncio tasks; when they do, asyncio reports the failed tasks and a closed
+    event loop on stderr many times over. The error itself is raised (and reported once) by the caller."""
+    logger = logging.getLogger("asyncio")
+    level, hook = logger.level, sys.unraisablehook
+    logger.setLevel(logging.CRITICAL)
+    sys.unraisablehook = lambda u: None if "Event loop is closed" in str(u.exc_value) else hook(u)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        sys.unraisablehook = hook
 
 
 def load_controller(job: Job, meta: Mapping[str, Any]) -> bool:

@@ -264,7 +264,7 @@ def _start_job(cfg: Config, inputs: Inputs, warm, report: RunReport) -> tuple[Jo
     task, tok = inputs.task, inputs.tokenizer
     if not cfg.checkpoint.resume_from:
         return Job(cfg, task, tok, actor=warm, rewarder=inputs.rewarder), 0, None
-    job, meta = restore_job(cfg, task, tok, cfg.checkpoint.resume_from, rewarder=inputs.rewarder)
+    job, meta = restore_job(cfg, task, tok, cfg.checkpoint.resume_from, rewarder=inputs.rewarder, log=report.log)
     report.log(f"resumed from {meta['_step_dir']} at step {meta['step']} (written on {meta['num_devices']} "
                f"devices, now {len(job.devices)})")
     return job, meta["step"], meta
