@@ -358,17 +358,21 @@ class _Run:
 
 
 @functools.lru_cache(maxsize=1024)
-def _jitted(convert: Callable, out_shardings: tuple, donate: bool) -> Callable:
-    return jax.jit(convert, out_shardings=list(out_shardings), donate_argnums=0 if donate else ())
+def _jitted(convert: Callable, in_shardings: tuple, out_shardings: tuple, donate: bool) -> Callable:
+    """The converter with both ends of every leaf pinned inside it: one reshard each, by collectives and
+    copies only (see ``StateSpec.converter``)."""
+    pinned = functools.partial(convert, shardings=out_shardings, sources=in_shardings)
+    return jax.jit(pinned, out_shardings=list(out_shardings), donate_argnums=0 if donate else ())
 
 
 def _relayout(convert: Callable, out_shardings: tuple, donate: bool) -> Callable:
     """The jitted identity (plus kv re-repetition / cast) to ``out_shardings``, compiled once per signature."""
-    fn = _jitted(convert, out_shardings, donate)
 
     def call(leaves):
+        leaves = list(leaves)
+        fn = _jitted(convert, tuple(x.sharding for x in leaves), out_shardings, donate)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-            return fn(list(leaves))
+            return fn(leaves)
 
     return call

@@ -164,10 +164,20 @@ class StateSpec:
                                                                    axis=leaf.kv_axis)
                 for x, leaf in zip(host_leaves, self.leaves, strict=True)]
 
-    def converter(self, rep_in: int, rep_out: int, source: StateSpec | None = None) -> Callable[[list], list]:
-        """A traceable function from stored leaves (``rep_in`` copies of each kv head) to leaves stored
-        with ``rep_out`` copies. With ``source``: it reads a ``source`` state and keeps its parameters,
-        cast to this spec's dtypes (the weight-sync derivation)."""
+    def converter(self, rep_in: int, rep_out: int, source: StateSpec | None = None) -> Callable[..., list]:
+        """A traceable ``convert(leaves, shardings=None, sources=None)`` from stored leaves (``rep_in``
+        copies of each kv head) to leaves stored with ``rep_out`` copies. With ``source``: it reads a
+        ``source`` state and keeps its parameters, cast to this spec's dtypes (the weight-sync derivation).
+
+        Every value keeps its bits (-0.0, subnormals, NaN payloads, signalling NaNs), except where a cast to
+        another dtype is asked for (that cast rounds as XLA's convert does). ``shardings`` (per output leaf,
+        as the jit's ``out_shardings``) and ``sources`` (per input leaf, the arguments' shardings) pin
+        where the data moves: each leaf is resharded once, between the two pins, by collectives and copies
+        only, and a kv-repeat change is local reshapes and slices around that reshard (never a reduction,
+        which XLA uses to slice a sharded axis and which turns -0.0 into +0.0 and flushes subnormals).
+        Floats narrower than 32 bits move as unsigned integers of their width: XLA:CPU runs their
+        collectives in float32, which rewrites NaN payloads. Without the pins the partitioner places the
+        moves itself and may reduce or widen."""
         cached = self._converters.get((rep_in, rep_out, id(source)))
         if cached is not None:
             return cached
@@ -175,13 +185,16 @@ class StateSpec:
         if source is not None:
             check_derivable(source, self)
 
-        def convert(leaves: list) -> list:
+        def convert(leaves: list, shardings: Sequence[Any] | None = None,
+                    sources: Sequence[Any] | None = None) -> list:
             leaves = list(leaves[: self.n_params]) if source is not None else list(leaves)
             out = []
-            for x, s_leaf, leaf in zip(leaves, src.leaves, self.leaves, strict=False):
-                if s_leaf.kv_axis is not None and rep_in != rep_out:
-                    x = _convert_repeat(x, s_leaf.kv_axis, rep_in, rep_out)
-                out.append(x.astype(leaf.dtype) if x.dtype != leaf.dtype else x)
+            for i, (x, s_leaf, leaf) in enumerate(zip(leaves, src.leaves, self.leaves, strict=False)):
+                if x.dtype != leaf.dtype:  # elementwise, so it commutes with the move (of fewer bytes, after it)
+                    x = x.astype(leaf.dtype)
+                pins = (None if sources is None else sources[i], None if shardings is None else shardings[i])
+                kv = s_leaf.kv_axis if rep_in != rep_out else None
+                out.append(_move_bits(x, kv, rep_in, rep_out, *pins))
             return out
 
         self._converters[(rep_in, rep_out, id(source))] = convert
@@ -196,12 +209,59 @@ def check_derivable(source: StateSpec, target: StateSpec) -> None:
         raise ValueError("weight sync needs a params-only target with the source's parameter shapes")
 
 
-def _convert_repeat(x: jax.Array, axis: int, rep_in: int, rep_out: int) -> jax.Array:
+def _move_bits(x: jax.Array, kv_axis: int | None, rep_in: int, rep_out: int, source: Any, sharding: Any
+               ) -> jax.Array:
+    """``x`` (laid out as ``source``) with its kv repeat changed (``kv_axis`` not None) and moved to
+    ``sharding``. A float narrower than 32 bits moves as an unsigned integer; pinning those bits to
+    ``source`` keeps the partitioner from moving the float before the bitcast (it would, since a bitcast
+    keeps its operand's sharding). Wider floats move as themselves: a bitcast fused into XLA:CPU's
+    layout copies makes them several times slower, and their collectives and copies keep every bit."""
+    floating = jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4
+    bits = jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]) if floating else x
+    if source is not None:
+        bits = jax.lax.with_sharding_constraint(bits, source)
+    if kv_axis is not None:
+        bits = _convert_repeat(bits, kv_axis, rep_in, rep_out, sharding)
+    elif sharding is not None:
+        bits = jax.lax.with_sharding_constraint(bits, sharding)
+    return jax.lax.bitcast_convert_type(bits, x.dtype) if floating else bits
+
+
+_UINT = {1: jnp.uint8, 2: jnp.uint16}
+
+
+def _convert_repeat(x: jax.Array, axis: int, rep_in: int, rep_out: int, sharding: Any = None) -> jax.Array:
+    """Stored row ``h * rep_out + c`` of the result is a stored copy of kv head ``h`` of ``x``.
+
+    With ``sharding`` the shape changes where they are local: fewer copies are dropped after ``x`` is
+    resharded onto the target's tiling (each device then holds whole groups of copies of its heads and
+    keeps one per group: a slice of an unsharded axis), more copies are made before the reshard (a
+    broadcast of an unsharded axis). Only a repeat ratio that is not a whole number gathers the kv axis
+    whole first. No form slices a sharded axis below its shard count, which XLA would lower to a masked
+    all-reduce (an add)."""
     n = x.shape[axis] // rep_in
-    grouped = jnp.reshape(x, x.shape[:axis] + (n, rep_in) + x.shape[axis + 1:])
-    first = jax.lax.slice_in_dim(grouped, 0, 1, axis=axis + 1)
-    wide = jnp.broadcast_to(first, x.shape[:axis] + (n, rep_out) + x.shape[axis + 1:])
-    return jnp.reshape(wide, x.shape[:axis] + (n * rep_out,) + x.shape[axis + 1:])
+    pin = (lambda y, s: y) if sharding is None else jax.lax.with_sharding_constraint
+    if rep_in % rep_out == 0:  # fewer copies: keep the first of every rep_in / rep_out stored rows
+        x = pin(x, sharding)
+        grouped = _split_axis(x, axis, n * rep_out, rep_in // rep_out)
+        return pin(_merge_axis(jax.lax.slice_in_dim(grouped, 0, 1, axis=axis + 1), axis), sharding)
+    if rep_out % rep_in == 0:  # more copies: each stored row becomes rep_out / rep_in rows
+        grouped = _split_axis(x, axis, n * rep_in, 1)
+        wide = jnp.broadcast_to(grouped, grouped.shape[:axis + 1] + (rep_out // rep_in,) + grouped.shape[axis + 2:])
+        return pin(_merge_axis(wide, axis), sharding)
+    if sharding is not None:
+        spec = list(sharding.spec) + [None] * (x.ndim - len(sharding.spec))
+        spec[axis] = None
+        x = pin(x, sharding.update(spec=PartitionSpec(*spec)))
+    return pin(jnp.take(x, np.repeat(np.arange(n) * rep_in, rep_out), axis=axis), sharding)
+
+
+def _split_axis(x: jax.Array, axis: int, outer: int, inner: int) -> jax.Array:
+    return jnp.reshape(x, x.shape[:axis] + (outer, inner) + x.shape[axis + 1:])
+
+
+def _merge_axis(x: jax.Array, axis: int) -> jax.Array:
+    return jnp.reshape(x, x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
 
 
 @functools.lru_cache(maxsize=4096)
