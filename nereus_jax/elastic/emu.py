@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nereus_jax.sharding import Layout, bytes_per_device, device_index, make_mesh, to_numpy
 
@@ -86,13 +86,15 @@ class EMU:
         return self.spec.unflatten(host)
 
     def checksum(self) -> np.ndarray:
-        """One uint32 per leaf over the canonical values and their positions: equal across layouts."""
-        rep = self.spec.repeat(self.layout)
-        meta = tuple((leaf.kv_axis if rep > 1 else None, rep) for leaf in self.spec.leaves)
+        """Per leaf, [hash, hash, disagreeing devices] (uint32): two position-keyed hashes of the canonical
+        state's raw bits (a kv copy counts as its head), read from every device, and how many devices hold a
+        block that differs from another device's copy of the same canonical block (replicas and kv copies
+        must agree bit for bit). Equal across layouts, device orders and memory kinds for equal states; a
+        changed bit anywhere changes it."""
         leaves = self.leaves
         if self.memory != DEVICE:
             leaves = jax.device_put(leaves, self.spec.shardings(self.mesh, DEVICE))
-        return np.asarray(_checksum(leaves, meta))
+        return _checksum(leaves, self.mesh, self.spec.leaves, self.spec.repeat(self.layout))
 
     def __repr__(self) -> str:
         return f"EMU({self.stage} {self.layout} {self.memory} on {list(self.device_ids)})"
@@ -109,19 +111,89 @@ class EMU:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _checksum(leaves: list[jax.Array], meta: tuple) -> jax.Array:
-    sums = []
-    for x, (axis, rep) in zip(leaves, meta, strict=True):
-        if axis is not None:
-            x = jnp.take(x, jnp.arange(0, x.shape[axis], rep), axis=axis)
-        width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
-        bits = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
-        index = jax.lax.broadcasted_iota(jnp.uint32, bits.shape, 0) if bits.ndim else jnp.uint32(0)
-        for d in range(1, bits.ndim):
-            index = index * jnp.uint32(bits.shape[d]) + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, d)
-        sums.append(jnp.sum(bits * (index * jnp.uint32(2654435761) + jnp.uint32(1)), dtype=jnp.uint32))
+def _checksum(leaves: Sequence[jax.Array], mesh: Mesh, meta: Sequence[Any], rep: int) -> np.ndarray:
+    """:meth:`EMU.checksum` of ``leaves`` laid out on ``mesh`` as ``meta`` (StateSpec leaves: partition spec
+    and kv axis) says, with ``rep`` copies of each kv head. Each device hashes its own block (one program:
+    no value is moved or combined before it is hashed, so nothing can be normalised on the way)."""
+    kv = tuple((leaf.spec, leaf.kv_axis if rep > 1 else None) for leaf in meta)
+    shapes = tuple(tuple(x.shape) for x in leaves)
+    parts = np.asarray(_device_hashes(list(leaves), mesh, kv, rep))  # [device position, leaf, lane]
+    out = np.zeros((len(leaves), 3), np.uint32)
+    for i, (shape, (spec, axis)) in enumerate(zip(shapes, kv, strict=True)):
+        holder = _block_holders(mesh, shape, spec, axis, rep)
+        reps = np.unique(holder)
+        out[i, :2] = parts[reps, i].sum(axis=0, dtype=np.uint32)
+        out[i, 2] = np.count_nonzero((parts[:, i] != parts[holder, i]).any(axis=1))
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _device_hashes(leaves: list[jax.Array], mesh: Mesh, kv: tuple, rep: int) -> jax.Array:
+    """[mesh.size, leaves, 2]: per device (in ``mesh.devices.flat`` order) the hashes of its blocks."""
+    shapes = [tuple(x.shape) for x in leaves]
+
+    def body(*blocks):
+        rows = [_block_hash(b, shape, spec, axis, rep)
+                for b, shape, (spec, axis) in zip(blocks, shapes, kv, strict=True)]
+        return jax.lax.all_gather(jnp.stack(rows), mesh.axis_names)
+
+    specs = tuple(spec for spec, _ in kv)
+    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=PartitionSpec(), check_vma=False)(*leaves)
+
+
+def _block_hash(block: jax.Array, shape: tuple[int, ...], spec: PartitionSpec, kv_axis: int | None, rep: int
+                ) -> jax.Array:
+    """Two uint32 sums over ``block`` (one device's part of an array of ``shape``): each element's bits
+    mixed with its canonical flat index, bijectively in the bits, so one changed element always shows."""
+    if block.dtype.itemsize > 4:
+        raise TypeError(f"checksums cover dtypes up to 32 bits, got {block.dtype}")
+    width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[block.dtype.itemsize]
+    bits = block if block.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(block, width)
+    bits = bits.astype(jnp.uint32)
+    index, stride = jnp.zeros(block.shape, jnp.uint32), 1
+    entries = tuple(spec) + (None,) * (block.ndim - len(spec))
+    for d in reversed(range(block.ndim)):
+        coord = jax.lax.broadcasted_iota(jnp.uint32, block.shape, d)
+        if entries[d] is not None:
+            coord = coord + jax.lax.axis_index(entries[d]).astype(jnp.uint32) * jnp.uint32(block.shape[d])
+        size = shape[d]
+        if d == kv_axis:
+            coord, size = coord // jnp.uint32(rep), size // rep
+        index = index + coord * jnp.uint32(stride)
+        stride = stride * size % 2**32
+    key = _mix(index * jnp.uint32(0x9E3779B1) + jnp.uint32(0x7F4A7C15))
+    a, b = _mix(bits ^ key), _mix((bits + key) * jnp.uint32(0xC2B2AE3D))
+    zero = jnp.uint32(0)  # one variadic reduce for both sums: half the fusions to compile
+    sums = jax.lax.reduce((a, b), (zero, zero), lambda x, y: (x[0] + y[0], x[1] + y[1]), tuple(range(block.ndim)))
     return jnp.stack(sums)
+
+
+def _mix(h: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finaliser: a bijection of uint32 in which every input bit reaches every output bit."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+@functools.lru_cache(maxsize=4096)
+def _block_holders(mesh: Mesh, shape: tuple[int, ...], spec: PartitionSpec, kv_axis: int | None, rep: int
+                   ) -> np.ndarray:
+    """Per device position, the first position holding the same canonical block (replicas, kv copies)."""
+    index = NamedSharding(mesh, spec).devices_indices_map(shape)
+    first: dict[tuple, int] = {}
+    out = []
+    for pos, device in enumerate(mesh.devices.flat):
+        box = []
+        for d, (sl, n) in enumerate(zip(index[device], shape, strict=True)):
+            start, stop, _ = sl.indices(n)
+            if d == kv_axis:
+                assert stop - start == 1, f"a block holds {stop - start} kv copies; checksums expect one per device"
+                start, stop = start // rep, start // rep + 1
+            box.append((start, stop))
+        out.append(first.setdefault(tuple(box), pos))
+    return np.asarray(out)
 
 
 # ------------------------------------------------------------------------------------- DP replicas

@@ -14,9 +14,13 @@ Primitives map to JAX as DESIGN.md measured them:
 Steps are dispatched in the graph's order as soon as the steps they depend on have finished and the
 ledger has room under the caps (and under ``extra_budget``, the bytes above the larger of the old and
 new plan's footprint). JAX dispatch is asynchronous, so independent primitives run together; a step's
-releases are booked when its outputs are ready. If a primitive fails, the steps in flight finish and
-:class:`TransitionFailed` carries the surviving units (at least one complete copy of every model-stage,
-since no step frees the last copy of anything before its replacement exists) and a plan describing them.
+releases are booked when its outputs are ready. With ``checksums`` every unit a step makes is checked
+against its model-stage's state (taken before anything moves) when it is ready, before the step frees
+its inputs. Whatever fails in a run (a primitive, a checksum, taking the reference checksums), the steps
+in flight finish without freeing anything and :class:`TransitionFailed` carries the surviving units (at
+least one complete copy of every model-stage, since no step frees the last copy of anything before its
+checked replacement exists) and a plan describing them. Only a graph and units that do not match raise
+ValueError, before anything runs.
 
     executor = TransitionExecutor(checksums=True)
     new_units = executor.run(graph, {ms: [emu, ...], ...})
@@ -52,9 +56,10 @@ class InjectedFailure(RuntimeError):
 
 
 class TransitionFailed(RuntimeError):
-    """A transition stopped at ``step``; ``units`` / ``plan`` describe the intact state left behind."""
+    """A transition stopped at ``step`` (None: before the first); ``units`` / ``plan`` describe the intact
+    state left behind."""
 
-    def __init__(self, message: str, step: Step, units: dict[ModelStage, list[EMU]], plan: ExecutionPlan):
+    def __init__(self, message: str, step: Step | None, units: dict[ModelStage, list[EMU]], plan: ExecutionPlan):
         super().__init__(message)
         self.step, self.units, self.plan = step, units, plan
 
@@ -68,13 +73,17 @@ class TransitionExecutor:
     ``extra_budget``: bytes the transition may hold above max(old, new footprint) at once ("unit" = the
     graph's largest unit, None = only the caps); ``max_in_flight``: dispatch limit (1 = sequential);
     ``verify_ledger``: compare the ledger with the arrays' shardings whenever nothing is in flight;
-    ``fail_at``: step id (or predicate) at which to raise InjectedFailure, for tests."""
+    ``fail_at``: step id (or predicate) at which to raise InjectedFailure, for tests; ``tamper``: called
+    with each finished step and its new units ({uid: EMU}, which it may change) before they are checked and
+    the step's inputs freed, for fault-injection tests."""
 
     def __init__(self, *, checksums: bool = False, extra_budget: int | str | None = "unit",
                  max_in_flight: int | None = None, verify_ledger: bool = False,
-                 fail_at: int | Callable[[Step], bool] | None = None):
+                 fail_at: int | Callable[[Step], bool] | None = None,
+                 tamper: Callable[[Step, dict[int, EMU]], None] | None = None):
         self.checksums, self.extra_budget = checksums, extra_budget
         self.max_in_flight, self.verify_ledger, self.fail_at = max_in_flight, verify_ledger, fail_at
+        self.tamper = tamper
         self.ledger: Ledger | None = None
         self.trace: list[tuple[int, str, float, float]] = []  # (step id, op, dispatched, finished) seconds
         self.peak_extra_bytes = 0
@@ -82,16 +91,19 @@ class TransitionExecutor:
 
     def run(self, graph: TransitionGraph, units: Mapping[ModelStage, Sequence[EMU]]) -> dict[ModelStage, list[EMU]]:
         """Runs ``graph`` on ``units`` (per model-stage, in the old plan's replica order); returns the new
-        plan's units (in its replica order). The input EMUs must not be used afterwards."""
+        plan's units (in its replica order). The input EMUs must not be used afterwards. Raises ValueError
+        (nothing touched) when ``units`` are not the graph's old plan, TransitionFailed on any other error."""
         run = _Run(self, graph, units)
         try:
             run.execute()
         except Exception as error:
-            run.drain(quiet=True)
+            step = run.failed or run.current
+            run.settle()
             survivors, plan = run.survivors()
-            raise TransitionFailed(f"transition failed at step s{run.current.sid} ({run.current.op} "
-                                   f"{run.current.stage}): {error}; every model-stage still has a complete "
-                                   "copy (see .units / .plan)", run.current, survivors, plan) from error
+            where = "before its first step" if step is None else f"at step s{step.sid} ({step.op} {step.stage})"
+            raise TransitionFailed(f"transition failed {where}: {type(error).__name__}: {error}; every "
+                                   "model-stage still has a complete copy (see .units / .plan)",
+                                   step, survivors, plan) from error
         finally:
             self.ledger, self.trace = run.ledger, run.trace
             self.peak_extra_bytes = max(0, run.ledger.peak_total - run.base)
@@ -126,11 +138,15 @@ class _Run:
         self.donated: set[int] = set()  # steps whose inputs went to XLA: never touch those arrays again
         self.trace: list[tuple[int, str, float, float]] = []
         self.t0 = time.perf_counter()
-        self.current: Step = graph.steps[0] if graph.steps else None  # type: ignore[assignment]
-        self.reference = self._reference_checksums() if ex.checksums else {}
+        self.current: Step | None = None  # the step being dispatched
+        self.failed: Step | None = None  # the step whose completion failed (it may precede ``current``)
+        self.reference: dict[ModelStage, np.ndarray] = {}
+        self.checked: set[int] = set()  # units whose checksum matched
 
     # --------------------------------------------------------------------------------- main loop
     def execute(self) -> None:
+        if self.ex.checksums:
+            self.reference = self._reference_checksums()
         for step in self.graph.steps:
             self.current = step
             for dep in step.all_deps():
@@ -170,7 +186,13 @@ class _Run:
             jax.block_until_ready([u.leaves for u in outputs.values()])
             if self._across_processes(step):  # the sender frees nothing before every receiver has its copy
                 multihost_utils.sync_global_devices(f"nereus transition step {step.sid}")
-        except Exception:  # its outputs never came to be; what it donated is gone
+            if self.ex.tamper is not None:
+                self.ex.tamper(step, outputs)
+                self.live.update(outputs)
+            if self.ex.checksums:
+                self._check(outputs.values())
+        except Exception:  # its outputs never came to be (or are wrong); what it donated is gone
+            self.failed = self.failed or step
             for uid in (*outputs, *(step.frees if step.sid in self.donated else ())):
                 self.live.pop(uid, None)
             raise
@@ -194,13 +216,29 @@ class _Run:
                 if device_index(shard.device) not in keep:
                     shard.data.delete()
 
-    def drain(self, quiet: bool = False) -> None:
+    def drain(self) -> None:
         while self.inflight:
+            self.complete_oldest()
+
+    def settle(self) -> None:
+        """After a failure: waits for the steps in flight and keeps the units they made (if they check out),
+        but frees nothing more. A step may have been dispatched on the strength of a unit that a later step
+        in flight frees (a Destroy of the unit the failed step was replacing, or the copy that let it donate
+        its inputs); those frees never happen now, so that unit stays."""
+        while self.inflight:
+            step, outputs, _ = self.inflight.popleft()
+            if step.sid in self.donated:  # XLA took its inputs, whether it finished or not
+                for uid in step.frees:
+                    self.live.pop(uid, None)
             try:
-                self.complete_oldest()
+                jax.block_until_ready([u.leaves for u in outputs.values()])
+                if self._across_processes(step):
+                    multihost_utils.sync_global_devices(f"nereus transition step {step.sid}")
+                if self.ex.checksums:
+                    self._check(outputs.values())
             except Exception:
-                if not quiet:
-                    raise
+                for uid in outputs:
+                    self.live.pop(uid, None)
 
     def check_ledger(self) -> None:
         measured = Ledger.measure(x for u in self.live.values() for x in u.leaves)
@@ -305,27 +343,35 @@ class _Run:
 
     # --------------------------------------------------------------------------------- checksums
     def _reference_checksums(self) -> dict[ModelStage, np.ndarray]:
-        """Per changed model-stage, the checksum its new units must have (taken before anything moves)."""
+        """Per model-stage that gets new units, the checksum they must have (taken before anything moves);
+        a derived stage's is its source's parameters cast on the source's devices, by the same convert."""
         g, ref = self.graph, {}
-        for ms, uids in g.final.items():
+        made = {g.units[uid].stage for step in g.steps for uid in step.outputs}
+        for ms in made | {ms for ms, uids in g.final.items() if uids != g.initial.get(ms)}:
             if ms in g.derived:
                 src = self.live[g.initial[g.derived[ms]][0]]
-                spec = g.units[uids[0]].spec
-                host = src.spec.collapse([np.asarray(x) for x in src.leaves], src.spec.repeat(src.layout))
-                cast = [x.astype(leaf.dtype) for x, leaf in zip(host, spec.leaves, strict=False)]
-                ref[ms] = np.asarray(_checksum(cast, tuple((None, 1) for _ in cast)))
-            elif uids != g.initial[ms]:
+                spec = g.units[g.final[ms][0]].spec
+                leaves = src.leaves[: spec.n_params]
+                if src.memory != DEVICE:
+                    leaves = jax.device_put(leaves, src.spec.shardings(src.mesh, DEVICE)[: spec.n_params])
+                cast = _cast(tuple(leaf.dtype for leaf in spec.leaves))(leaves)
+                ref[ms] = _checksum(cast, src.mesh, src.spec.leaves[: spec.n_params], src.spec.repeat(src.layout))
+            else:
                 ref[ms] = self.live[g.initial[ms][0]].checksum()
         return ref
 
+    def _check(self, units) -> None:
+        """Raises ChecksumMismatch unless every unit holds its model-stage's reference state bit for bit."""
+        for emu in units:
+            if not np.array_equal(emu.checksum(), self.reference[emu.stage]):
+                raise ChecksumMismatch(f"{emu} does not match {emu.stage}'s source state")
+            self.checked.add(id(emu))
+
     def _verify_checksums(self) -> None:
+        """The final units not checked on the way (kept old units of a changed model-stage)."""
         for ms, uids in self.graph.final.items():
-            if ms not in self.reference:
-                continue
-            for uid in uids:
-                got = self.live[uid].checksum()
-                if not np.array_equal(got, self.reference[ms]):
-                    raise ChecksumMismatch(f"{self.live[uid]} does not match {ms}'s source state")
+            if ms in self.reference:
+                self._check(u for u in (self.live[uid] for uid in uids) if id(u) not in self.checked)
 
     # ---------------------------------------------------------------------------------- recovery
     def survivors(self) -> tuple[dict[ModelStage, list[EMU]], ExecutionPlan]:
@@ -355,6 +401,12 @@ class _Run:
         self.ledger = Ledger(self.graph.caps, self.graph.host_cap,
                              initial=Ledger.measure(x for es in keep.values() for e in es for x in e.leaves))
         return keep, ExecutionPlan(plan)
+
+
+@functools.lru_cache(maxsize=64)
+def _cast(dtypes: tuple[np.dtype, ...]) -> Callable:
+    """Leaves cast to ``dtypes`` where they differ, in place (the Derive's convert, for its reference)."""
+    return jax.jit(lambda leaves: [x.astype(d) if x.dtype != d else x for x, d in zip(leaves, dtypes, strict=True)])
 
 
 @functools.lru_cache(maxsize=1024)
