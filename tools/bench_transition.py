@@ -12,6 +12,11 @@ It also times building + scheduling the graph of a simulated 1,024-GPU plan chan
     python tools/bench_transition.py                 # full size; the last line is one JSON object
     python tools/bench_transition.py --layers 1      # quick (about 1/6 of the bytes)
     python tools/bench_transition.py --gpu           # on a GPU: pinned_host offload/onload bandwidth too
+    python tools/bench_transition.py --layers 1 --kv-heads 2 --skip-checkpoint            # tp4 stores kv heads twice
+    python tools/bench_transition.py --layers 1 --kv-heads 2 --reverse --skip-checkpoint  # ... and drops the copies
+
+With ``--kv-heads 2`` the move also changes how many times the kv heads are stored (the relayouts then
+re-repeat them; one naive device_put cannot, so that figure is null).
 
 On CPU every device is host RAM. XLA's CPU allocator takes 4 KiB page faults that numpy's
 hugepage-advised copy does not, so the script re-executes itself with glibc's transparent-hugepage
@@ -51,6 +56,9 @@ def _args(argv=None):
     p.add_argument("--no-hugetlb", action="store_true", help="keep glibc's default 4 KiB pages")
     p.add_argument("--skip-checkpoint", action="store_true", help="skip Orbax checkpoint/restart")
     p.add_argument("--gpu", action="store_true", help="on a GPU: offload/onload bandwidth to pinned_host")
+    p.add_argument("--kv-heads", type=int, default=8,
+                   help="kv heads of the 8-head model (2: tp4 stores each twice, so the move changes the repeat)")
+    p.add_argument("--reverse", action="store_true", help="run the re-plan backwards (new plan -> old plan)")
     p.add_argument("--restore", help=argparse.SUPPRESS)  # internal: the restarted process
     return p.parse_args(argv)
 
@@ -66,20 +74,22 @@ def main(argv=None) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- the scenario
-def _scenario(layers: int):
+def _scenario(layers: int, kv_heads: int = 8, reverse: bool = False):
     import optax
 
     from nereus_jax.config import ModelConfig
-    from nereus_jax.elastic import ExecutionPlan, ModelStage, StagePlan, StateSpec
+    from nereus_jax.elastic import ExecutionPlan, ModelStage, StagePlan, StateSpec, align_ranks
     from nereus_jax.sharding import Layout
 
     cfg = ModelConfig(name="bench", vocab_size=8192, hidden_size=512, num_layers=layers, num_heads=8,
-                      num_kv_heads=8, intermediate_size=2048)
+                      num_kv_heads=kv_heads, intermediate_size=2048)
     actor, ref = ModelStage("actor", "train"), ModelStage("ref", "infer")
     specs = {actor: StateSpec(cfg, "train", optimizer=optax.adam(1e-5)), ref: StateSpec(cfg, "infer")}
     c = StagePlan.contiguous
     old = ExecutionPlan({actor: c(Layout(2), 4), ref: c(Layout(2), 2)})
     natural = ExecutionPlan({actor: c(Layout(4), 2), ref: c(Layout(2), 4)})
+    if reverse:  # the aligned new plan is the start; its natural order (contiguous) is the target
+        return cfg, specs, align_ranks(old, natural), old
     return cfg, specs, old, natural
 
 
@@ -191,7 +201,8 @@ def _checkpoint_restart(args, specs, states, units, workdir: Path) -> tuple[floa
     units.clear()  # the old job is gone before the new one starts
     jax.block_until_ready(0)
     t0 = time.perf_counter()
-    cmd = [sys.executable, os.path.abspath(__file__), "--restore", str(path), "--layers", str(args.layers)]
+    cmd = [sys.executable, os.path.abspath(__file__), "--restore", str(path), "--layers", str(args.layers),
+           "--kv-heads", str(args.kv_heads)] + (["--reverse"] if args.reverse else [])
     if args.no_hugetlb:
         cmd.append("--no-hugetlb")
     run = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ), check=False)
@@ -210,7 +221,7 @@ def _restore_child(args) -> dict:
     from nereus_jax.elastic import align_ranks
     from nereus_jax.sharding import make_mesh
 
-    cfg, specs, old, natural = _scenario(args.layers)
+    cfg, specs, old, natural = _scenario(args.layers, args.kv_heads, args.reverse)
     new = align_ranks(old, natural)
     devices = jax.devices()
     target = {}
@@ -274,7 +285,7 @@ def _bench(args) -> dict:
     from nereus_jax.elastic import TransitionGraph, align_ranks, transition_bytes
 
     devices = jax.devices()
-    cfg, specs, old, natural = _scenario(args.layers)
+    cfg, specs, old, natural = _scenario(args.layers, args.kv_heads, args.reverse)
     new = align_ranks(old, natural)  # the same device sets; ranks ordered so the merges are local slices
     states = _host_states(cfg, specs)
     moved = transition_bytes(old, new, specs, devices)
@@ -292,6 +303,8 @@ def _bench(args) -> dict:
     log(f"after the cold runs: {_rss_gib()}")
     # Rounds interleave the methods, so a burst of load from elsewhere on the machine hits them alike.
     ex_times, peaks, natural_times, naive, floor = [], [], [], [], []
+    # One device_put cannot change how many times the kv heads are stored: no naive figure then.
+    same_repeat = all(specs[ms].repeat(old[ms].layout) == specs[ms].repeat(sp.layout) for ms, sp in new.items())
     for _ in range(args.repeats):
         t, peak, out = _time_executor(graph, _make_units(old, specs, states, devices))
         del out
@@ -299,7 +312,8 @@ def _bench(args) -> dict:
         peaks.append(peak)
         floor.append(_memcpy_floor(moved["moved_bytes"]))
         natural_times.append(_time_executor(natural_graph, _make_units(old, specs, states, devices))[0])
-        naive.append(_time_naive(new, specs, _make_units(old, specs, states, devices), devices))
+        if same_repeat:
+            naive.append(_time_naive(new, specs, _make_units(old, specs, states, devices), devices))
         gc.collect()
     log(f"after the timed rounds: {_rss_gib()}")
     ckpt = (float("nan"), float("nan"))
@@ -312,18 +326,19 @@ def _bench(args) -> dict:
     log(f"naive device_put s: {[round(t, 4) for t, _ in naive]}")
     log(f"memcpy floor s: {[round(t, 4) for t in floor]}")
     log(f"checkpoint: save {ckpt[0]:.3f} s + restart-and-restore {ckpt[1]:.3f} s")
-    executor_s, naive_s, floor_s = min(ex_times), min(t for t, _ in naive), min(floor)
+    executor_s, floor_s = min(ex_times), min(floor)
+    naive_s = min(t for t, _ in naive) if naive else None
     restart_s = None if args.skip_checkpoint else ckpt[0] + ckpt[1]
     result = {
         "moved_bytes": moved["moved_bytes"],
         "executor_s": round(executor_s, 4),
-        "naive_device_put_s": round(naive_s, 4),
+        "naive_device_put_s": naive_s and round(naive_s, 4),
         "checkpoint_restart_s": restart_s and round(restart_s, 3),
         "memcpy_floor_s": round(floor_s, 4),
         "speedup_vs_checkpoint_restart": restart_s and round(restart_s / executor_s, 2),
         "ratio_to_memcpy_floor": round(executor_s / floor_s, 3),
         "executor_peak_extra_bytes": max(peaks),
-        "naive_peak_extra_bytes": max(p for _, p in naive),
+        "naive_peak_extra_bytes": max(p for _, p in naive) if naive else None,
         "largest_unit_bytes": graph.largest_unit_bytes,
         "schedule_ms_1024_gpus": round(_schedule_ms_1024(), 3),
         "cross_device_bytes": moved["cross_device_bytes"],
@@ -332,6 +347,8 @@ def _bench(args) -> dict:
         "executor_planner_rank_order_s": round(min(natural_times), 4),
         "checkpoint_save_s": None if args.skip_checkpoint else round(ckpt[0], 3),
         "hugetlb": HUGETLB in os.environ.get("GLIBC_TUNABLES", ""),
+        "kv_heads": args.kv_heads,
+        "reverse": args.reverse,
     }
     print(json.dumps(result))
     return result
