@@ -189,7 +189,10 @@ def forward_with_cache(params: dict, cfg: ModelConfig, tokens_bt: jax.Array, pos
 
 def embed_tokens(params: dict, tokens_bt: jax.Array) -> jax.Array:
     """Token embeddings [b, t, embed]."""
-    return constrain(jnp.take(params["embed"]["embedding"], tokens_bt, axis=0), ("batch", "length", "embed"))
+    # mode="clip": an id past the vocabulary reads the last row instead of jnp.take's NaN fill, which would
+    # poison every later position through attention (the job also checks ids against vocabularies up front)
+    return constrain(jnp.take(params["embed"]["embedding"], tokens_bt, axis=0, mode="clip"),
+                     ("batch", "length", "embed"))
 
 
 def causal_mask(t: int, attention_mask_bt: jax.Array | None) -> jax.Array:

@@ -268,3 +268,12 @@ def test_rope_scaling_changes_only_long_wavelengths():
     wavelen = 2 * np.pi / plain
     np.testing.assert_array_equal(scaled[wavelen < 64 / 4.0], plain[wavelen < 64 / 4.0])
     np.testing.assert_allclose(scaled[wavelen > 64], plain[wavelen > 64] / 8.0, rtol=1e-6)
+
+
+def test_an_out_of_range_token_id_never_turns_the_logits_into_nan():
+    """jnp.take fills out-of-range ids with NaN by default; one such id would poison every later position."""
+    cfg = ModelConfig()
+    params = init_params(cfg, seed=0)
+    tokens = jnp.asarray([[1, 5, cfg.vocab_size + 7, 9]], jnp.int32)
+    logits = np.asarray(forward(params, cfg, tokens))
+    assert np.isfinite(logits).all()
