@@ -13,8 +13,19 @@ renamed when complete. Runs on CPU; no devices of the training run are needed.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
+import inspect
+import json
+import logging
 import os
 import sys
+import time
+from collections.abc import Iterator
+
+
+class ExportError(ValueError):
+    """A CHECKPOINT_DIR or OUT_DIR the export cannot use; the message names it and what to change."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,27 +35,178 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="the Hugging Face checkpoint folder to write")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from nereus_jax.runtime.checkpoint import CheckpointError, restore_actor
-    from nereus_jax.runtime.export import write_hf
-
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        print(f"error: {args.out!r} exists and is not a folder: choose another OUT_DIR", file=sys.stderr)
-        return 2
     try:
-        model, params, meta = restore_actor(args.checkpoint)
-    except CheckpointError as e:
+        step_dir = check_paths(args.checkpoint, args.out)
+        print(export(step_dir, args.out))
+    except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    return 0
+
+
+def check_paths(checkpoint: str, out: str) -> str:
+    """The step folder ``checkpoint`` names (its latest complete step, for a run's checkpoint folder), with
+    readable metadata; an ExportError, before anything is read or written, when it has none or ``out``
+    cannot be written."""
+    step_dir = _step_dir(checkpoint)
+    _read_meta(step_dir)
+    _check_out(out, step_dir)
+    return step_dir
+
+
+def _step_dir(path: str) -> str:
+    if not os.path.exists(path):
+        raise ExportError(f"checkpoint folder {path!r} does not exist: give a run's checkpoint folder "
+                          "(RUN_DIR/checkpoints, or checkpoint.dir) or one of its step folders")
+    if not os.path.isdir(path):
+        raise ExportError(f"checkpoint {path!r} is not a folder: give a run's checkpoint folder (RUN_DIR/checkpoints, "
+                          "or checkpoint.dir) or one of its step folders")
+    if os.path.basename(os.path.abspath(path)).isdigit() and os.path.isdir(os.path.join(path, "meta")):
+        return path
+    steps = sorted(int(n) for n in os.listdir(path) if n.isdigit() and os.path.isdir(os.path.join(path, n)))
+    if not steps:
+        partial = sorted(n for n in os.listdir(path) if "tmp" in n)
+        why = f" (only unfinished saves: {partial})" if partial else ""
+        raise ExportError(f"no complete checkpoint in {path!r}{why}: give a run's checkpoint folder holding a saved "
+                          "step (checkpoint.every_steps > 0 writes them), or one step's folder")
+    return os.path.join(path, str(steps[-1]))
+
+
+def _read_meta(step_dir: str) -> dict:
+    file = os.path.join(step_dir, "meta", "metadata")
+    try:
+        with open(file, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ExportError(f"checkpoint {step_dir!r} is incomplete or damaged (its metadata: {_one_line(e)}): "
+                          "export an older step folder") from None
+    if not isinstance(meta, dict):
+        raise ExportError(f"checkpoint {step_dir!r} is damaged (its metadata is not a JSON object): export an older "
+                          "step folder")
+    return meta
+
+
+def _check_out(out: str, step_dir: str) -> None:
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ExportError(f"{out!r} exists and is not a folder: choose another OUT_DIR")
+    here = os.path.abspath(out)
+    while not os.path.exists(here):
+        here = os.path.dirname(here)
+    if not os.path.isdir(here):
+        raise ExportError(f"OUT_DIR {out!r} cannot be made: {here!r} is a file; choose another OUT_DIR")
+    root = os.path.realpath(os.path.dirname(os.path.abspath(step_dir)))
+    if os.path.commonpath([root, os.path.realpath(out)]) == os.path.realpath(out):
+        raise ExportError(f"OUT_DIR {out!r} holds the checkpoint being exported, and an export replaces OUT_DIR "
+                          "whole: choose another OUT_DIR")
+
+
+def export(step_dir: str, out: str) -> str:
+    """Writes the actor of the checkpoint at ``step_dir`` to ``out``; returns what to print."""
+    from nereus_jax.runtime.export import write_hf
+
+    model, params, meta = _restore(step_dir)
     info = meta.get("export") or {}
     tokenizer = info.get("tokenizer_dir")
     if tokenizer and not os.path.isdir(tokenizer):
         print(f"warning: the run's tokenizer folder {tokenizer!r} is gone; the export has no tokenizer files",
               file=sys.stderr)
         tokenizer = None
-    out = write_hf(args.out, model, params, dtype=info.get("dtype", model.param_dtype), tokenizer_from=tokenizer,
-                   eos_ids=info.get("eos_ids", ()), bos_id=info.get("bos_id"), pad_id=info.get("pad_id"))
-    print(f"exported step {meta['step']} of {meta['_root']} to {out}")
-    return 0
+    try:
+        written = write_hf(out, model, params, dtype=info.get("dtype", model.param_dtype), tokenizer_from=tokenizer,
+                           eos_ids=info.get("eos_ids", ()), bos_id=info.get("bos_id"), pad_id=info.get("pad_id"))
+    except OSError as e:
+        raise ExportError(f"cannot write OUT_DIR {out!r} ({e.strerror or e}): nothing was written there; free "
+                          "space or choose another OUT_DIR") from None
+    return f"exported step {meta['step']} of {meta['_root']} to {written}"
+
+
+def _restore(step_dir: str):
+    """restore_actor, with a damaged checkpoint as one ExportError line (the file tensorstore could not read)."""
+    from nereus_jax.config import ConfigError
+    from nereus_jax.runtime.checkpoint import CheckpointError, restore_actor
+
+    with _abandoned_reads_collected():
+        try:
+            return restore_actor(step_dir)
+        except CheckpointError as e:
+            cause = _innermost(e)
+            why = _one_line(cause).replace(os.path.abspath(step_dir), step_dir)
+            message = _one_line(e) if cause is e else (f"checkpoint {step_dir!r} is incomplete or damaged "
+                                                       f"({type(cause).__name__}: {why}): export an older step folder")
+        except (KeyError, TypeError, ConfigError) as e:  # metadata that parses but lacks or garbles an entry
+            message = (f"checkpoint {step_dir!r} is damaged (its metadata: {type(e).__name__}: {_one_line(e)}): "
+                       "export an older step folder")
+        raise ExportError(message)
+
+
+@contextlib.contextmanager
+def _abandoned_reads_collected(wait_s: float = 5.0) -> Iterator[None]:
+    """A failed Orbax restore leaves reads behind that Python reports on stderr, any time later: Orbax's
+    readers catch BaseException, so closing the ones it abandoned raises again ("Exception ignored in:
+    <coroutine ...>" with tensorstore's whole spec), tensorstore reads still in flight call back into Orbax's
+    closed event loop ("RuntimeError: Event loop is closed"), and their futures are collected with an error
+    nobody read (asyncio's "Future exception was never retrieved"). After a failure this waits (at most
+    ``wait_s``) until the abandoned readers are released and collected, so none is left to be finalized at
+    interpreter exit, where sys.unraisablehook no longer applies; the hook and the asyncio log filter keep
+    dropping those kinds (only those) for the rest of the process, since a late callback has no end to wait
+    for."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if not _orbax_leftover(unraisable):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    log = logging.getLogger("asyncio")
+    log.addFilter(_unread_future_errors)
+    try:
+        yield
+    except BaseException:
+        deadline = time.monotonic() + wait_s
+        gc.collect()
+        while _live_orbax_readers() and time.monotonic() < deadline:
+            time.sleep(0.05)
+            gc.collect()
+        raise
+    sys.unraisablehook = previous
+    log.removeFilter(_unread_future_errors)
+
+
+def _unread_future_errors(record: logging.LogRecord) -> bool:
+    """False (drop) for asyncio's report of a future or task whose error nobody read."""
+    return "exception was never retrieved" not in str(record.msg)
+
+
+def _live_orbax_readers() -> bool:
+    return any(inspect.iscoroutine(o) and _from_orbax(o) for o in gc.get_objects())
+
+
+def _from_orbax(coroutine) -> bool:
+    return "orbax" in coroutine.cr_code.co_filename
+
+
+def _orbax_leftover(unraisable) -> bool:
+    if inspect.iscoroutine(unraisable.object):
+        return _from_orbax(unraisable.object)
+    tb = unraisable.exc_traceback
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
+            and tb is not None and "asyncio" in tb.tb_frame.f_code.co_filename)
+
+
+def _innermost(e: BaseException) -> BaseException:
+    """The exception at the bottom of ``e``'s chain of causes (Orbax wraps tensorstore's, which names the file)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return e
+
+
+def _one_line(e: BaseException, limit: int = 400) -> str:
+    """An exception's message on one line, without tensorstore's spec dump; a long one keeps its start and its
+    end (tensorstore nests "context: context: detail")."""
+    text = " ".join(str(e).split(" [tensorstore_spec")[0].split(" See full TensorStore details")[0].split())
+    return text if len(text) <= limit else f"{text[: limit // 4]} ... {text[-(limit * 3 // 4):]}"
 
 
 if __name__ == "__main__":
