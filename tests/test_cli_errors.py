@@ -289,7 +289,7 @@ ROWS = [
        "is not a Hugging Face tokenizer.json", **{"tok.json": b"\x89PNG\r\n\x1a\n\xff\xfe\x00"}),
     hf("chat-template-raises", [], "tokenizer_config.json", "failed to render", "no",
        ckpt=Build("hf:qwen3", (("json", "tokenizer_config.json", {"chat_template": "{{ raise_exception('no') }}"}),))),
-    hf("chat-template-syntax-error", [], "tokenizer_config.json", "does not compile",
+    hf("chat-template-syntax-error", [], "error: the chat template in ckpt/tokenizer_config.json does not compile",
        ckpt=Build("hf:qwen3", (("json", "tokenizer_config.json", {"chat_template": "{% for m in messages %}"}),))),
     # ---------------------------------------------------------- python -m nereus_jax.train: the prompt file
     hf("jsonl-row-without-answer", [], "p.jsonl:3", "'answer'", "task.answer_key",

@@ -78,6 +78,7 @@ def check_inputs(cfg: Config, log: Callable[[str], None] = print) -> Inputs:
 
     actor = _checkpoint("model.hf_path", cfg.model.hf_path)
     tok = load_tokenizer(cfg.task.tokenizer_path, cfg.model.hf_path)
+    _check_chat_template(tok)
     _check_vocabularies(cfg, tok)
     _check_layouts(cfg)
     task = make_task(cfg.task, seed=cfg.trainer.seed)
@@ -96,6 +97,14 @@ def _checkpoint(key: str, path: str | None):
         return HFCheckpoint(path)
     except (OSError, ValueError) as e:
         raise JobError(f"{key}={path!r}: {e}") from None
+
+
+def _check_chat_template(tok) -> None:
+    """A chat template that does not compile is the tokenizer's error, not the first prompt's."""
+    if getattr(tok, "chat_template", None) is not None:
+        from nereus_jax.rl.chat import compile_template
+
+        compile_template(tok.chat_template, tok.template_origin)
 
 
 def _check_vocabularies(cfg: Config, tok) -> None:
