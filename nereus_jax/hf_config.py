@@ -64,8 +64,8 @@ def family_and_head(hf: Mapping[str, Any]) -> tuple[str, str]:
     model_type = hf.get("model_type")
     supported = ", ".join(sorted(ARCHITECTURES))
     if model_type not in FAMILY_PREFIX:
-        raise HFImportError(f"config.json model_type={model_type!r} is not supported; supported architectures: "
-                            f"{supported}")
+        raise HFImportError(f"config.json model_type={model_type!r} (architectures={hf.get('architectures')!r}) is "
+                            f"not supported; supported architectures: {supported}")
     archs = hf.get("architectures") or [FAMILY_PREFIX[model_type] + HEAD_SUFFIX["lm"]]
     if len(archs) != 1 or archs[0] not in ARCHITECTURES:
         raise HFImportError(f"config.json architectures={archs!r} is not supported; supported: {supported}")

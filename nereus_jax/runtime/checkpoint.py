@@ -24,14 +24,11 @@ by restoring the last checkpoint onto the surviving devices, and says which (:cl
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
-import logging
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -52,6 +49,7 @@ from nereus_jax.elastic.sources import ZeroSource
 from nereus_jax.models import abstract_params
 from nereus_jax.runtime.export import export_dtype, tokenizer_dir
 from nereus_jax.runtime.job import DeviceLost, Job, JobError  # noqa: F401 - DeviceLost re-exported
+from nereus_jax.runtime.orbax_errors import cause_line, quiet_failed_restore
 from nereus_jax.runtime.plans import job_stages, plan_from_config
 from nereus_jax.sharding import Layout, device_index, make_mesh
 
@@ -343,11 +341,11 @@ def restore_into(job: Job, meta: Mapping[str, Any]) -> None:
     _check_shapes(meta, abstract)
     manager = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(create=False))
     try:
-        with _quiet_asyncio():
+        with quiet_failed_restore():
             state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
     except Exception as e:  # Orbax/tensorstore raise many types for missing or cut files
-        raise DamagedCheckpoint(f"checkpoint {meta['_step_dir']!r} is incomplete or damaged ({type(e).__name__}: "
-                                f"{_one_line(e)}): delete that folder to resume from the one before, or point "
+        raise DamagedCheckpoint(f"checkpoint {meta['_step_dir']!r} is incomplete or damaged ({cause_line(e)}): "
+                                "delete that folder to resume from the one before, or point "
                                 "checkpoint.resume_from at an older step folder") from e
     finally:
         manager.close()
@@ -368,9 +366,13 @@ def restore_actor(path: str) -> tuple[Any, dict, dict[str, Any]]:
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {meta['_step_dir']!r} has format {meta.get('format')}, this version "
                               f"reads {FORMAT}")
-    model = from_dict(ModelConfig, meta["model"], "model")
     key = str(ModelStage("actor", "train"))
-    saved = meta["stages"][key]
+    try:
+        model = from_dict(ModelConfig, meta["model"], "model")
+        saved = meta["stages"][key]
+    except (KeyError, TypeError) as e:
+        raise DamagedCheckpoint(f"checkpoint {meta['_step_dir']!r} is damaged: its metadata lacks {e}; export an "
+                                "older step folder") from None
     spec = StateSpec(model, "infer")
     if [list(leaf.shape) for leaf in spec.leaves] != [s for s, _ in saved[: spec.n_params]]:
         raise CheckpointError(f"checkpoint {meta['_step_dir']!r}: {key}'s saved shapes do not match its model config")
@@ -381,10 +383,11 @@ def restore_actor(path: str) -> tuple[Any, dict, dict[str, Any]]:
     args = ocp.args.PyTreeRestore(item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
                                   partial_restore=True)
     try:
-        restored = manager.restore(meta["step"], args=ocp.args.Composite(state=args))["state"]
+        with quiet_failed_restore():
+            restored = manager.restore(meta["step"], args=ocp.args.Composite(state=args))["state"]
     except Exception as e:  # Orbax/tensorstore raise many types for missing or cut files
-        raise CheckpointError(f"checkpoint {meta['_step_dir']!r} is incomplete or damaged ({type(e).__name__}: "
-                              f"{str(e)[:300]}): export an older step folder") from e
+        raise DamagedCheckpoint(f"checkpoint {meta['_step_dir']!r} is incomplete or damaged ({cause_line(e)}): "
+                                "export an older step folder") from e
     finally:
         manager.close()
     leaves = [np.asarray(x) for x in restored[key][: spec.n_params]]
@@ -449,25 +452,6 @@ def _leaf_name(spec, i: int) -> str:
 
         return "/".join(param_paths(spec)[i])
     return f"optimizer state leaf {i - spec.n_params}"
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())[:300]
-
-
-@contextlib.contextmanager
-def _quiet_asyncio():
-    """Orbax's reads fail inside asyncio tasks; when they do, asyncio reports the failed tasks and a closed
-    event loop on stderr many times over. The error itself is raised (and reported once) by the caller."""
-    logger = logging.getLogger("asyncio")
-    level, hook = logger.level, sys.unraisablehook
-    logger.setLevel(logging.CRITICAL)
-    sys.unraisablehook = lambda u: None if "Event loop is closed" in str(u.exc_value) else hook(u)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-        sys.unraisablehook = hook
 
 
 def load_controller(job: Job, meta: Mapping[str, Any]) -> bool:
