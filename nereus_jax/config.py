@@ -264,24 +264,60 @@ class RolloutConfig(_Node):
 
 @dataclass(frozen=True)
 class AlgorithmConfig(_Node):
-    """The RL algorithm: advantage estimator, clipping and KL regularisation."""
+    """The RL algorithm: advantage estimator, policy loss (clipping, aggregation), KL regularisation, DAPO's
+    sampling and reward shaping, and the rollout/train mismatch correction. A null key takes the algorithm's
+    published default (the registry nereus_jax.rl.algorithms.ALGORITHMS)."""
 
-    name: Literal["ppo", "grpo", "remax", "rloo"] = "ppo"
+    name: Literal["ppo", "grpo", "remax", "rloo", "dapo", "dr_grpo", "gspo"] = "ppo"
     gamma: float = 1.0
     lam: float = _field(0.95, "GAE lambda (ppo)")
-    clip_ratio: float = 0.2
+    clip_ratio: float = _field(0.2, "PPO clip epsilon, both sides (the default of clip_ratio_low/high)")
+    clip_ratio_low: float | None = _field(
+        None, "ratio clipped below at 1 - clip_ratio_low; null: dapo 0.2, gspo 3e-4, others clip_ratio")
+    clip_ratio_high: float | None = _field(
+        None, "ratio clipped above at 1 + clip_ratio_high; null: dapo 0.28 (clip-higher), gspo 4e-4, others clip_ratio")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = _field(
+        None, "per-token losses to one loss (verl's loss_agg_mode): token-mean (DAPO), seq-mean-token-mean (the "
+              "GRPO paper), seq-mean-token-sum-norm (Dr.GRPO: token sums over max_response_length); null: dr_grpo "
+              "seq-mean-token-sum-norm, gspo seq-mean-token-mean, others token-mean")
     value_clip: float = _field(0.2, "critic value clipping (ppo)")
     kl_coef: float = 0.01
     kl_estimator: Literal["k1", "k3"] = "k1"
     kl_in_reward: bool = _field(True, "KL penalty folded into the reward (true) or added to the loss")
     entropy_coef: float = 0.0
+    dynamic_sampling: bool | None = _field(
+        None, "drop prompts whose samples' rewards are all equal and generate more prompts until the batch is "
+              "full (DAPO; trainer.mode=sync); null: on for dapo")
+    dynamic_sampling_max_rounds: int = _field(
+        4, "dynamic sampling: extra generation rounds per step at most (verl: max_num_gen_batches - 1); a batch "
+           "still short then is filled with dropped prompts, masked out of the loss")
+    overlong_buffer: int | None = _field(
+        None, "DAPO's soft overlong penalty: the last this many tokens before rollout.max_response_length, where "
+              "the reward falls linearly to -overlong_penalty (0 = off); null: dapo a fifth of the budget, others 0")
+    overlong_penalty: float = _field(1.0, "the soft overlong penalty at rollout.max_response_length")
+    rollout_correction: Literal["none", "tis", "icepop"] = _field(
+        "none", "rollout vs train mismatch, per token on r = pi_old / pi_engine: tis weights the loss by "
+                "min(r, correction_clip), icepop by r inside [correction_low, correction_clip] and masks the rest")
+    correction_clip: float | None = _field(None, "tis: the weight cap; icepop: the upper bound; null: tis 2, icepop 5")
+    correction_low: float = _field(0.5, "icepop: the lower bound (also the band of mismatch_outside_fraction)")
 
     def __post_init__(self) -> None:
         for name in ("gamma", "lam"):
             value = getattr(self, name)
             require(0 <= value <= 1, f"algorithm.{name} must be in [0, 1], got {value}")
-        _check_positive("algorithm", self, "clip_ratio")
-        _check_at_least("algorithm", self, 0, "value_clip", "kl_coef")
+        _check_positive("algorithm", self, "clip_ratio", "correction_low")
+        _check_at_least("algorithm", self, 0, "value_clip", "kl_coef", "dynamic_sampling_max_rounds",
+                        "overlong_penalty")
+        for name in ("clip_ratio_low", "clip_ratio_high", "overlong_buffer"):
+            if getattr(self, name) is not None:
+                _check_at_least("algorithm", self, 0, name)
+        if self.clip_ratio_low is not None:
+            require(self.clip_ratio_low < 1, f"algorithm.clip_ratio_low must be < 1 (the ratio's lower clip "
+                                             f"1 - clip_ratio_low must stay positive), got {self.clip_ratio_low}")
+        if self.correction_clip is not None:
+            require(self.correction_clip > self.correction_low,
+                    f"algorithm.correction_clip ({self.correction_clip}) must exceed algorithm.correction_low "
+                    f"({self.correction_low}): they bound the band of accepted ratios")
 
 
 @dataclass(frozen=True)
@@ -293,6 +329,10 @@ class TrainerConfig(_Node):
     micro_batch_tokens: int = _field(4096, "token budget per forward/backward micro-batch")
     actor_lr: float = 1e-5
     critic_lr: float = 1e-5
+    mini_batches: int = _field(
+        1, "optimizer updates per pass over a rollout batch (verl: batch size / ppo_mini_batch_size); the rows "
+           "(prompts_per_step x samples_per_prompt) split into this many equal mini-batches, in order")
+    ppo_epochs: int = _field(1, "passes over each rollout batch (verl: ppo_epochs); updates = mini_batches x this")
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = _field(1, "async: how many policy versions a rollout may lag (1 = one-step-off)")
     sync_every: int = _field(1, "async: learner updates between weight syncs to actor-gen (<= max_staleness + 1)")
@@ -317,7 +357,8 @@ class TrainerConfig(_Node):
         names = ("steps", "actor_lr", "critic_lr", "max_staleness", "warmup_sft_steps", "sft_lr",
                  "warmup_target_accuracy")
         _check_at_least("trainer", self, 0, *names)
-        _check_positive("trainer", self, "sync_every", "importance_clip", "max_nonfinite_steps")
+        _check_positive("trainer", self, "sync_every", "importance_clip", "max_nonfinite_steps", "mini_batches",
+                        "ppo_epochs")
         require(self.sync_every <= self.max_staleness + 1,
                 f"trainer.sync_every ({self.sync_every}) must be <= trainer.max_staleness + 1 "
                 f"({self.max_staleness + 1}): a rollout would wait for a policy version no sync delivers")
@@ -448,6 +489,7 @@ class Config(_Node):
         _check_plan_fits(self.plan, self.cluster)
         _check_context_fits(self.rollout, self.model)
         _check_group_sampling(self.algorithm, self.rollout)
+        _check_mini_batches(self.trainer, self.rollout, self.algorithm)
 
 
 # --------------------------------------------------------------------------------------------- validation
@@ -514,10 +556,40 @@ def _check_context_fits(rollout: RolloutConfig, model: ModelConfig) -> None:
 
 def _check_group_sampling(algorithm: AlgorithmConfig, rollout: RolloutConfig) -> None:
     require(
-        algorithm.name not in ("grpo", "rloo") or rollout.samples_per_prompt >= 2,
+        algorithm.name not in _GROUP_ALGORITHMS or rollout.samples_per_prompt >= 2,
         f"algorithm.name={algorithm.name} needs rollout.samples_per_prompt >= 2 (got "
         f"{rollout.samples_per_prompt}): its baseline compares the samples of one prompt",
     )
+    require(
+        algorithm.dynamic_sampling is not True or rollout.samples_per_prompt >= 2,
+        f"algorithm.dynamic_sampling=true needs rollout.samples_per_prompt >= 2 (got {rollout.samples_per_prompt}): "
+        "it keeps the prompts whose samples' rewards differ",
+    )
+
+
+def _check_mini_batches(trainer: TrainerConfig, rollout: RolloutConfig, algorithm: AlgorithmConfig) -> None:
+    rows = trainer.prompts_per_step * rollout.samples_per_prompt
+    require(
+        rows % trainer.mini_batches == 0,
+        f"trainer.mini_batches={trainer.mini_batches} does not divide the {rows} rollouts of a step "
+        f"(trainer.prompts_per_step x rollout.samples_per_prompt): choose a divisor of {rows}",
+    )
+    dynamic = algorithm.name == "dapo" if algorithm.dynamic_sampling is None else algorithm.dynamic_sampling
+    require(
+        trainer.mode == "sync" or not dynamic,
+        "algorithm dynamic sampling (dapo's default) generates more prompts inside the learner's step, but "
+        "trainer.mode=async generates on a thread of its own: set algorithm.dynamic_sampling=false or "
+        "trainer.mode=sync",
+    )
+    require(
+        algorithm.rollout_correction == "none" or rollout.temperature == 1.0,
+        f"algorithm.rollout_correction={algorithm.rollout_correction} compares the engine's log-probs with the "
+        f"trainer's, but rollout.temperature={rollout.temperature} samples from a tempered distribution the "
+        "trainer does not compute: use rollout.temperature=1.0 or algorithm.rollout_correction=none",
+    )
+
+
+_GROUP_ALGORITHMS = ("grpo", "rloo", "dapo", "dr_grpo", "gspo")
 
 
 def _read_mapping(path: Path) -> dict[str, Any]:

@@ -380,7 +380,7 @@ def test_describe_lists_every_key_with_type_and_default():
     assert "  model.num_heads: int = 4" in text.splitlines()
     assert "  trainer.steps: int = 20" in text.splitlines()
     assert "plan.stages.<name>.tp: int = 1" in text
-    assert "algorithm.name: {ppo, grpo, remax, rloo} = ppo" in text
+    assert "algorithm.name: {ppo, grpo, remax, rloo, dapo, dr_grpo, gspo} = ppo" in text
 
 
 def test_config_module_does_not_import_jax():

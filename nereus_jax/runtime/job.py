@@ -5,9 +5,21 @@ One synchronous step, as data flows (nereus_jax.rl.batch fixes the sequence layo
     prompts (data positions step*B .. step*B+B-1)
       -> actor-gen: the inference engine on every actor-gen replica (continuous batching, n samples)
       -> reward (verifiable, on the host) + actor-infer / ref-infer / critic-infer (jitted, data-parallel)
-      -> advantages (the algorithm's estimator)
-      -> actor-train / critic-train (one SPMD program over each stage's replicas, token-budget micro-batches)
+      -> advantages (the algorithm's estimator), corrected for the rollout/train mismatch and staleness
+      -> actor-train / critic-train (one SPMD program over each stage's replicas: mini-batches x epochs
+         optimizer updates, token-budget micro-batches inside each mini-batch)
       -> weight sync actor-train -> actor-gen through the elastic executor
+
+Off-policy corrections, in this order (``Job.learn``; one weight per token, never a product of two):
+
+    1. trainer.stale_rollouts=drop: rows staler than trainer.max_staleness are masked out (async)
+    2. r = pi_old / pi_behaviour per token: actor-infer's log-probs over the engine's (for a stale row r holds
+       the policy lag and the numerics together, for a fresh row the numerics only)
+    3. algorithm.rollout_correction on every row: tis -> min(r, correction_clip); icepop -> r inside
+       [correction_low, correction_clip], 0 outside (masked); none -> 1
+    4. trainer.stale_rollouts=reweight on stale rows: min(r, trainer.importance_clip) instead of 3's weight
+       (icepop's masked tokens stay masked)
+    5. the weight scales the advantages; PPO's ratio pi / pi_old is then clipped as usual (decoupled PPO)
 
 Randomness is keyed by (seed, data position, sample, token index) inside the engine, never by device,
 replica or slot, so the plan changes how fast a step runs, not what it computes (up to float order).
@@ -18,6 +30,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -52,6 +65,10 @@ from nereus_jax.runtime.plans import (
     plan_from_config,
 )
 from nereus_jax.sharding import device_index, is_local, make_mesh, to_numpy, tree_to_numpy
+
+# dynamic sampling's extra prompts: a part of the data stream steps never reach, whose sampling keys
+# (position mod 2**31) start at 2**30, away from the steps' own
+EXTRA_INDEX_OFFSET = (1 << 42) + (1 << 30)
 
 
 class JobError(ValueError):
@@ -99,6 +116,7 @@ class Job:
         the job does not close one it was given)."""
         self.cfg, self.task, self.tok = cfg, task, tokenizer
         self.algo = alg.algorithm_spec(cfg.algorithm.name)
+        self.settings = alg.settings(cfg.algorithm, cfg.rollout.max_response_length)
         self.devices = list(devices or jax.devices()[: cfg.cluster.num_devices])
         if len(self.devices) < cfg.cluster.num_devices:
             raise JobError(f"cluster.num_devices={cfg.cluster.num_devices} but only {len(self.devices)} devices "
@@ -108,7 +126,8 @@ class Job:
         self.P, self.R = cfg.rollout.max_prompt_length, cfg.rollout.max_response_length
         self.n = cfg.rollout.samples_per_prompt
         self.rows = cfg.trainer.prompts_per_step * self.n
-        _check_rows(self.plan, self.rows)
+        self.mini_rows = self.rows // cfg.trainer.mini_batches  # rows of one optimizer update
+        _check_rows(self.plan, self.rows, self.mini_rows)
         self.specs = _specs(cfg, self.algo.uses_critic)
         self.reward_model = _reward_model(cfg, self.specs) if cfg.task.reward_model_path else None
         self._own_rewarder = rewarder is None
@@ -184,15 +203,15 @@ class Job:
         generation from zero weights. Safe on a background thread while the current plan keeps stepping."""
         t = time.perf_counter()
         _check_plan_devices(plan, len(self.devices))
-        _check_rows(plan, self.rows)
+        _check_rows(plan, self.rows, self.mini_rows)
         programs = {}
         for (kind, ms, *rest), signature in list(self._signatures.items()):
             if ms not in plan:
                 continue
             mesh = _plan_mesh(plan[ms], self.devices)
-            accum = steps.accumulation_steps(self.rows, plan[ms].dp, self.P + self.R,
-                                             self.cfg.trainer.micro_batch_tokens)
-            micro = _abstract_micro(signature, accum, mesh)
+            accum = self._accum(kind, plan[ms].dp)
+            mini = self.cfg.trainer.mini_batches if kind == "train" else None
+            micro = _abstract_micro(signature, accum, mesh, mini)
             spec = self.specs[ms]
             leaves = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
                       for a, sh in zip(spec.abstract(plan[ms].layout), spec.shardings(mesh), strict=True)]
@@ -224,7 +243,7 @@ class Job:
         """Switch to ``plan`` whose state is ``units`` (the executor's output): the weight sync, the engines
         (``prepared``'s warmed ones, or new) and the compiled programs follow the plan."""
         _check_plan_devices(plan, len(self.devices))
-        _check_rows(plan, self.rows)
+        _check_rows(plan, self.rows, self.mini_rows)
         sync = WeightSync(plan, self.specs[ACTOR_TRAIN], self.specs[ACTOR_GEN],
                           caps=self.cfg.cluster.device_memory_bytes)
         self.plan, self.units, self.sync = plan, dict(units), sync
@@ -270,32 +289,72 @@ class Job:
     def learn(self, step: int, problems: Sequence[Problem], batch: RolloutBatch, seconds: dict[str, float],
               sync) -> StepResult:
         """Reward, score, train on ``batch`` (the rollouts of step ``step``), then ``sync()`` the weights.
-        Rows generated by an older policy than the learner's (async mode) are reweighted or dropped per
-        ``trainer.stale_rollouts``."""
+        With dynamic sampling, prompts whose samples all score the same are replaced by newly generated ones
+        first. Rows generated by an older policy than the learner's (async mode) are reweighted or dropped per
+        ``trainer.stale_rollouts``, and every row is corrected for the rollout/train mismatch per
+        ``algorithm.rollout_correction`` (the order: the module docstring)."""
         if self._fault:
             lost, self._fault = self._fault, ()
             raise DeviceLost(lost, f"devices {list(lost)} failed during step {step} (injected)")
         t = time.perf_counter()
         scores, reward_metrics = self.rewards(problems, batch)
         seconds["reward-infer" if self.reward_model is not None else "reward"] = time.perf_counter() - t
+        sampled = {}
+        if self.settings.dynamic_sampling:
+            problems, batch, scores, sampled = self._dynamic_sampling(step, problems, batch, scores, seconds)
         staleness = self.version - batch.policy_version_b
         stale = {"rollout_staleness_max": int(staleness.max()), "rollouts_dropped": 0}
         if self.cfg.trainer.stale_rollouts == "drop" and (staleness > self.cfg.trainer.max_staleness).any():
             keep = (staleness <= self.cfg.trainer.max_staleness).astype(batch.response_mask_br.dtype)
             stale["rollouts_dropped"] = int((1 - keep).sum())
             batch = batch._replace(response_mask_br=batch.response_mask_br * keep[:, None])
+        if self.settings.overlong_buffer:
+            penalty = alg.overlong_penalty(batch.response_mask_br.sum(1), self.R, self.settings.overlong_buffer,
+                                           self.cfg.algorithm.overlong_penalty)
+            scores, sampled["overlong_penalty_mean"] = scores + penalty, float(penalty.mean())
         scored = self._score(batch, seconds)
         adv = self._advantages(batch, scores, scored)
-        if self.cfg.trainer.stale_rollouts == "reweight" and (staleness > 0).any():
-            adv, stale["importance_weight_mean"] = _reweight(adv, batch, scored["old_logp"], staleness > 0,
-                                                             self.cfg.trainer.importance_clip)
+        adv, corrected = self._correct(adv, batch, scored["old_logp"], staleness)
         train_metrics = self._train(batch, scored, adv, seconds)
         t = time.perf_counter()
         sync()
         seconds["weight-sync"] = time.perf_counter() - t
         metrics = self._metrics(step, batch, scores, scored, train_metrics, seconds) | reward_metrics
         metrics["accuracy"] = reward_metrics.get("answer_correct_fraction", metrics["accuracy"])
-        return StepResult(metrics | stale, batch)
+        return StepResult(metrics | stale | corrected | sampled, batch)
+
+    def _dynamic_sampling(self, step: int, problems: Sequence[Problem], batch: RolloutBatch, scores: np.ndarray,
+                          seconds: dict[str, float]):
+        """DAPO's dynamic sampling: keep the prompts whose samples' rewards differ; while fewer than
+        ``trainer.prompts_per_step`` are kept, generate another round of as many prompts, at most
+        ``algorithm.dynamic_sampling_max_rounds`` rounds. Round r of step s reads data positions
+        EXTRA_INDEX_OFFSET + (s * rounds + r - 1) * B + i: a function of the step, so a resumed run draws the
+        same. The batch keeps its size: the first B kept prompts in round order, then (a batch still short
+        after the cap) dropped prompts whose rows are masked out of the loss. The step's reward metrics stay
+        those of its own prompts (round 0), comparable with every other algorithm's."""
+        b, n, cap = self.cfg.trainer.prompts_per_step, self.n, self.cfg.algorithm.dynamic_sampling_max_rounds
+        rounds = [(list(problems), batch, scores)]
+        while sum(int(alg.informative_groups(sc, n).sum()) for *_, sc in rounds) < b and len(rounds) <= cap:
+            positions = EXTRA_INDEX_OFFSET + (step * cap + len(rounds) - 1) * b + np.arange(b, dtype=np.int64)
+            extra = [self.task.problem(int(p)) for p in positions]
+            t = time.perf_counter()
+            rollouts = self.generate(extra, positions, self.cfg.rollout.temperature)
+            seconds["actor-gen"] = seconds.get("actor-gen", 0.0) + time.perf_counter() - t
+            t = time.perf_counter()
+            rounds.append((extra, rollouts, self.rewards(extra, rollouts)[0]))
+            key = "reward-infer" if self.reward_model is not None else "reward"
+            seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - t
+        groups = [p for ps, *_ in rounds for p in ps]
+        whole = RolloutBatch(*(np.concatenate(parts) for parts in zip(*(r[1] for r in rounds), strict=True)))
+        informative = np.concatenate([alg.informative_groups(sc, n) for *_, sc in rounds])
+        order = np.concatenate([np.flatnonzero(informative), np.flatnonzero(~informative)])[:b]
+        rows = (order[:, None] * n + np.arange(n)).reshape(-1)
+        out = whole.select(rows)
+        filler = np.repeat(~informative[order], n)
+        out = out._replace(response_mask_br=out.response_mask_br * (~filler[:, None]).astype(np.int32))
+        metrics = {"dynamic_sampling_rounds": len(rounds) - 1, "dynamic_sampling_filled": int(filler.sum()) // n,
+                   "dynamic_sampling_kept_fraction": float(informative.mean())}
+        return [groups[g] for g in order], out, np.concatenate([r[2] for r in rounds])[rows], metrics
 
     def generate(self, problems: Sequence[Problem], positions: np.ndarray, temperature: float,
                  n: int | None = None) -> RolloutBatch:
@@ -436,7 +495,7 @@ class Job:
 
     def _advantages(self, batch: RolloutBatch, scores: np.ndarray, scored: dict) -> alg.Advantages:
         a = self.cfg.algorithm
-        if self.algo.advantage in ("gae", "grpo", "rloo"):  # one jitted program (eager ops: ~50 ms of Python)
+        if self.algo.advantage in ("gae", "grpo", "dr_grpo", "rloo"):  # one jitted program (eager ops: ~50 ms)
             values = scored["values"] if self.algo.advantage == "gae" else np.zeros_like(scored["old_logp"])
             return _advantage_program(scores, batch.response_mask_br, scored["old_logp"], scored["ref_logp"],
                                       values, advantage=self.algo.advantage, estimator=a.kl_estimator,
@@ -448,11 +507,33 @@ class Job:
         base = self.rewarder.score(problems, self.texts(greedy)).rewards
         return alg.remax(jnp.asarray(scores), mask, jnp.asarray(np.repeat(base, self.n)))
 
+    def _correct(self, adv: alg.Advantages, batch: RolloutBatch, old_logp: np.ndarray,
+                 staleness: np.ndarray) -> tuple[alg.Advantages, dict[str, float]]:
+        """Steps 2-5 of the off-policy corrections (module docstring): one weight per token from
+        r = pi_old / pi_behaviour on the advantages, and the mismatch metrics of every step."""
+        s, t = self.settings, self.cfg.trainer
+        mask = batch.response_mask_br
+        mode = self.cfg.algorithm.rollout_correction
+        metrics = alg.mismatch_metrics(old_logp, batch.behaviour_logp_br, mask, s.correction_low, s.correction_clip)
+        stale = (staleness > 0) if t.stale_rollouts == "reweight" else np.zeros(len(staleness), bool)
+        if mode == "none" and not stale.any():
+            return adv, metrics
+        ratio = alg.behaviour_ratio(old_logp, batch.behaviour_logp_br, mask)
+        w = alg.correction_weights(ratio, mode, s.correction_low, s.correction_clip)
+        if stale.any():
+            lag = np.minimum(ratio, t.importance_clip)
+            w = np.where(stale[:, None], np.where(w > 0, lag, 0.0) if mode == "icepop" else lag, w)
+            metrics["importance_weight_mean"] = float((w * mask)[stale].sum() / max(1, mask[stale].sum()))
+        w = (w * mask).astype(np.float32)
+        if mode != "none":
+            metrics["correction_weight_mean"] = float(w.sum() / max(1, mask.sum()))
+            metrics["correction_masked_fraction"] = float(((w == 0) & (mask > 0)).sum() / max(1, mask.sum()))
+        return alg.Advantages(jnp.asarray(adv.advantages_bt) * w, adv.returns_bt), metrics
+
     def _train(self, batch, scored, adv, seconds) -> dict[str, float]:
         data = {"tokens": batch.tokens(), "mask": batch.attention_mask(), "response_mask": batch.response_mask_br,
                 "old_logp": scored["old_logp"], "ref_logp": scored["ref_logp"],
-                "advantages": np.asarray(adv.advantages_bt, np.float32),
-                "denom": np.float32(max(1, batch.response_mask_br.sum()))}
+                "advantages": np.asarray(adv.advantages_bt, np.float32)}
         t = time.perf_counter()
         metrics = self._train_stage(ACTOR_TRAIN, data)
         seconds["actor-train"] = time.perf_counter() - t
@@ -464,7 +545,13 @@ class Job:
         return metrics
 
     def _train_stage(self, ms: ModelStage, data: dict) -> dict[str, float]:
-        leaves, mesh, accum, micro = self._stage_inputs(ms, data, ("train", ms))
+        """One training program: mini_batches x ppo_epochs updates of the stage on ``data`` ([rows, ...]).
+        Logged: each metric's mean over the updates (``*_max`` / ``*_min``: the extreme), and with more than
+        one update ``<model>_per_update``, the policy's ratio and clipping statistics update by update."""
+        self._signatures[("train", ms)] = {k: (np.shape(v), np.asarray(v).dtype) for k, v in data.items()}
+        leaves, mesh = assemble_replicas(self._use(ms))
+        accum = self._accum("train", mesh.shape["dp"])
+        micro = steps.put_minibatches(steps.split_minibatches(data, self.cfg.trainer.mini_batches, accum), mesh)
         spec = self.specs[ms]
         fn = self._program(self._key("train", ms, mesh, accum), lambda: self._train_program(ms, spec, mesh))
         new_leaves, metrics = fn(leaves, micro)
@@ -472,16 +559,26 @@ class Job:
         self.updates[ms] = self.updates.get(ms, 0) + 1
         if ms != ACTOR_TRAIN:  # the actor's state is read again by the weight sync
             self.park(ms)
-        metrics = {k: float(v) for k, v in tree_to_numpy(metrics).items()}  # several processes: a collective
-        self._check_finite(ms, metrics.pop("nonfinite") > 0, metrics)
+        per_update = {k: np.asarray(v, np.float64) for k, v in tree_to_numpy(metrics).items()}  # a collective
+        skipped = int(per_update.pop("nonfinite").sum())
+        metrics = {k: float(_REDUCE.get(k.rsplit("_", 1)[-1], np.mean)(v)) for k, v in per_update.items()}
+        self._check_finite(ms, skipped, metrics)
         metrics[f"{ms.model}_updates_skipped"] = self.skipped.get(ms, 0)
+        if len(next(iter(per_update.values()))) > 1:
+            metrics[f"{ms.model}_per_update"] = {k: v.tolist() for k, v in per_update.items() if k in _PER_UPDATE}
         return metrics
 
-    def _check_finite(self, ms: ModelStage, skipped: bool, metrics: dict[str, float]) -> None:
-        """Counts consecutive training steps whose update was skipped as non-finite (the program kept the old
-        state); after ``trainer.max_nonfinite_steps`` of them the job stops, naming the stage and the cause."""
+    def _accum(self, kind: str, dp: int) -> int:
+        """Micro-batches per program call: an update's rows (train: a mini-batch) over dp in the token budget."""
+        rows = self.mini_rows if kind == "train" else self.rows
+        return steps.accumulation_steps(rows, dp, self.P + self.R, self.cfg.trainer.micro_batch_tokens)
+
+    def _check_finite(self, ms: ModelStage, skipped: int, metrics: dict[str, float]) -> None:
+        """Counts consecutive training steps with an update skipped as non-finite (the program kept the old
+        state; ``skipped``: how many of the step's updates); after ``trainer.max_nonfinite_steps`` such steps
+        in a row the job stops, naming the stage and the cause."""
         self.nonfinite[ms] = self.nonfinite.get(ms, 0) + 1 if skipped else 0
-        self.skipped[ms] = self.skipped.get(ms, 0) + int(skipped)
+        self.skipped[ms] = self.skipped.get(ms, 0) + skipped
         limit = self.cfg.trainer.max_nonfinite_steps
         if self.nonfinite[ms] >= limit:
             lr = self.cfg.trainer.actor_lr if ms.model == "actor" else self.cfg.trainer.critic_lr
@@ -494,7 +591,7 @@ class Job:
     def _train_program(self, ms: ModelStage, spec: StateSpec, mesh):
         a, m = self.cfg.algorithm, self.cfg.model
         loss = steps.actor_loss(m, a, self.P) if ms.model == "actor" else steps.critic_loss(m, a, self.P)
-        step = steps.make_train_step(loss, spec.optimizer, m)
+        step = steps.make_minibatch_train_step(loss, spec.optimizer, m, epochs=self.cfg.trainer.ppo_epochs)
 
         def program(leaves, micro):
             state = spec.unflatten(leaves)
@@ -648,16 +745,8 @@ def _k1_mean(old_logp, ref_logp, mask) -> jax.Array:
     return alg.masked_mean(alg.kl_estimate(old_logp, ref_logp, "k1"), mask)
 
 
-def _reweight(adv: alg.Advantages, batch: RolloutBatch, old_logp: np.ndarray, rows: np.ndarray,
-              clip: float) -> tuple[alg.Advantages, float]:
-    """Decoupled PPO for stale rows: the advantages of rows generated by an older (behaviour) policy are
-    weighted per token by min(clip, pi_old / pi_behaviour), pi_old the learner's policy before this update
-    (the PPO ratio's denominator); the clipped objective is linear in a non-negative weight on A."""
-    mask = batch.response_mask_br
-    w = np.minimum(clip, np.exp(np.asarray(old_logp) - batch.behaviour_logp_br)) * mask
-    w = np.where(rows[:, None], w, 1.0).astype(np.float32)
-    weighted = alg.Advantages(jnp.asarray(adv.advantages_bt) * w, adv.returns_bt)
-    return weighted, float((w * mask)[rows].sum() / max(1, mask[rows].sum()))
+_REDUCE = {"max": np.max, "min": np.min}  # a per-update metric named *_max / *_min; the rest: the mean
+_PER_UPDATE = ("clip_fraction", "approx_kl", "ratio_mean", "ratio_max", "ratio_min", "grad_norm")
 
 
 def _plan_mesh(sp, devices: Sequence[jax.Device]):
@@ -665,17 +754,23 @@ def _plan_mesh(sp, devices: Sequence[jax.Device]):
     return make_mesh([devices[i] for r in sp.replicas for i in r], sp.layout, dp=sp.dp)
 
 
-def _abstract_micro(signature: dict[str, tuple], accum: int, mesh) -> dict[str, jax.ShapeDtypeStruct]:
-    """``put_micro(split_micro(data, accum), mesh)`` as shapes, dtypes and shardings (no data)."""
-    rows = NamedSharding(mesh, PartitionSpec(None, "dp"))
+def _abstract_micro(signature: dict[str, tuple], accum: int, mesh, mini: int | None = None) -> dict:
+    """``put_micro(split_micro(data, accum), mesh)`` as shapes, dtypes and shardings (no data); with ``mini``,
+    ``put_minibatches(split_minibatches(data, mini, accum), mesh)``'s."""
+    lead = (accum,) if mini is None else (mini, accum)
+    rows = NamedSharding(mesh, PartitionSpec(*(None,) * len(lead), "dp"))
     whole = NamedSharding(mesh, PartitionSpec())
     out = {}
     for k, (shape, dtype) in signature.items():
         dtype = jax.dtypes.canonicalize_dtype(dtype)  # what jit makes of a host array (float64 -> float32)
         if len(shape) == 0:
-            out[k] = jax.ShapeDtypeStruct((accum,), dtype, sharding=whole)
+            out[k] = jax.ShapeDtypeStruct(lead, dtype, sharding=whole)
         else:
-            out[k] = jax.ShapeDtypeStruct((accum, shape[0] // accum, *shape[1:]), dtype, sharding=rows)
+            per = shape[0] // math.prod(lead)
+            out[k] = jax.ShapeDtypeStruct((*lead, per, *shape[1:]), dtype, sharding=rows)
+    if mini is not None:
+        for k in ("denom", "seq_denom"):
+            out[k] = jax.ShapeDtypeStruct(lead, jnp.float32, sharding=whole)
     return out
 
 
@@ -705,11 +800,16 @@ def engine_replicas_across_processes(plan: ExecutionPlan) -> list[tuple[tuple[in
     return [(r, owners) for r, owners in spans if len(owners) > 1]
 
 
-def _check_rows(plan: ExecutionPlan, rows: int) -> None:
+def _check_rows(plan: ExecutionPlan, rows: int, mini_rows: int | None = None) -> None:
+    mini_rows = rows if mini_rows is None else mini_rows
     for ms, sp in plan.items():
         if ms.kind != "gen" and rows % sp.dp:
             raise JobError(f"{ms}: {rows} rollouts a step (trainer.prompts_per_step x rollout.samples_per_prompt) "
                            f"do not split over dp={sp.dp} replicas; choose a dp dividing {rows}")
+        if ms.kind == "train" and mini_rows % sp.dp:
+            raise JobError(f"{ms}: a mini-batch of {mini_rows} rollouts (a step's {rows} over trainer.mini_batches) "
+                           f"does not split over dp={sp.dp} replicas; choose a dp dividing {mini_rows} or fewer "
+                           "trainer.mini_batches")
 
 
 def _check_prompt_lengths(prompts: list[list[int]], limit: int) -> None:

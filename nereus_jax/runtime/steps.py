@@ -1,10 +1,13 @@
 """The computations of the scoring and training model-stages, as jittable functions of plain trees.
 
 Sequences follow :mod:`nereus_jax.rl.batch` (prompt left-padded to P, response right-padded to R).
-Training runs one SPMD program over the stage's DP replicas: the batch arrives as ``[accum, rows, ...]``
-micro-batches (rows split over ``dp``), gradients are summed over micro-batches with ``lax.scan``, and
-every loss is normalised by the WHOLE batch's token count, so the result does not depend on how the
-batch is split across replicas or micro-batches (up to float reduction order).
+Training runs one SPMD program over the stage's DP replicas. One update (:func:`make_train_step`) takes
+``[accum, rows, ...]`` micro-batches (rows split over ``dp``), sums gradients over them with ``lax.scan``,
+and normalises every loss by the WHOLE (mini-)batch's token / sequence counts, so the result does not
+depend on how the batch is split across replicas or micro-batches (up to float reduction order).
+A rollout batch's updates (:func:`make_minibatch_train_step`) are one program too: ``ppo_epochs`` passes
+over ``[mini_batches, accum, rows, ...]``, an optimizer update per mini-batch, all in one dispatch (a scan
+compiles its body once, so the program does not grow with mini_batches x epochs).
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from nereus_jax.config import AlgorithmConfig, ModelConfig
 from nereus_jax.models import forward
 from nereus_jax.rl.algorithms import (
+    aggregate,
     entropy_from_logits,
     kl_estimate,
     masked_mean,
-    ppo_policy_loss,
+    policy_loss,
+    settings,
     token_logprobs,
     value_loss,
 )
@@ -61,19 +66,27 @@ def sequence_scores(params, cfg: ModelConfig, tokens_bl, mask_bl, forward_fn: Fo
 
 
 def actor_loss(cfg: ModelConfig, algo: AlgorithmConfig, prompt_len: int, forward_fn: ForwardFn = forward) -> LossFn:
-    """PPO clipped policy loss, minus the entropy bonus, plus the KL term when it is not in the reward."""
+    """The algorithm's clipped policy loss (token or GSPO's sequence ratio, asymmetric clipping, aggregated by
+    ``algorithm.loss_agg``), minus the entropy bonus, plus the KL term when it is not in the reward; the
+    entropy and KL terms are aggregated like the policy loss. ``mb["denom"]`` / ``mb["seq_denom"]``: the
+    (mini-)batch's tokens / sequences (absent: the micro-batch's own)."""
+    s = settings(algo, max_response_length=0)  # the loss reads no length-derived setting
+
     def loss(params, mb):
         logits = response_logits(params, cfg, mb["tokens"], mb["mask"], prompt_len, forward_fn)
         logp = token_logprobs(logits, mb["tokens"][:, prompt_len:])
-        mask, denom = mb["response_mask"], mb["denom"]
-        pl = ppo_policy_loss(logp, mb["old_logp"], mb["advantages"], mask, algo.clip_ratio, denom)
+        mask, denom, seq_denom = mb["response_mask"], mb.get("denom"), mb.get("seq_denom")
+        pl = policy_loss(logp, mb["old_logp"], mb["advantages"], mask, s.clip_low, s.clip_high, agg=s.loss_agg,
+                         level=s.ratio_level, denom=denom, seq_denom=seq_denom)
         total, metrics = pl.loss, {"policy_loss": pl.loss, "clip_fraction": pl.clip_fraction,
-                                   "approx_kl": pl.approx_kl}
+                                   "approx_kl": pl.approx_kl, "ratio_mean": pl.ratio_mean,
+                                   "ratio_max": pl.ratio_max, "ratio_min": pl.ratio_min}
+        agg = lambda x: aggregate(x, mask, s.loss_agg, denom, seq_denom)  # noqa: E731
         if algo.entropy_coef:
-            entropy = masked_mean(entropy_from_logits(logits), mask, denom=denom)
+            entropy = agg(entropy_from_logits(logits))
             total, metrics["entropy"] = total - algo.entropy_coef * entropy, entropy
         if not algo.kl_in_reward:
-            kl = masked_mean(kl_estimate(logp, mb["ref_logp"], algo.kl_estimator), mask, denom=denom)
+            kl = agg(kl_estimate(logp, mb["ref_logp"], algo.kl_estimator))
             total, metrics["kl_loss"] = total + algo.kl_coef * kl, kl
         return total, metrics
 
@@ -142,8 +155,33 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, cf
         keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
         params, opt_state = jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_opt, opt_state)
         out = {"loss": loss, "grad_norm": norm, "nonfinite": (~ok).astype(jnp.float32),
-               **jax.tree.map(jnp.sum, metrics)}
+               **{k: _REDUCE.get(k.rsplit("_", 1)[-1], jnp.sum)(v) for k, v in metrics.items()}}
         return params, opt_state, out
+
+    return step
+
+
+_REDUCE = {"max": jnp.max, "min": jnp.min}  # a micro-batch metric named *_max / *_min; the rest are sums
+
+
+def make_minibatch_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, cfg: ModelConfig,
+                              epochs: int = 1, max_grad_norm: float = 1.0):
+    """(params, opt_state, batches [mini, accum, rows, ...]) -> (params, opt_state, metrics [epochs * mini]):
+    ``epochs`` passes over the mini-batches in order, one :func:`make_train_step` update each (a non-finite
+    one is skipped, the next starts from the kept state). The caller's ``old_logp`` are the generating
+    step's, so the first update's ratio is 1 and the later ones' move away from it."""
+    update = make_train_step(loss_fn, optimizer, cfg, max_grad_norm)
+
+    def step(params, opt_state, batches):
+        def one(carry, mb):
+            params, opt_state, metrics = update(*carry, mb)
+            return (params, opt_state), metrics
+
+        def epoch(carry, _):
+            return jax.lax.scan(one, carry, batches)
+
+        (params, opt_state), metrics = jax.lax.scan(epoch, (params, opt_state), None, length=epochs)
+        return params, opt_state, jax.tree.map(lambda x: x.reshape(-1), metrics)
 
     return step
 
@@ -158,6 +196,25 @@ def accumulation_steps(rows: int, dp: int, seq_len: int, micro_batch_tokens: int
         if per_replica % accum == 0:
             return accum
     return per_replica
+
+
+def split_minibatches(batch: dict, mini: int, accum: int) -> dict:
+    """[rows, ...] host arrays -> [mini, accum, rows / (mini * accum), ...]: mini-batch m holds rows
+    m*rows/mini .. (m+1)*rows/mini - 1 (a prompt's samples stay together when rows/mini is a multiple of
+    them), split into ``accum`` micro-batches. Adds each mini-batch's normalisers, repeated per micro-batch
+    ([mini, accum]): ``denom`` its response tokens and ``seq_denom`` its sequences with a token (both >= 1)."""
+    out = {k: np.asarray(v).reshape(mini, accum, -1, *np.shape(v)[1:]) for k, v in batch.items()}
+    lengths = out["response_mask"].reshape(mini, -1, np.shape(batch["response_mask"])[-1]).sum(-1)
+    for key, value in (("denom", lengths.sum(-1)), ("seq_denom", (lengths > 0).sum(-1))):
+        out[key] = np.repeat(np.maximum(value, 1).astype(np.float32)[:, None], accum, axis=1)
+    return out
+
+
+def put_minibatches(data: dict, mesh) -> dict:
+    """Places ``split_minibatches`` output on ``mesh``: rows split over ``dp``, normalisers replicated."""
+    rows = NamedSharding(mesh, PartitionSpec(None, None, "dp"))
+    whole = NamedSharding(mesh, PartitionSpec())
+    return {k: jax.device_put(v, rows if np.ndim(v) > 2 else whole) for k, v in data.items()}
 
 
 def put_micro(micro: dict, mesh) -> dict:
