@@ -4,7 +4,8 @@ caches, the arrangement XLA:CPU decodes fastest (../shared/DESIGN.md, "Decode sp
 The parameter tree is the model's, except that ``layers`` is a tuple of per-layer dicts (the stacked
 arrays sliced once, in :func:`unstack_layers`), so the unrolled layer loop never slices stacked weights
 inside the step. Each layer's cache is a pair ``(k, v)`` of ``[batch, kv_heads, length, head_dim]``
-arrays updated in place (under buffer donation by the caller). Built only from
+arrays updated in place (under buffer donation by the caller); :func:`run_paged` is the decode step over
+paged caches (``nereus_jax.engine.paged``), with the same projections. Built only from
 ``nereus_jax.models.layers``; tests prove it equals ``nereus_jax.models.forward``.
 """
 
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nereus_jax.config import ModelConfig
+from nereus_jax.engine import paged
 from nereus_jax.models.layers import apply_rope, attention, constrain, project_heads, rms_norm, rope_inv_freq, swiglu
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # as nereus_jax.models.layers
@@ -72,22 +74,59 @@ def logits(params: dict, x_bd: jax.Array) -> jax.Array:
 def _layer(x, lp, cfg, positions_bt, start_b, inv_freq, mask_bts, k_cache, v_cache, only_b=None):
     a = lp["attn"]
     h = rms_norm(x, lp["attn_norm"]["scale"], cfg.rms_norm_eps)
-    q_norm, k_norm = (a["q_norm"]["scale"], a["k_norm"]["scale"]) if cfg.qk_norm else (None, None)
-    k = apply_rope(project_heads(h, a["wk"], a.get("bk"), k_norm, cfg.rms_norm_eps), positions_bt, inv_freq)
-    v = project_heads(h, a["wv"], a.get("bv"))
+    k, v = _keys_values(h, a, cfg, positions_bt, inv_freq)
     k_cache = _write_rows(k_cache, k, start_b)
     v_cache = _write_rows(v_cache, v, start_b)
     if only_b is not None:  # from here on, only the selected token of each row
         pick = lambda y: jnp.take_along_axis(y, only_b.reshape((-1, 1) + (1,) * (y.ndim - 2)), axis=1)  # noqa: E731
         x, h, positions_bt, mask_bts = pick(x), pick(h), pick(positions_bt), pick(mask_bts)
-    q = apply_rope(project_heads(h, a["wq"], a.get("bq"), q_norm, cfg.rms_norm_eps), positions_bt, inv_freq)
-    q = constrain(q, ("batch", "length", "heads", "head_dim"))
+    q = _queries(h, a, cfg, positions_bt, inv_freq)
     out = attention(q, k_cache, v_cache, mask_bts) if q.shape[1] > 1 else _attend_one(q, k_cache, v_cache, mask_bts)
-    x = constrain(x + jnp.einsum("bthe,hed->btd", out, a["wo"]), ("batch", "length", "embed"))
+    return _finish(x, out, lp, cfg), k_cache, v_cache
+
+
+def run_paged(params: dict, cfg: ModelConfig, tokens_b: jax.Array, positions_b: jax.Array, pools: LayerCaches,
+              write_page_b: jax.Array, items: paged.Items) -> tuple[jax.Array, LayerCaches]:
+    """One decode step over paged caches: slot b's token at ``positions_b[b]`` stores its keys and values
+    in page ``write_page_b[b]`` (a page id past the pool: not stored) and attends to the pages ``items``
+    lists (:func:`nereus_jax.engine.paged.work_items`). Returns the final hidden states [b, 1, embed] and
+    the pools. The projections are :func:`run`'s; only where keys live and how they are read differ."""
+    positions_bt = positions_b[:, None]
+    offset_b = positions_b % pools[0][0].shape[2]
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    x = constrain(jnp.take(params["embed"]["embedding"], tokens_b[:, None], axis=0), ("batch", "length", "embed"))
+    out = []
+    for lp, (k_pool, v_pool) in zip(params["layers"], pools, strict=True):
+        a = lp["attn"]
+        h = rms_norm(x, lp["attn_norm"]["scale"], cfg.rms_norm_eps)
+        k, v = _keys_values(h, a, cfg, positions_bt, inv_freq)
+        k_pool = paged.write(k_pool, k[:, 0], write_page_b, offset_b)
+        v_pool = paged.write(v_pool, v[:, 0], write_page_b, offset_b)
+        q = _queries(h, a, cfg, positions_bt, inv_freq)
+        x = _finish(x, paged.attend(q[:, 0], k_pool, v_pool, items)[:, None], lp, cfg)
+        out.append((k_pool, v_pool))
+    return rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps), tuple(out)
+
+
+def _keys_values(h, a, cfg, positions_bt, inv_freq):
+    k_norm = a["k_norm"]["scale"] if cfg.qk_norm else None
+    k = apply_rope(project_heads(h, a["wk"], a.get("bk"), k_norm, cfg.rms_norm_eps), positions_bt, inv_freq)
+    return k, project_heads(h, a["wv"], a.get("bv"))
+
+
+def _queries(h, a, cfg, positions_bt, inv_freq):
+    q_norm = a["q_norm"]["scale"] if cfg.qk_norm else None
+    q = apply_rope(project_heads(h, a["wq"], a.get("bq"), q_norm, cfg.rms_norm_eps), positions_bt, inv_freq)
+    return constrain(q, ("batch", "length", "heads", "head_dim"))
+
+
+def _finish(x, out_bthe, lp, cfg):
+    """The attention output projection and residual, then the MLP block."""
+    x = constrain(x + jnp.einsum("bthe,hed->btd", out_bthe, lp["attn"]["wo"]), ("batch", "length", "embed"))
     m = lp["mlp"]
     h = rms_norm(x, lp["mlp_norm"]["scale"], cfg.rms_norm_eps)
     x = x + swiglu(h, m["w_gate"], m["w_up"], m["w_down"])
-    return constrain(x, ("batch", "length", "embed")), k_cache, v_cache
+    return constrain(x, ("batch", "length", "embed"))
 
 
 def _attend_one(q_b1he: jax.Array, k_bkse: jax.Array, v_bkse: jax.Array, mask_b1s: jax.Array) -> jax.Array:

@@ -22,6 +22,14 @@ k-1 steps later than with k=1, so ``param_versions`` match k=1 only when no swap
 
 ``refill="static"`` refills only when every slot is done (the classic static batch, for comparison);
 ``forced_lengths`` makes each prompt's samples generate exactly that many tokens (stop tokens ignored).
+
+With a paged engine (``JaxEngine(..., page_size=...)``) a free slot is not enough: a sequence starts only
+when the KV pool can take it under the generator's ``admission`` policy (``"preempt"``, the default, or
+``"reserve"``; ``nereus_jax.engine.admission`` says what each does), preempted sequences resume before new
+ones start, and each engine call is told how many pages it reads. A request the pool could not hold even
+alone is refused before anything runs. Tokens, log-probabilities and lengths do not depend on the policy,
+the pool size or preemptions. ``stats`` adds ``preemptions``, ``peak_live`` (most live slots at a step),
+``mean_live`` (live slots per decode step) and ``peak_pages`` (most pages in use).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
+from nereus_jax.engine.admission import POLICIES, Admission, PagePool
 from nereus_jax.engine.engine import EngineError, JaxEngine, Params
 from nereus_jax.engine.sampling import SamplingParams, make_requests
 
@@ -64,13 +73,28 @@ class Rollouts:
 class Generator:
     """Holds an engine, its decode state and the current parameters (with their version)."""
 
-    def __init__(self, engine: JaxEngine, params: Params, *, version: int = 0, pad_id: int = 0):
-        self.engine = engine
+    def __init__(self, engine: JaxEngine, params: Params, *, version: int = 0, pad_id: int = 0,
+                 admission: Admission = "preempt"):
+        if admission not in POLICIES:
+            raise EngineError(f"admission must be one of {POLICIES}, got {admission!r}")
+        self.engine, self.admission = engine, admission
         self._params, self.version = params, version
         self.pad_id = pad_id
         self._pending: tuple[Params, int] | None = None
         self._lock = threading.Lock()
         self._state = engine.init_decode_state()
+        self._clean = True  # False while a generate call runs: one that raised leaves slots behind
+        self._run: _Run | None = None
+
+    def progress(self) -> dict[str, int]:
+        """The current (or last) generate call so far: decode steps, tokens generated, live slots now, live
+        slots summed over the steps, preemptions. Cheap; for ``on_step`` hooks and monitoring."""
+        run = self._run
+        if run is None:
+            return {"decode_steps": 0, "tokens": 0, "live": 0, "slot_steps": 0, "preemptions": 0}
+        return {"decode_steps": run.stats["decode_steps"], "tokens": int(run.lengths.sum()),
+                "live": int(np.sum(run.slot_row >= 0)), "slot_steps": run.stats["slot_steps"],
+                "preemptions": run.stats["preemptions"]}
 
     def set_params(self, params: Params, version: int | None = None) -> None:
         """Parameters (as ``engine.load_params`` returns them) to use from the next decode step on.
@@ -94,10 +118,15 @@ class Generator:
         ids = np.arange(len(prompts)) if prompt_ids is None else np.asarray(prompt_ids, np.int64).reshape(-1)
         if ids.shape[0] != len(prompts) or np.any(ids < 0) or np.any(ids >= 2**31):
             raise EngineError(f"prompt_ids needs one id in [0, 2**31) per prompt ({len(prompts)} prompts)")
+        if not self._clean:  # an earlier call stopped mid-way: start from an empty state
+            self._state = self.engine.init_decode_state()
         run = _Run(self, prompts, sampling, limits, forced=forced_lengths is not None, refill=refill)
         run.prompt_ids = ids
+        self._run = run
         start, cpu = time.perf_counter(), time.thread_time()
+        self._clean = False
         run.loop(on_step)
+        self._clean = True
         run.stats["thread_cpu_s"] = time.thread_time() - cpu  # this thread's Python and dispatch seconds
         return run.result(time.perf_counter() - start)
 
@@ -123,6 +152,10 @@ class Generator:
                                   f"{e.max_target_length}; lower max_new_tokens or build a longer engine")
             if p.min() < 0 or p.max() >= e.cfg.vocab_size:
                 raise EngineError(f"prompt {i} has token ids outside the vocabulary [0, {e.cfg.vocab_size})")
+            if e.paged and e.pages_for(p.size + limit - 1) > e.kv_pages:
+                raise EngineError(f"prompt {i} ({p.size} tokens) + {limit} new tokens needs "
+                                  f"{e.pages_for(p.size + limit - 1)} KV pages; the engine's pool has kv_pages="
+                                  f"{e.kv_pages}: raise kv_pages / kv_bytes or lower max_new_tokens")
         return limits
 
 
@@ -145,26 +178,68 @@ class _Run:
         self.slot_row = np.full(self.engine.max_concurrent_decodes, -1, np.int64)
         self.stats = collections.Counter()
         self.prompt_ids = np.arange(len(prompts))
+        e = self.engine
+        self.pool = (PagePool(e.max_concurrent_decodes, e.page_size, e.kv_pages, e.decode_steps_per_call,
+                              gen.admission) if e.paged else None)
+        self.order = np.zeros(e.max_concurrent_decodes, np.int64)  # admission number of each slot's row
+        self.admitted = 0
+        self.parked: list[tuple[int, int, Any]] = []  # (admission number, row, host copy) oldest first
 
     def loop(self, on_step) -> None:
         while True:
             self._swap_params()
             self._fill_slots()
             if not np.any(self.slot_row >= 0):
-                assert not self.waiting and not self.ready
+                assert not self.waiting and not self.ready and not self.parked
                 return
+            pages = self._make_room()
             if self.engine.decode_steps_per_call > 1:
-                self._decode_chunk()
+                self._decode_chunk(pages)
             else:
-                self.gen._state, result = self.engine.generate(self.gen._params, self.gen._state)
+                self.gen._state, result = self.engine.generate(self.gen._params, self.gen._state, **pages)
                 self._record(*jax.device_get((result.tokens, result.logprobs, result.valid, result.done)))
                 self.stats["decode_steps"] += 1
             if on_step is not None:
                 on_step(self.gen, self.stats["decode_steps"])
 
-    def _decode_chunk(self) -> None:
+    def _make_room(self) -> dict:
+        """Paged: preempts the newest live sequences until the next call's pages are free; returns the
+        engine call's ``pages`` bound."""
+        if self.pool is None:
+            return {}
+        while self.pool.growth() > self.pool.free:
+            assert self.pool.policy == "preempt", "admission under 'reserve' let the pool run short"
+            assert np.sum(self.pool.live) > 1, "one sequence alone does not fit the pool"
+            self._preempt(self.pool.victim(self.order))
+        return {"pages": self.pool.bound()}
+
+    def _preempt(self, slot: int) -> None:
+        held = self.pool.stop(slot)
+        self.gen._state, parked = self.engine.evict(self.gen._state, slot, pages=held)
+        entry = (int(self.order[slot]), int(self.slot_row[slot]), jax.device_get(parked))  # host memory
+        self.parked.append(entry)
+        self.parked.sort(key=lambda e: e[0])
+        self.slot_row[slot] = -1
+        self.stats["preemptions"] += 1
+
+    def _resume_parked(self, free: list) -> bool:
+        """Resumes parked sequences, oldest first, while slots and pages allow; False if one must wait."""
+        while self.parked and free:
+            order, row, parked = self.parked[0]
+            length, steps = int(parked.length), int(parked.steps)
+            limit = int(self.limits[row // self.sampling.n])
+            if not self.pool.fits(length, steps, limit):
+                return False
+            self.parked.pop(0)
+            slot = free.pop(0)
+            self.gen._state = self.engine.resume(parked, self.gen._state, slot)
+            self.pool.start(slot, length, steps, limit, held=int(parked.held))
+            self.slot_row[slot], self.order[slot] = row, order
+        return not self.parked
+
+    def _decode_chunk(self, pages: dict) -> None:
         """One ``generate_steps`` call: its k steps recorded in order until no slot is live."""
-        self.gen._state, result = self.engine.generate_steps(self.gen._params, self.gen._state)
+        self.gen._state, result = self.engine.generate_steps(self.gen._params, self.gen._state, **pages)
         chunk = jax.device_get((result.tokens, result.logprobs, result.valid, result.done))
         for step in zip(*chunk, strict=True):
             if not np.any(self.slot_row >= 0):
@@ -179,7 +254,10 @@ class _Run:
         rows = self.lengths.shape[0]
         steps = self.stats["decode_steps"]
         stats = {**self.stats, "tokens": int(self.lengths.sum()), "seconds": seconds,
-                 "slot_occupancy": self.stats["slot_steps"] / max(1, steps * self.engine.max_concurrent_decodes)}
+                 "slot_occupancy": self.stats["slot_steps"] / max(1, steps * self.engine.max_concurrent_decodes),
+                 "mean_live": self.stats["slot_steps"] / max(1, steps)}
+        if self.pool is not None:
+            stats.update(peak_pages=self.pool.peak_used, kv_pages=self.pool.total)
         return Rollouts(self.tokens, self.logprobs, self.lengths, tuple(self.finish), self.versions,
                         np.arange(rows) // n, np.arange(rows) % n, stats)
 
@@ -194,11 +272,16 @@ class _Run:
         if self.refill == "static" and np.any(self.slot_row >= 0):
             return
         free = list(np.flatnonzero(self.slot_row < 0))
+        if self.pool is not None and not self._resume_parked(free):
+            return  # the oldest preempted sequence goes first
         current, placed = None, []  # the samples of one prefix go in with one insert_many call
         while free and (self.ready or self.waiting):
             if not self.ready:
                 self._prefill_next()
-            prefix, version, prow, sample, row, token, logprob = self.ready.popleft()
+            prefix, version, prow, sample, row, token, logprob = self.ready[0]
+            if not self._ends_at_once(row, token) and not self._admissible(row):
+                break
+            self.ready.popleft()
             if self._append(row, token, logprob, version):
                 continue  # finished with its first token
             if prefix is not current:
@@ -206,8 +289,24 @@ class _Run:
                 current, placed = prefix, []
             slot = free.pop(0)
             placed.append((slot, prow, sample))
-            self.slot_row[slot] = row
+            self._admit(slot, row)
         self._insert(current, placed)
+        self.stats["peak_live"] = max(self.stats["peak_live"], int(np.sum(self.slot_row >= 0)))
+
+    def _ends_at_once(self, row: int, token) -> bool:
+        return token in self.stops or self.limits[row // self.sampling.n] <= 1
+
+    def _admissible(self, row: int) -> bool:
+        if self.pool is None:
+            return True
+        return self.pool.fits(self.prompts[row // self.sampling.n].size, 1, int(self.limits[row // self.sampling.n]))
+
+    def _admit(self, slot: int, row: int) -> None:
+        self.slot_row[slot], self.order[slot] = row, self.admitted
+        self.admitted += 1
+        if self.pool is not None:
+            prompt = row // self.sampling.n
+            self.pool.start(slot, self.prompts[prompt].size, 1, int(self.limits[prompt]))
 
     def _insert(self, prefix, placed: list[tuple[int, int, int]]) -> None:
         if placed:
@@ -259,6 +358,8 @@ class _Run:
             assert finished == bool(done[slot]), f"slot {slot}: host and device disagree on the row's end"
             if finished:
                 self.slot_row[slot] = -1
+        if self.pool is not None:
+            self.pool.step(live, done[live])
 
 
 def generate(engine: JaxEngine, params: Params, prompts: Sequence[Sequence[int]], sampling: SamplingParams,

@@ -20,6 +20,21 @@ prompt share one prefill and get n first tokens); ``insert`` takes which ``row``
 prefix to place. Prompt lengths are bucketed (powers of two up to ``max_prefill_length``), so a steady
 workload compiles a fixed set of programs; ``traces`` counts every trace (= compilation) by function.
 
+Paged KV memory (opt-in, ``page_size=16`` say; ``nereus_jax.engine.paged``): keys and values live in a pool
+of ``kv_pages`` pages per layer (default: every slot's full ``max_target_length``; ``kv_bytes`` sizes it by a
+budget) with a page table per slot. ``insert`` takes the pages a prompt fills, a step takes a page when a
+slot's next position starts one, a finishing slot gives its pages back in the same step, and attention
+reads only the pages each slot holds, so a step costs the tokens held, not ``slots x max_target_length``.
+``generate(..., pages=n)`` bounds the pages a step reads (the driver knows it; otherwise the engine reads the
+lengths back), bucketed by doubling from ``max_concurrent_decodes``: one program per bucket. A slot that
+finds no free page waits (``valid=False``, its state untouched) while the others go on, and ``insert``
+without room leaves the slot empty; the driver's admission control keeps both from happening.
+:meth:`JaxEngine.evict` / :meth:`JaxEngine.resume` take a sequence's pages out and put them back, bit for
+bit (preemption). A sequence's tokens and log-probabilities depend on neither the pool, the capacity, other
+slots nor the schedule; they are the unpaged engine's tokens, with log-probabilities equal to float
+rounding (that engine's attention sums over all max_target_length positions, and XLA:CPU's sums over a
+different number of terms round differently).
+
     engine = JaxEngine(cfg, make_mesh(jax.devices()[:2], Layout(tp=2)), max_concurrent_decodes=8)
     params = engine.load_params(init_params(cfg))
     state = engine.init_decode_state()
@@ -32,7 +47,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +55,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nereus_jax.config import ModelConfig
-from nereus_jax.engine import decode
+from nereus_jax.engine import decode, paged
+from nereus_jax.engine.contract import DecodeState, Engine, EngineError, Params, Parked, Prefix, ResultTokens
 from nereus_jax.engine.sampling import Requests, make_requests, sample
 from nereus_jax.models.decoder import abstract_params
 from nereus_jax.sharding import (
@@ -54,82 +70,8 @@ from nereus_jax.sharding import (
     stored_shapes,
 )
 
-Params = Any  # what load_params returns: the model's tree with per-layer weights, laid out on the mesh
+__all__ = ["DecodeState", "Engine", "EngineError", "JaxEngine", "Params", "Parked", "Prefix", "ResultTokens"]
 _MIN_BUCKET = 16
-
-
-class EngineError(ValueError):
-    """A request the engine cannot serve (prompt too long, bad slot, ...); the message says what to change."""
-
-
-class ResultTokens(NamedTuple):
-    """One token per slot (generate) or per prompt row and sample (prefill: [rows, n])."""
-
-    tokens: jax.Array  # int32
-    logprobs: jax.Array  # float32: log_softmax(logits / temperature) at the token
-    valid: jax.Array  # bool: the slot was live, so the token is real
-    lengths: jax.Array  # int32: tokens the slot has generated, this one included
-    done: jax.Array  # bool: this token ended the slot (stop token or token limit)
-
-
-class Prefix(NamedTuple):
-    """Prefilled prompts: their KV caches, lengths, first tokens and requests (one row per prompt)."""
-
-    caches: decode.LayerCaches  # per layer (k, v) [rows, kv_heads, length, head_dim]
-    lengths: jax.Array  # [rows] tokens in the cache
-    first_tokens: jax.Array  # [rows, n]
-    first_logprobs: jax.Array  # [rows, n]
-    requests: Requests  # per row
-
-
-class DecodeState(NamedTuple):
-    """Everything the decode loop carries, one entry per slot."""
-
-    caches: decode.LayerCaches  # per layer (k, v) [slots, kv_heads, max_target_length, head_dim]
-    tokens: jax.Array  # [slots] the last token drawn, fed in at the next step
-    lengths: jax.Array  # [slots] tokens in the cache = the position of `tokens`
-    steps: jax.Array  # [slots] tokens generated so far = the response index of the next one
-    active: jax.Array  # [slots] bool
-    requests: Requests  # per slot
-
-
-@runtime_checkable
-class Engine(Protocol):
-    """JetStream's engine contract (names and meaning of ``jetstream.engine.engine_api.Engine``)."""
-
-    def prefill(self, *, params: Params, existing_prefix: Prefix | None = None, padded_tokens: jax.Array,
-                true_length: int) -> tuple[Prefix, ResultTokens]:
-        """Computes a prompt's KV cache (after ``existing_prefix`` if given) and samples its first token."""
-
-    def generate(self, params: Params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
-        """One token for every slot of the decode state."""
-
-    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
-        """Places a prefix in a decode slot."""
-
-    def load_params(self, *args, **kwargs) -> Params:
-        """Parameters laid out for this engine."""
-
-    def init_decode_state(self, *args, **kwargs) -> DecodeState:
-        """An empty decode state."""
-
-    def get_prefix_destination_sharding(self) -> Any:
-        """The shardings a prefix must have to be inserted."""
-
-    def get_tokenizer(self) -> Any:
-        """The tokenizer (or its parameters) this engine serves with."""
-
-    @property
-    def max_concurrent_decodes(self) -> int: ...
-
-    @property
-    def max_prefill_length(self) -> int: ...
-
-    @property
-    def samples_per_slot(self) -> int: ...
-
-    @property
-    def mesh(self) -> Mesh: ...
 
 
 class JaxEngine:
@@ -138,7 +80,8 @@ class JaxEngine:
     def __init__(self, cfg: ModelConfig, mesh: Mesh | None = None, *, max_concurrent_decodes: int = 32,
                  max_prefill_length: int = 128, max_target_length: int | None = None,
                  max_prefill_batch: int = 8, max_stop_tokens: int = 4, tokenizer: Any = None,
-                 decode_steps_per_call: int = 1):
+                 decode_steps_per_call: int = 1, page_size: int | None = None, kv_pages: int | None = None,
+                 kv_bytes: int | None = None):
         self.cfg = cfg
         self._mesh = mesh if mesh is not None else make_mesh(jax.devices()[:1], Layout())
         self.layout = _layout_of(self._mesh)
@@ -158,7 +101,44 @@ class JaxEngine:
         self.traces: collections.Counter[str] = collections.Counter()
         self._tokenizer = tokenizer
         self._stored_shapes: dict | None = None
+        self._init_paging(page_size, kv_pages, kv_bytes)
         self._build_programs()
+
+    def _init_paging(self, page_size: int | None, kv_pages: int | None, kv_bytes: int | None) -> None:
+        self.page_size = None if page_size is None else _positive("page_size", page_size)
+        if page_size is None:
+            if kv_pages is not None or kv_bytes is not None:
+                raise EngineError("kv_pages / kv_bytes size a paged KV pool: give page_size too")
+            self.pages_per_slot = self.kv_pages = 0
+            return
+        self.pages_per_slot = -(-self.max_target_length // self.page_size)
+        if kv_pages is not None and kv_bytes is not None:
+            raise EngineError("give kv_pages or kv_bytes, not both")
+        if kv_bytes is not None:
+            kv_pages = int(kv_bytes) // self.kv_page_bytes
+        self.kv_pages = _positive("kv_pages", self._slots * self.pages_per_slot if kv_pages is None else kv_pages)
+        self.item_buckets = _buckets(min(self.kv_pages, self._slots * self.pages_per_slot),
+                                     smallest=min(self._slots, self.kv_pages))
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size is not None
+
+    @property
+    def kv_page_bytes(self) -> int:
+        """Bytes of one page over all layers, keys and values (kv heads as stored, all devices together)."""
+        return 2 * self.cfg.num_layers * self.kv_heads * (self.page_size or 1) * self.cfg.head_dim * self.dtype.itemsize
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of a decode state's KV memory: the pool when paged, slots x max_target_length otherwise."""
+        if self.paged:
+            return self.kv_pages * self.kv_page_bytes
+        return self._slots * self.max_target_length * self.kv_page_bytes
+
+    def pages_for(self, tokens: int) -> int:
+        """Pages that hold ``tokens`` positions."""
+        return -(-int(tokens) // self.page_size)
 
     # ----------------------------------------------------------------------------------- the contract
     @property
@@ -237,15 +217,15 @@ class JaxEngine:
                sample: int = 0) -> DecodeState:
         """Places sample ``sample`` of prefix row ``row`` in ``slot`` (whatever the slot held is dropped).
         ``decode_state`` is donated: use only the returned state."""
-        if not 0 <= slot < self._slots:
-            raise EngineError(f"slot {slot} is out of range: this engine has {self._slots} slots")
+        self._check_slot(slot)
         rows, n = prefix.first_tokens.shape
         if not (0 <= row < rows and 0 <= sample < n):
             raise EngineError(f"prefix has {rows} rows x {n} samples; row {row}, sample {sample} is out of range")
         if prefix.caches[0][0].shape[2] > self.max_target_length:
             raise EngineError(f"prefix of {prefix.caches[0][0].shape[2]} tokens does not fit the cache "
                               f"({self.max_target_length})")
-        return self._insert(prefix, decode_state, np.int32(slot), np.int32(row), np.int32(sample))
+        index = (lambda i: np.full((1,), i, np.int32)) if self.paged else np.int32
+        return self._insert(prefix, decode_state, index(slot), index(row), index(sample))
 
     def insert_many(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int], rows: Sequence[int],
                     samples: Sequence[int]) -> DecodeState:
@@ -271,17 +251,50 @@ class JaxEngine:
         rows, samples = (np.concatenate([a, np.zeros(pad, np.int32)]) for a in (rows, samples))
         return self._insert_many(prefix, decode_state, slots, rows, samples)
 
-    def generate(self, params: Params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
+    def generate(self, params: Params, decode_state: DecodeState, *, pages: int | None = None
+                 ) -> tuple[DecodeState, ResultTokens]:
         """One decode step for every slot (inactive slots yield ``valid=False``). ``decode_state`` is
-        donated: use only the returned state. Parameters may change between calls (a swap keeps slots)."""
-        return self._generate(params, decode_state)
+        donated: use only the returned state. Parameters may change between calls (a swap keeps slots).
+        Paged: ``pages`` bounds the pages the step reads (see the module docstring)."""
+        if not self.paged:
+            return self._generate(params, decode_state)
+        return self._generate(params, decode_state, self._items(decode_state, pages, 1))
 
-    def generate_steps(self, params: Params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
+    def generate_steps(self, params: Params, decode_state: DecodeState, *, pages: int | None = None
+                       ) -> tuple[DecodeState, ResultTokens]:
         """``decode_steps_per_call`` decode steps in one call: results ``[k, slots]``, step j of slot s at
         ``[j, s]``. A slot that finishes stays inactive (``valid=False``) for the rest of the call; the call
         stops early once no slot is live (the steps not run are all ``valid=False``). ``decode_state`` is
-        donated; the parameters are the same for all k steps."""
-        return self._generate_steps(params, decode_state)
+        donated; the parameters are the same for all k steps. Paged: ``pages`` bounds the pages read at
+        any of the k steps."""
+        if not self.paged:
+            return self._generate_steps(params, decode_state)
+        return self._generate_steps(params, decode_state, self._items(decode_state, pages,
+                                                                      self.decode_steps_per_call))
+
+    def evict(self, decode_state: DecodeState, slot: int, *, pages: int | None = None
+              ) -> tuple[DecodeState, Parked]:
+        """Takes slot ``slot``'s sequence out (paged engines): its pages go back to the pool and come back
+        as a :class:`Parked` copy (``pages`` bounds the pages it holds; default: a slot's most), and the slot
+        is empty. ``decode_state`` is donated."""
+        self._need_paged("evict")
+        self._check_slot(slot)
+        count = self.pages_per_slot if pages is None else _bucket(max(1, pages), _buckets(self.pages_per_slot, 1))
+        return self._evict(decode_state, np.int32(slot), count)
+
+    def resume(self, parked: Parked, decode_state: DecodeState, slot: int) -> DecodeState:
+        """Puts an evicted sequence into slot ``slot`` (fresh pages, the same contents; whatever the slot
+        held is dropped) to go on where it stopped. Without room in the pool the slot stays empty.
+        ``decode_state`` is donated."""
+        self._need_paged("resume")
+        self._check_slot(slot)
+        parked = jax.device_put(parked, self._parked_sharding(parked))
+        return self._resume(parked, decode_state, np.int32(slot))
+
+    def free_pages(self, decode_state: DecodeState) -> int:
+        """Free pages of a paged decode state (reads the device)."""
+        self._need_paged("free_pages")
+        return int(decode_state.pages.free_count)
 
     # ------------------------------------------------------------------------------------ programs
     def _build_programs(self) -> None:
@@ -289,6 +302,8 @@ class JaxEngine:
         self._replicated = NamedSharding(mesh, PartitionSpec())
         spec = logical_to_spec(("batch", "kv_heads", "length", "head_dim"), "gen", mesh.axis_names)
         self._cache_sharding = NamedSharding(mesh, spec)
+        self._pool_sharding = NamedSharding(mesh, logical_to_spec((None, "kv_heads", None, "head_dim"), "gen",
+                                                                  mesh.axis_names))
         state_sh = self._state_shardings()
         prefix_sh = self.get_prefix_destination_sharding()
         result_sh = ResultTokens(*[self._replicated] * len(ResultTokens._fields))
@@ -301,13 +316,21 @@ class JaxEngine:
                                      out_shardings=prefix_sh.caches)
         self._prefill = jax.jit(self._traced("prefill", self._prefill_impl), static_argnums=6,
                                 out_shardings=(prefix_sh, result_sh))
-        self._insert = jax.jit(self._traced("insert", self._insert_impl), donate_argnums=1, out_shardings=state_sh)
-        self._insert_many = jax.jit(self._traced("insert_many", self._insert_many_impl), donate_argnums=1,
+        insert, insert_many = ((self._paged_insert_impl,) * 2 if self.paged else
+                               (self._insert_impl, self._insert_many_impl))
+        self._insert = jax.jit(self._traced("insert", insert), donate_argnums=1, out_shardings=state_sh)
+        self._insert_many = jax.jit(self._traced("insert_many", insert_many), donate_argnums=1,
                                     out_shardings=state_sh)
+        step = (2,) if self.paged else ()  # paged: the static count of attention work items
         self._generate = jax.jit(self._traced("generate", self._generate_impl), donate_argnums=1,
-                                 out_shardings=(state_sh, result_sh))
+                                 static_argnums=step, out_shardings=(state_sh, result_sh))
         self._generate_steps = jax.jit(self._traced("generate_steps", self._generate_steps_impl), donate_argnums=1,
-                                       out_shardings=(state_sh, result_sh))
+                                       static_argnums=step, out_shardings=(state_sh, result_sh))
+        if self.paged:
+            self._evict = jax.jit(self._traced("evict", self._evict_impl), donate_argnums=0, static_argnums=2,
+                                  out_shardings=(state_sh, self._parked_sharding(None)))
+            self._resume = jax.jit(self._traced("resume", self._resume_impl), donate_argnums=1,
+                                   out_shardings=state_sh)
 
     def _traced(self, name: str, fn):
         """``fn`` counting its traces in ``self.traces[name]`` and tracing under the "gen" activation rules."""
@@ -320,18 +343,49 @@ class JaxEngine:
 
     def _state_shardings(self) -> DecodeState:
         rep = self._replicated
-        caches = tuple((self._cache_sharding, self._cache_sharding) for _ in range(self.cfg.num_layers))
-        return DecodeState(caches, rep, rep, rep, rep, Requests(*[rep] * len(Requests._fields)))
+        cache = self._pool_sharding if self.paged else self._cache_sharding
+        caches = tuple((cache, cache) for _ in range(self.cfg.num_layers))
+        pages = paged.PageTable(rep, rep, rep, rep) if self.paged else None
+        return DecodeState(caches, rep, rep, rep, rep, Requests(*[rep] * len(Requests._fields)), pages)
+
+    def _parked_sharding(self, _parked) -> Parked:
+        rep = self._replicated
+        caches = tuple((self._pool_sharding, self._pool_sharding) for _ in range(self.cfg.num_layers))
+        return Parked(caches, rep, rep, rep, rep, Requests(*[rep] * len(Requests._fields)))
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self._slots:
+            raise EngineError(f"slot {slot} is out of range: this engine has {self._slots} slots")
+
+    def _need_paged(self, what: str) -> None:
+        if not self.paged:
+            raise EngineError(f"{what} needs a paged engine (build it with page_size=...)")
+
+    def _items(self, state: DecodeState, pages: int | None, steps: int) -> int:
+        """The static work-item count for a step reading at most ``pages`` pages (read from the device
+        when not given)."""
+        if pages is None:
+            lengths, active = jax.device_get((state.lengths, state.active))
+            last = np.minimum(lengths + steps - 1, self.max_target_length - 1)
+            pages = int(np.sum(np.where(active, last // self.page_size + 1, 0)))
+        return _bucket(min(max(1, pages), self.item_buckets[-1]), self.item_buckets)
 
     def _unstack_impl(self, params):
         return decode.unstack_layers(jax.tree.map(lambda x: x.astype(self.dtype), params))
 
     def _init_state_impl(self):
         s = self._slots
-        caches = decode.empty_caches(self.cfg, s, self.max_target_length, self.kv_heads, self.dtype)
+        if self.paged:
+            shape = (self.kv_pages, self.kv_heads, self.page_size, self.cfg.head_dim)
+            caches = tuple((jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
+                           for _ in range(self.cfg.num_layers))
+            pages = paged.empty_table(s, self.pages_per_slot, self.kv_pages)
+        else:
+            caches = decode.empty_caches(self.cfg, s, self.max_target_length, self.kv_heads, self.dtype)
+            pages = None
         requests = jax.tree.map(jnp.asarray, make_requests(s, self.max_stop_tokens))
         zeros = jnp.zeros((s,), jnp.int32)
-        return DecodeState(caches, zeros, zeros, zeros, jnp.zeros((s,), bool), requests)
+        return DecodeState(caches, zeros, zeros, zeros, jnp.zeros((s,), bool), requests, pages)
 
     def _empty_prefix_impl(self, rows):
         return decode.empty_caches(self.cfg, rows, 0, self.kv_heads, self.dtype)
@@ -383,7 +437,35 @@ class JaxEngine:
         return DecodeState(caches, put(state.tokens, tokens), put(state.lengths, prefix.lengths[rows]),
                            put(state.steps, jnp.ones_like(tokens)), put(state.active, ~done), requests)
 
-    def _generate_impl(self, params, state):
+    def _paged_insert_impl(self, prefix, state, slots, rows, samples):
+        """``insert_many`` on pages: entry i's prefix row takes ceil(length / page_size) fresh pages (none
+        when its first token ends it); an entry the pool cannot hold leaves its slot empty."""
+        request = jax.tree.map(lambda x: x[rows], prefix.requests)._replace(sample=samples)
+        tokens = prefix.first_tokens[rows, samples]
+        lengths = prefix.lengths[rows]
+        done = _is_done(tokens, jnp.ones_like(tokens), request)
+        rows_caches = tuple((k[rows], v[rows]) for k, v in prefix.caches)
+        caches, pages, placed = paged.place(state.caches, state.pages, rows_caches, slots, jnp.where(done, 0, lengths))
+        requests = jax.tree.map(lambda x, r: x.at[slots].set(r, mode="drop"), state.requests, request)
+        put = lambda x, v: x.at[slots].set(v, mode="drop")  # noqa: E731
+        return DecodeState(caches, put(state.tokens, tokens), put(state.lengths, lengths),
+                           put(state.steps, jnp.ones_like(tokens)), put(state.active, placed), requests, pages)
+
+    def _evict_impl(self, state, slot, count):
+        pages, caches, held = paged.take_out(state.caches, state.pages, slot, count)
+        request = jax.tree.map(lambda x: x[slot], state.requests)
+        parked = Parked(caches, held, state.tokens[slot], state.lengths[slot], state.steps[slot], request)
+        return state._replace(active=state.active.at[slot].set(False), pages=pages), parked
+
+    def _resume_impl(self, parked, state, slot):
+        caches, pages, placed = paged.put_back(state.caches, state.pages, slot, parked.caches, parked.held)
+        requests = jax.tree.map(lambda x, r: x.at[slot].set(r), state.requests, parked.request)
+        return DecodeState(caches, state.tokens.at[slot].set(parked.token), state.lengths.at[slot].set(parked.length),
+                           state.steps.at[slot].set(parked.steps), state.active.at[slot].set(placed), requests, pages)
+
+    def _generate_impl(self, params, state, items=None):
+        if self.paged:
+            return self._paged_generate_impl(params, state, items)
         positions = jnp.minimum(state.lengths, self.max_target_length - 1)
         hidden, caches = decode.run(params, self.cfg, state.tokens[:, None], positions, state.caches)
         tokens, logprobs = sample(decode.logits(params, hidden[:, 0]), state.requests, state.steps)
@@ -394,7 +476,22 @@ class JaxEngine:
                           active & ~done, state.requests)
         return new, ResultTokens(tokens, logprobs, active, steps, done)
 
-    def _generate_steps_impl(self, params, state):
+    def _paged_generate_impl(self, params, state, items):
+        """A decode step on pages: a slot whose position starts a page takes one (or, with none free, sits
+        this step out), attention reads the slots' pages, finished slots give theirs back."""
+        positions = jnp.minimum(state.lengths, self.max_target_length - 1)
+        active = state.active
+        pages, run, write = paged.grow(state.pages, positions, active, self.page_size)
+        work = paged.work_items(pages, positions, run, items, self.page_size)
+        hidden, caches = decode.run_paged(params, self.cfg, state.tokens, positions, state.caches, write, work)
+        tokens, logprobs = sample(decode.logits(params, hidden[:, 0]), state.requests, state.steps)
+        steps = state.steps + run
+        done = run & _is_done(tokens, steps, state.requests)
+        new = DecodeState(caches, jnp.where(run, tokens, state.tokens), state.lengths + run, steps, active & ~done,
+                          state.requests, paged.release_if_any(pages, done))
+        return new, ResultTokens(tokens, logprobs, run, steps, done)
+
+    def _generate_steps_impl(self, params, state, items=None):
         k, s = self.decode_steps_per_call, self._slots
         zeros = lambda dtype: jnp.zeros((k, s), dtype)  # noqa: E731
         empty = ResultTokens(zeros(jnp.int32), zeros(jnp.float32), zeros(bool), zeros(jnp.int32), zeros(bool))
@@ -405,7 +502,7 @@ class JaxEngine:
 
         def step(carry):
             i, state, out = carry
-            state, result = self._generate_impl(params, state)
+            state, result = self._generate_impl(params, state, items)
             return i + 1, state, jax.tree.map(lambda buf, x: buf.at[i].set(x), out, result)
 
         _, state, out = jax.lax.while_loop(more, step, (jnp.int32(0), state, empty))
@@ -487,7 +584,7 @@ def _positive(name: str, value: int) -> int:
 
 
 def _buckets(top: int, smallest: int = _MIN_BUCKET) -> tuple[int, ...]:
-    """Powers of two from ``smallest`` below ``top``, then ``top``."""
+    """``smallest`` times powers of two below ``top``, then ``top``."""
     out, b = [], smallest
     while b < top:
         out.append(b)
