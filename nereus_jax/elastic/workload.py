@@ -61,6 +61,9 @@ class Workload:
 
     ``greedy_baseline`` adds one greedy generation per prompt (ReMax). ``sequences`` is what the scoring
     and training stages see; ``generated_sequences`` what actor-gen produces. ``packed``: see above.
+    Training makes ``mini_batches`` x ``epochs`` optimizer updates a step (trainer.mini_batches,
+    trainer.ppo_epochs), each on ``train_sequences``: the cost model prices each update's calls, optimizer
+    step and gradient all-reduce, and a micro-batch divides one mini-batch.
     """
 
     prompts_per_step: int
@@ -69,11 +72,26 @@ class Workload:
     samples_per_prompt: int = 1
     greedy_baseline: bool = False
     packed: bool = False
+    mini_batches: int = 1
+    epochs: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("prompts_per_step", "samples_per_prompt"):
+        for name in ("prompts_per_step", "samples_per_prompt", "mini_batches", "epochs"):
             if getattr(self, name) < 1:
                 raise WorkloadError(f"workload.{name} must be >= 1, got {getattr(self, name)}")
+        if self.sequences % self.mini_batches:
+            raise WorkloadError(f"workload.mini_batches={self.mini_batches} does not divide the step's "
+                                f"{self.sequences} sequences")
+
+    @property
+    def updates(self) -> int:
+        """Optimizer updates per step of a training stage: mini-batches x epochs."""
+        return self.mini_batches * self.epochs
+
+    @property
+    def train_sequences(self) -> int:
+        """Sequences one optimizer update trains on (a mini-batch)."""
+        return self.sequences // self.mini_batches
 
     @property
     def sequences(self) -> int:
@@ -101,10 +119,11 @@ class Workload:
 
     @classmethod
     def fixed(cls, prompts: int, prompt_length: int, response_length: int, samples_per_prompt: int = 1,
-              greedy_baseline: bool = False, packed: bool = False) -> Workload:
+              greedy_baseline: bool = False, packed: bool = False, mini_batches: int = 1,
+              epochs: int = 1) -> Workload:
         """Every prompt and every response of one length."""
         return cls(prompts, LengthStats.fixed(prompt_length), LengthStats.fixed(response_length),
-                   samples_per_prompt, greedy_baseline, packed)
+                   samples_per_prompt, greedy_baseline, packed, mini_batches, epochs)
 
     @classmethod
     def from_lengths(cls, prompt_lengths: Sequence[int], response_lengths: Sequence[int],
@@ -125,4 +144,5 @@ class Workload:
 
         greedy = algorithm_spec(config.algorithm.name).needs_greedy_baseline
         return cls.fixed(config.trainer.prompts_per_step, config.rollout.max_prompt_length,
-                         config.rollout.max_response_length, config.rollout.samples_per_prompt, greedy)
+                         config.rollout.max_response_length, config.rollout.samples_per_prompt, greedy,
+                         mini_batches=config.trainer.mini_batches, epochs=config.trainer.ppo_epochs)

@@ -64,6 +64,7 @@ _PRICED = {"actor-gen": ACTOR_GEN, "actor-infer": ACTOR_TRAIN, "ref-infer": Mode
            "actor-train": ACTOR_TRAIN, "critic-train": CRITIC_TRAIN}
 CALIBRATION_WINDOW = 8  # steps of measurements the efficiencies are fitted to
 _MEASURED = ("step_seconds", "stage_seconds", "response_length_mean", "response_length_p95")  # clock/length reads
+_MISMATCH = ("mismatch_kl", "mismatch_ratio_max", "mismatch_outside_fraction")  # logged before/after a move
 
 
 class LiveTransitionError(RuntimeError):
@@ -113,6 +114,8 @@ class Adapter:
         self._pool_ex = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nereus-compile")
         self.async_mode = cfg.trainer.mode == "async"
         self.before_move: Callable[[], None] | None = None  # async: pauses generation before state moves
+        self._mismatch: dict[str, float] = {}  # the last step's rollout/train mismatch
+        self._after_move: dict[str, Any] | None = None  # a transition event awaiting the mismatch after it
 
     # ------------------------------------------------------------------------------ the boundary
     def boundary(self, step: int, metrics: dict[str, Any] | None) -> None:
@@ -121,6 +124,7 @@ class Adapter:
         if metrics is not None:
             metrics = {**metrics, **agree({k: metrics[k] for k in _MEASURED if k in metrics})}
             self._learn(metrics)
+            self._note_mismatch(step, metrics)
         gone = self._apply_schedule(step)
         if not self.enabled:
             if gone & set(self.job.plan.devices):
@@ -244,8 +248,10 @@ class Adapter:
                  "compile_hidden": not waited, "steps_during_compile": len(overlapped),
                  "step_slowdown_during_compile": slowdown,
                  "predicted_transition_s": pending.decision.transition_s,
-                 "predicted_movement_s": self._movement_s(graph), "plan": _short(pending.target)}
+                 "predicted_movement_s": self._movement_s(graph), "plan": _short(pending.target),
+                 **{f"{k}_before": v for k, v in self._mismatch.items()}}
         self.events.append(event)
+        self._after_move = event
         fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
         self.log(f"step {step}: transition -> {event['plan']}: pause {event['pause_s']:.3g} s = data movement "
                  f"{event['movement_s']:.3g} s (predicted {event['predicted_movement_s']:.3g}) + switch "
@@ -253,6 +259,18 @@ class Adapter:
                  f"{prepared.seconds:.1f} s "
                  f"{'hidden behind ' + str(len(overlapped)) + ' steps' if not waited else 'NOT hidden'} "
                  f"(those steps ran {fmt(slowdown)}x the steady step time)")
+
+    def _note_mismatch(self, step: int, metrics: dict[str, Any]) -> None:
+        """The rollout/train mismatch of the step before a move goes into its transition event; the first
+        step after it completes the event and logs both, so a user sees what the new layout did."""
+        self._mismatch = {k: float(metrics[k]) for k in _MISMATCH if k in metrics}
+        event, self._after_move = self._after_move, None
+        if event is None or not self._mismatch:
+            return
+        event.update({f"{k}_after": v for k, v in self._mismatch.items()})
+        shown = ", ".join(f"{k} {event.get(k + '_before', float('nan')):.3g} -> {v:.3g}"
+                          for k, v in self._mismatch.items())
+        self.log(f"step {step - 1}: rollout/train mismatch across the transition at step {event['step']}: {shown}")
 
     def _graph(self, old: ExecutionPlan, new: ExecutionPlan) -> TransitionGraph:
         bw, lat = link_bandwidth("intra", self.cost.hardware)
@@ -265,7 +283,8 @@ class Adapter:
         mean = max(1.0, metrics["response_length_mean"])
         p95 = max(mean, metrics.get("response_length_p95", mean))
         self._workload = Workload(job.cfg.trainer.prompts_per_step, LengthStats.fixed(job.P),
-                                  LengthStats(mean, p95, job.R), job.n)  # programs pad responses to R
+                                  LengthStats(mean, p95, job.R), job.n,  # programs pad responses to R
+                                  mini_batches=job.cfg.trainer.mini_batches, epochs=job.cfg.trainer.ppo_epochs)
         if self._compiled_last_step:  # this step compiled its programs: time it, do not calibrate on it
             self._compile_step_s = metrics["step_seconds"]
             self._compiled_last_step = False
@@ -301,8 +320,9 @@ class Adapter:
             per_replica = -(-job.rows // sp.dp)
             return StageChoice(sp.layout.tp, sp.layout.pp, sp.dp,
                                max(1, min(per_replica, job.cfg.rollout.max_concurrent_decodes)))
-        accum = steps.accumulation_steps(job.rows, sp.dp, job.P + job.R, job.cfg.trainer.micro_batch_tokens)
-        return StageChoice(sp.layout.tp, sp.layout.pp, sp.dp, job.rows // sp.dp // accum)
+        rows = job.mini_rows if name.endswith("-train") else job.rows  # an update trains on a mini-batch
+        accum = steps.accumulation_steps(rows, sp.dp, job.P + job.R, job.cfg.trainer.micro_batch_tokens)
+        return StageChoice(sp.layout.tp, sp.layout.pp, sp.dp, rows // sp.dp // accum)
 
     def _latency(self, plan: ExecutionPlan, obs: Observation | None = None) -> float | None:
         """Predicted step latency of a job plan: its stages one after another (the job runs them in turn)."""
@@ -388,7 +408,8 @@ class Adapter:
 
     def _keep_fitting(self, plans: list[ExecutionPlan], out: dict) -> None:
         for plan in plans:
-            if any(self.job.rows % plan[ms].dp for ms in plan if ms.kind != "gen"):
+            if any((self.job.mini_rows if ms.kind == "train" else self.job.rows) % plan[ms].dp
+                   for ms in plan if ms.kind != "gen"):
                 continue
             if engine_replicas_across_processes(plan):
                 continue  # an engine's decode loop runs in one process

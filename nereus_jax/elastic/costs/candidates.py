@@ -3,10 +3,11 @@
 A candidate is (tp, pp, dp, micro-batch, remat) with its step latency, devices and bytes per device.
 Legal: tp divides the node size (TP stays inside a node) and the model's heads, mlp and vocab (kv
 heads: a divisor or a multiple, as ``sharding.kv_repeat`` allows); pp divides the layers, and is 1
-for generation (the engine's rule); dp divides the stage's sequences so every replica gets the same
-batch, and the micro-batch divides a replica's sequences (calls per step = gradient accumulation; the
-global batch never changes); dp x tp x pp fits the pool with whole tp groups inside nodes. Degrees need
-not be powers of two. Candidates that cannot fit even alone (resident + working > usable) are dropped.
+for generation (the engine's rule); dp divides the stage's sequences (train: a mini-batch's) so every
+replica gets the same batch, and the micro-batch divides a replica's sequences (calls per update =
+gradient accumulation; the global batch never changes); dp x tp x pp fits the pool with whole tp groups
+inside nodes. Degrees need not be powers of two. Candidates that cannot fit even alone (resident + working
+> usable) are dropped.
 
 Pricing is the cost model's pure functions, reorganised for speed: a call's cost does not depend on dp
 (except on shared compute) and is computed once per (layout, micro-batch, remat); the per-step terms
@@ -146,7 +147,7 @@ class Pricer:
     def _shape_block(self, cfg: ModelConfig, stage: str, tp: int, pp: int, limit: int) -> Block | None:
         wl = self.workload
         kind = split_stage(stage)[1]
-        total = wl.generated_sequences if kind == "gen" else wl.sequences
+        total = {"gen": wl.generated_sequences, "train": wl.train_sequences}.get(kind, wl.sequences)
         dps = [dp for dp in divisors(total) if tp * pp * dp <= limit]
         if not dps:
             return None
@@ -181,8 +182,10 @@ class Pricer:
         if kind == "train":
             extra = np.broadcast_to(accumulation_seconds(cfg, stage, tp, pp, dp_arr, hw) / eff[MEM], dp_arr.shape)
             lat = lat + extra[d] * (calls - 1)
-        return (lat + one[d], tp * pp * np.array(dps)[d], np.full(len(d), resident_bytes(cfg, stage, tp, pp)),
-                work, raw)
+        lat = lat + one[d]
+        if kind == "train":  # calls are per update; each of the step's updates repeats them and the step terms
+            lat = lat * wl.updates
+        return (lat, tp * pp * np.array(dps)[d], np.full(len(d), resident_bytes(cfg, stage, tp, pp)), work, raw)
 
     def _call_grid(self, cfg, stage, kind, tp, pp, total, dps):
         """(calls x call seconds, dp index, calls, working bytes, choices) of every valid row."""

@@ -9,7 +9,8 @@ memory-bound (decode, small calls) the roofline takes the larger side and charge
   per-step weight sync from actor-train for the actor.
 - infer: calls of ``micro_batch`` sequences; each call a GPipe pass of m + pp - 1 ticks; the output head
   runs data-parallel over pp after the stack (as ``sharding.pipeline`` does).
-- train: the same calls with forward + backward = 3 x forward FLOPs (4 x with remat), TP all-reduces
+- train: per optimizer update (mini-batches x epochs of them a step, each over one mini-batch), the same
+  calls with forward + backward = 3 x forward FLOPs (4 x with remat), TP all-reduces
   4 per layer (6 with remat), the saved activations written by the forward and read back by the
   backward (memory traffic that scales with tokens), the optimizer update (memory-bound, per replica)
   and the DP gradient all-reduce (hierarchical: inside a node, then across nodes at the node NICs'
@@ -313,8 +314,13 @@ def _weight_sync(x: _Ctx, acc: _Acc) -> None:
 
 
 def calls_per_step(workload: Workload, choice: StageChoice) -> float:
-    """Forward/backward calls one replica makes per step (gradient accumulation steps for train)."""
+    """Forward calls one replica makes per step (infer stages; a train stage's: ``calls_per_update``)."""
     return workload.sequences / choice.dp / choice.micro_batch
+
+
+def calls_per_update(workload: Workload, choice: StageChoice) -> float:
+    """Forward/backward calls one replica makes per optimizer update (gradient accumulation over a mini-batch)."""
+    return workload.train_sequences / choice.dp / choice.micro_batch
 
 
 def stage_latency(cfg: ModelConfig, stage: str, choice: StageChoice, workload: Workload, hw: Hardware,
@@ -324,9 +330,12 @@ def stage_latency(cfg: ModelConfig, stage: str, choice: StageChoice, workload: W
     ``efficiency`` is the vector of ``efficiency_vector`` (default: the hardware's priors)."""
     eff = efficiency if efficiency is not None else efficiency_vector(hw)
     c = choice
-    if split_stage(stage)[1] == "gen":
+    kind = split_stage(stage)[1]
+    if kind == "gen":
         return gen_latency(cfg, stage, c.tp, c.dp, c.micro_batch, workload, hw, eff)
-    calls = calls_per_step(workload, c)
+    train = kind == "train"
+    calls = calls_per_update(workload, c) if train else calls_per_step(workload, c)
     call = call_latency(cfg, stage, c.tp, c.pp, c.micro_batch, c.remat, workload, hw, eff, c.devices)
     step = step_terms_latency(cfg, stage, c.tp, c.pp, c.dp, calls, workload, hw, eff)
-    return Breakdown(*(calls * a + b for a, b in zip(call, step, strict=True)))
+    updates = workload.updates if train else 1  # each update: its calls, optimizer step and all-reduce
+    return Breakdown(*(updates * (calls * a + b) for a, b in zip(call, step, strict=True)))

@@ -50,13 +50,13 @@ def resident_bytes(cfg: ModelConfig, stage: str, tp: int, pp: int) -> float:
 def working_bytes(cfg: ModelConfig, stage: str, choice: StageChoice, workload: Workload, hw: Hardware,
                   accumulating: bool | None = None) -> float:
     """Extra bytes one device needs while ``stage`` runs under ``choice`` (its largest moment).
-    ``accumulating`` (train: more than one call per step, so a running gradient sum is kept) defaults
+    ``accumulating`` (train: more than one call per update, so a running gradient sum is kept) defaults
     to what ``choice`` and ``workload`` imply."""
     kind = split_stage(stage)[1]
     if kind == "gen":
         return hw.workspace_bytes + _gen(cfg, stage_head(stage), choice, workload, hw)
     if accumulating is None:
-        accumulating = workload.sequences / choice.dp / choice.micro_batch > 1
+        accumulating = workload.train_sequences / choice.dp / choice.micro_batch > 1
     return call_working_bytes(cfg, stage, choice.tp, choice.pp, choice.micro_batch, choice.remat, workload, hw,
                               accumulating)
 
