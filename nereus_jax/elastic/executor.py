@@ -317,8 +317,12 @@ class _Run:
 
     def _another_copy(self, step: Step) -> bool:
         """Whether a complete copy of the stage's state outlives this step even if it fails midway: then
-        its inputs may be donated (XLA frees them as it finishes; otherwise they are freed after it)."""
+        its inputs may be donated (XLA frees them as it finishes; otherwise they are freed after it). With
+        checksums, units still being made do not count (their checksum may fail); without, they do (only
+        this step failing together with theirs could lose the state, and donating saves a copy's time)."""
         busy = set(step.inputs).union(*(s.frees for s, _, _ in self.inflight))
+        if self.ex.checksums:
+            busy = busy.union(*(outputs for _, outputs, _ in self.inflight))
         return any(e.stage == step.stage and uid not in busy for uid, e in self.live.items())
 
     def _merge(self, parts: list[EMU], t: Unit, modes, donate: bool) -> dict[int, EMU]:
