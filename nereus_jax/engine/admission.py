@@ -11,7 +11,8 @@ Two policies (``Generator(..., admission=...)``):
   the real lengths (forced lengths, per-request limits) it packs the pool, with one large limit for every
   request it holds no more sequences than the unpaged engine.
 - ``"preempt"`` (vLLM's policy): a sequence starts when the pool holds its prompt plus what every live
-  sequence needs for the next engine call; sequences grow page by page, and when the next call needs more
+  sequence needs for the next engine call, with a page to spare per live sequence (a watermark: fewer
+  admissions that a preemption soon undoes); sequences grow page by page, and when the next call needs more
   pages than are free, the most recently admitted live sequence is preempted: its pages are copied to host
   memory (:meth:`JaxEngine.evict`) and freed. Preempted sequences resume first, oldest first, when the pool
   can hold them again, into fresh pages with the same contents (:meth:`JaxEngine.resume`), so their tokens
@@ -72,7 +73,8 @@ class PagePool:
         if self.policy == "reserve":
             owed = np.where(self.live, self.most_pages(self.length, self.steps, self.limit) - self.held, 0)
             return int(self.most_pages(length, steps, limit)) <= self.free - int(np.sum(owed))
-        return int(self.next_pages(length, steps, limit)) <= self.free - self.growth()
+        headroom = int(np.sum(self.live))  # a page per live sequence: fewer admissions undone by preemption
+        return int(self.next_pages(length, steps, limit)) <= self.free - self.growth() - headroom
 
     # -------------------------------------------------------------------------------------- changes
     def start(self, slot: int, length: int, steps: int, limit: int, held: int | None = None) -> None:

@@ -26,7 +26,7 @@ budget) with a page table per slot. ``insert`` takes the pages a prompt fills, a
 slot's next position starts one, a finishing slot gives its pages back in the same step, and attention
 reads only the pages each slot holds, so a step costs the tokens held, not ``slots x max_target_length``.
 ``generate(..., pages=n)`` bounds the pages a step reads (the driver knows it; otherwise the engine reads the
-lengths back), bucketed by doubling from ``max_concurrent_decodes``: one program per bucket. A slot that
+lengths back), bucketed in x1.5 / x4/3 steps from ``max_concurrent_decodes``: one program per bucket. A slot that
 finds no free page waits (``valid=False``, its state untouched) while the others go on, and ``insert``
 without room leaves the slot empty; the driver's admission control keeps both from happening.
 :meth:`JaxEngine.evict` / :meth:`JaxEngine.resume` take a sequence's pages out and put them back, bit for
@@ -117,8 +117,8 @@ class JaxEngine:
         if kv_bytes is not None:
             kv_pages = int(kv_bytes) // self.kv_page_bytes
         self.kv_pages = _positive("kv_pages", self._slots * self.pages_per_slot if kv_pages is None else kv_pages)
-        self.item_buckets = _buckets(min(self.kv_pages, self._slots * self.pages_per_slot),
-                                     smallest=min(self._slots, self.kv_pages))
+        self.item_buckets = _item_buckets(min(self._slots, self.kv_pages),
+                                          min(self.kv_pages, self._slots * self.pages_per_slot))
 
     @property
     def paged(self) -> bool:
@@ -594,6 +594,15 @@ def _buckets(top: int, smallest: int = _MIN_BUCKET) -> tuple[int, ...]:
 
 def _bucket(n: int, buckets: Sequence[int]) -> int:
     return next(b for b in buckets if b >= n)
+
+
+def _item_buckets(smallest: int, top: int) -> tuple[int, ...]:
+    """``smallest`` x 1, 1.5, 2, 3, 4, 6, ... below ``top``, then ``top`` (padding wastes at most a third)."""
+    out, b = [], smallest
+    while b < top:
+        out.append(b)
+        b = max(b + 1, b * 3 // 2 if len(out) % 2 else b * 4 // 3)
+    return (*out, top)
 
 
 def _check_tree(params: dict, cfg: ModelConfig) -> None:

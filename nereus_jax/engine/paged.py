@@ -173,10 +173,9 @@ def attend(q_bhe: jax.Array, k_pool: jax.Array, v_pool: jax.Array, items: Items)
     Slots without items get zeros."""
     slots, h, e = q_bhe.shape
     k = k_pool.shape[1]
-    q = q_bhe.reshape(slots, k, h // k, e)
+    q = jax.lax.optimization_barrier(q_bhe.reshape(slots, k, h // k, e))  # else RoPE is recomputed per item
     known = jnp.minimum(items.slot, slots - 1)
-    keys = jnp.take(k_pool, items.page, axis=0, mode="clip")  # [w, kv_heads, page_size, e]
-    values = jnp.take(v_pool, items.page, axis=0, mode="clip")
+    keys, values = gather_pages(k_pool, items.page), gather_pages(v_pool, items.page)
     scores = jnp.einsum("wkge,wkpe->wkgp", jnp.take(q, known, axis=0, mode="clip"), keys)
     scores = scores.astype(jnp.float32) / np.float32(math.sqrt(e))
     scores = jnp.where(items.visible[:, None, None, :], scores, _MASK_VALUE)
@@ -191,5 +190,7 @@ def attend(q_bhe: jax.Array, k_pool: jax.Array, v_pool: jax.Array, items: Items)
 
 
 def gather_pages(pool: jax.Array, pages_n: jax.Array) -> jax.Array:
-    """Pages ``pages_n`` of a pool, [n, kv_heads, page_size, head_dim] (ids are clipped into the pool)."""
-    return jnp.take(pool, pages_n, axis=0, mode="clip")
+    """Pages ``pages_n`` of a pool, [n, kv_heads, page_size, head_dim] (ids are clipped into the pool).
+    Gathered as rows of a 2-d view: XLA:CPU copies whole rows then, ~3x faster than a 4-d gather."""
+    rows = jnp.take(pool.reshape(pool.shape[0], -1), pages_n, axis=0, mode="clip")
+    return rows.reshape(pages_n.shape + pool.shape[1:])

@@ -72,7 +72,7 @@ def test_a_small_pool_admission_and_preemption_never_change_tokens_or_logprobs(p
     _assert_same(out, whole)
     assert out.stats["peak_pages"] <= 5 and whole.stats["peak_live"] == 4
     if admission == "preempt":
-        assert out.stats["preemptions"] > 0 and out.stats["peak_live"] > 2
+        assert out.stats["preemptions"] > 0 and out.stats["peak_live"] >= 2
     else:
         assert out.stats.get("preemptions", 0) == 0
     assert tight_engine[0].free_pages(gen._state) == 5
@@ -311,3 +311,21 @@ def test_paged_greedy_tokens_are_the_argmax_over_the_growing_sequence(paged_engi
     out = Generator(*paged_engine).generate(prompts, GREEDY)
     for r, logits in enumerate(teacher_forced_logits(raw_params, TINY, prompts, out)):
         np.testing.assert_array_equal(out.tokens[r, : out.lengths[r]], np.argmax(logits, -1))
+
+
+def test_a_generate_call_stopped_mid_way_leaves_the_generator_usable(tight_engine):
+    gen = Generator(*tight_engine)
+    prompts = make_prompts(5, seed=41)
+
+    def stop(g, step):
+        assert g.progress()["decode_steps"] == step and g.progress()["live"] >= 1
+        if step == 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        gen.generate(prompts, SAMPLED, on_step=stop)
+    out = gen.generate(prompts, SAMPLED)  # starts from an empty state: every page free again
+    _assert_same(out, Generator(*tight_engine).generate(prompts, SAMPLED))
+    progress = gen.progress()
+    assert progress["tokens"] == out.stats["tokens"] and progress["live"] == 0
+    assert progress["slot_steps"] == out.stats["slot_steps"] and tight_engine[0].free_pages(gen._state) == 5
