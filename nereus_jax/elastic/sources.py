@@ -116,7 +116,8 @@ def unit_from_source(stage: ModelStage, spec: StateSpec, layout: Layout, devices
         def callback(index, leaf=leaf, path=path):
             return read_stored(source, path, leaf, rep, index)
 
-        params.append(jax.make_array_from_callback(leaf.stored_shape(rep), sharding, callback))
+        # dtype: a process holding none of a replica's devices makes its (empty) part without a callback
+        params.append(jax.make_array_from_callback(leaf.stored_shape(rep), sharding, callback, dtype=leaf.dtype))
     leaves = params
     if spec.opt_def is not None:
         leaves = params + _init_optimizer(spec, shardings)(params)
