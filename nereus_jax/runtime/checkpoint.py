@@ -25,6 +25,7 @@ by restoring the last checkpoint onto the surviving devices, and says which (:cl
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -144,7 +145,9 @@ def canonical_leaves(unit: EMU) -> list[jax.Array]:
     if rep == 1:
         return list(leaves)
     out = [NamedSharding(unit.mesh, PartitionSpec())] * len(leaves)
-    return jax.jit(unit.spec.converter(rep, 1), out_shardings=out)(list(leaves))
+    convert = functools.partial(unit.spec.converter(rep, 1), shardings=tuple(out),
+                                sources=tuple(x.sharding for x in leaves))  # pinned: every bit kept
+    return jax.jit(convert, out_shardings=out)(list(leaves))
 
 
 def shared_host_leaves(units: Sequence[EMU]) -> list[np.ndarray]:
@@ -492,7 +495,10 @@ def _units(job: Job, ms: ModelStage, leaves: list[jax.Array], mesh) -> list[EMU]
     sp, spec = job.plan[ms], job.specs[ms]
     rep = spec.repeat(sp.layout)
     if rep > 1:
-        leaves = jax.jit(spec.converter(1, rep), out_shardings=spec.shardings(mesh))(list(leaves))
+        out = spec.shardings(mesh)
+        convert = functools.partial(spec.converter(1, rep), shardings=tuple(out),
+                                    sources=tuple(x.sharding for x in leaves))  # pinned: every bit kept
+        leaves = jax.jit(convert, out_shardings=out)(list(leaves))
     if sp.memory != DEVICE:
         leaves = jax.device_put(list(leaves), spec.shardings(mesh, sp.memory))
     return split_replicas(list(leaves), mesh, ms, spec, sp.memory)

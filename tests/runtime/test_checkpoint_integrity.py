@@ -107,3 +107,36 @@ def test_the_train_cli_reports_a_damaged_checkpoint_in_one_line(saved, tmp_path)
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and str(ckpt / "1") in errors[0], out.stderr[-2000:]
     assert "Traceback" not in out.stderr and "Event loop is closed" not in out.stderr, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_layout_independent_form_a_checkpoint_stores_keeps_every_bit(devices, dtype):
+    """canonical_leaves (what a save writes) of a layout that stores kv heads twice keeps -0.0, subnormals and
+    NaN payloads; _units (what a restore lays out) puts them back bit for bit."""
+    import jax
+
+    from nereus_jax.config import ModelConfig
+    from nereus_jax.elastic.emu import EMU
+    from nereus_jax.elastic.plan import ModelStage
+    from nereus_jax.elastic.spec import StateSpec
+    from nereus_jax.models import init_params
+    from nereus_jax.runtime.checkpoint import canonical_leaves
+    from nereus_jax.sharding import Layout
+
+    cfg = ModelConfig(num_heads=4, num_kv_heads=2)
+    spec = StateSpec(cfg, "infer", dtype=dtype)
+    width = np.uint16 if dtype == "bfloat16" else np.uint32
+    specials = np.asarray([0x8000, 0x0001, 0x7FC1, 0xFFA5, 0x7F81] if dtype == "bfloat16" else
+                          [0x80000000, 0x00000001, 0x7FC00123, 0xFFA00005, 0x7F800001], width)
+
+    def poison(x):
+        x = np.array(np.asarray(x, spec.dtype))
+        flat = x.reshape(-1).view(width)
+        flat[: specials.size] = specials[: flat.size]
+        return x
+
+    params = jax.tree.map(poison, init_params(cfg, seed=0))
+    unit = EMU.create(ModelStage("ref", "infer"), spec, Layout(tp=4), devices[:4], {"params": params})
+    saved = [np.asarray(x) for x in canonical_leaves(unit)]
+    for got, want in zip(saved, jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(got.view(width), np.asarray(want).view(width))
