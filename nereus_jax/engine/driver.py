@@ -20,6 +20,9 @@ log-probabilities and lengths are those of k=1 (sampling keys are per request an
 slot or step), but refills, parameter swaps and ``on_step`` happen only between calls: a swap lands up to
 k-1 steps later than with k=1, so ``param_versions`` match k=1 only when no swap happens mid-generation.
 
+Prompts longer than the engine's ``max_prefill_length`` (up to its ``max_prompt_length``) are prefilled
+alone, in chunks of ``max_prefill_length`` tokens, each chunk attending to the ones before it.
+
 ``refill="static"`` refills only when every slot is done (the classic static batch, for comparison);
 ``forced_lengths`` makes each prompt's samples generate exactly that many tokens (stop tokens ignored).
 
@@ -144,12 +147,18 @@ class Generator:
                                   f"per prompt ({len(prompts)} prompts), got {limits.shape[0]} values in "
                                   f"[{limits.min(initial=0)}, {limits.max(initial=0)}]")
         for i, (p, limit) in enumerate(zip(prompts, limits, strict=True)):
-            if p.size == 0 or p.size > e.max_prefill_length:
-                raise EngineError(f"prompt {i} has {p.size} tokens; prompts need 1 to max_prefill_length="
-                                  f"{e.max_prefill_length} tokens")
+            if p.size == 0 or p.size > e.max_prompt_length:
+                longest = ("max_prefill_length" if e.max_prompt_length == e.max_prefill_length else
+                           "max_prompt_length")
+                raise EngineError(f"prompt {i} has {p.size} tokens; prompts need 1 to {longest}="
+                                  f"{e.max_prompt_length} tokens")
             if p.size + limit > e.max_target_length:
                 raise EngineError(f"prompt {i} ({p.size} tokens) + {limit} new tokens exceeds max_target_length="
                                   f"{e.max_target_length}; lower max_new_tokens or build a longer engine")
+            if p.size > e.max_prefill_length and e.prefill_width(p.size) > e.max_target_length:
+                raise EngineError(f"prompt {i} ({p.size} tokens) is prefilled in chunks of max_prefill_length="
+                                  f"{e.max_prefill_length} padded to {e.prefill_width(p.size)} positions, more than "
+                                  f"max_target_length={e.max_target_length}: raise max_target_length")
             if p.min() < 0 or p.max() >= e.cfg.vocab_size:
                 raise EngineError(f"prompt {i} has token ids outside the vocabulary [0, {e.cfg.vocab_size})")
             if e.paged and e.pages_for(p.size + limit - 1) > e.kv_pages:
@@ -315,19 +324,43 @@ class _Run:
             self.stats["insert_calls"] += 1
 
     def _prefill_next(self) -> None:
-        batch = self.engine.max_prefill_batch
-        take = [self.waiting.popleft() for _ in range(min(batch, len(self.waiting)))]
+        batch, longest = self.engine.max_prefill_batch, self.engine.max_prefill_length
+        if self.prompts[self.waiting[0]].size > longest:
+            self._prefill_chunked(self.waiting.popleft())
+            return
+        take = []
+        while self.waiting and len(take) < batch and self.prompts[self.waiting[0]].size <= longest:
+            take.append(self.waiting.popleft())
         padded = take + take[-1:] * (batch - len(take))  # always full batches: one program per length bucket
         prompts = [self.prompts[i] for i in padded]
         t = max(p.size for p in prompts)
         tokens = np.stack([np.pad(p, (0, t - p.size)) for p in prompts])
-        s = self.sampling
-        requests = make_requests(batch, self.engine.max_stop_tokens, seed=s.seed, prompt=self.prompt_ids[padded],
-                                 temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                                 limit=self.limits[padded], stop_tokens=self.stops.tolist())
         prefix, first = self.engine.prefill(params=self.gen._params, padded_tokens=tokens,
-                                            true_length=[p.size for p in prompts], requests=requests,
-                                            num_samples=s.n)
+                                            true_length=[p.size for p in prompts], requests=self._requests(padded),
+                                            num_samples=self.sampling.n)
+        self._ready(prefix, first, take)
+
+    def _prefill_chunked(self, prompt: int) -> None:
+        """A prompt longer than max_prefill_length, alone, chunk after chunk onto the growing prefix."""
+        tokens, prefix, start = self.prompts[prompt], None, 0
+        requests = self._requests([prompt])
+        for size in self.engine.prefill_chunks(tokens.size):
+            prefix, first = self.engine.prefill(params=self.gen._params, existing_prefix=prefix,
+                                                padded_tokens=tokens[start:start + size], true_length=size,
+                                                requests=requests, num_samples=self.sampling.n)
+            start += size
+            self.stats["prefill_chunks"] += 1
+        self._ready(prefix, first, [prompt])
+
+    def _requests(self, prompts: list[int]):
+        s = self.sampling
+        return make_requests(len(prompts), self.engine.max_stop_tokens, seed=s.seed, prompt=self.prompt_ids[prompts],
+                             temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, limit=self.limits[prompts],
+                             stop_tokens=self.stops.tolist())
+
+    def _ready(self, prefix, first, take: list[int]) -> None:
+        """The first tokens of a prefill's prompts ``take`` (its first rows) wait for slots."""
+        s = self.sampling
         first_tokens, first_logprobs = jax.device_get((first.tokens, first.logprobs))
         for prow, prompt in enumerate(take):
             for j in range(s.n):

@@ -19,6 +19,9 @@ prompts, per-row :class:`~nereus_jax.engine.sampling.Requests` and ``num_samples
 prompt share one prefill and get n first tokens); ``insert`` takes which ``row`` and ``sample`` of the
 prefix to place. Prompt lengths are bucketed (powers of two up to ``max_prefill_length``), so a steady
 workload compiles a fixed set of programs; ``traces`` counts every trace (= compilation) by function.
+Prompts up to ``max_prompt_length`` (default ``max_prefill_length``) are served: the driver prefills a longer
+one in chunks of ``max_prefill_length`` (``prefill`` after ``existing_prefix``), so no prefill program spans
+more than that many tokens (its attention scores are chunk x context, not prompt x prompt).
 
 Paged KV memory (opt-in, ``page_size=16`` say; ``nereus_jax.engine.paged``): keys and values live in a pool
 of ``kv_pages`` pages per layer (default: every slot's full ``max_target_length``; ``kv_bytes`` sizes it by a
@@ -81,7 +84,7 @@ class JaxEngine:
                  max_prefill_length: int = 128, max_target_length: int | None = None,
                  max_prefill_batch: int = 8, max_stop_tokens: int = 4, tokenizer: Any = None,
                  decode_steps_per_call: int = 1, page_size: int | None = None, kv_pages: int | None = None,
-                 kv_bytes: int | None = None):
+                 kv_bytes: int | None = None, max_prompt_length: int | None = None):
         self.cfg = cfg
         self._mesh = mesh if mesh is not None else make_mesh(jax.devices()[:1], Layout())
         self.layout = _layout_of(self._mesh)
@@ -91,6 +94,10 @@ class JaxEngine:
         if self.max_target_length < self._max_prefill:
             raise EngineError(f"max_target_length ({self.max_target_length}) must be >= max_prefill_length "
                               f"({self._max_prefill})")
+        self.max_prompt_length = self._max_prefill if max_prompt_length is None else int(max_prompt_length)
+        if not self._max_prefill <= self.max_prompt_length < self.max_target_length:
+            raise EngineError(f"max_prompt_length ({self.max_prompt_length}) must be in [max_prefill_length, "
+                              f"max_target_length) = [{self._max_prefill}, {self.max_target_length})")
         self.max_prefill_batch = _positive("max_prefill_batch", max_prefill_batch)
         self.max_stop_tokens = _positive("max_stop_tokens", max_stop_tokens)
         self.decode_steps_per_call = _positive("decode_steps_per_call", decode_steps_per_call)
@@ -135,6 +142,17 @@ class JaxEngine:
         if self.paged:
             return self.kv_pages * self.kv_page_bytes
         return self._slots * self.max_target_length * self.kv_page_bytes
+
+    def prefill_chunks(self, tokens: int) -> list[int]:
+        """The chunk lengths a prompt of ``tokens`` is prefilled in (the driver's chunked prefill): whole
+        ``max_prefill_length`` chunks, then the rest."""
+        whole, rest = divmod(int(tokens), self._max_prefill)
+        return [self._max_prefill] * whole + ([rest] if rest else [])
+
+    def prefill_width(self, tokens: int) -> int:
+        """The cache length of a prefix prefilled in :meth:`prefill_chunks` (each chunk padded to its
+        bucket); it must fit ``max_target_length``."""
+        return sum(_bucket(n, self.prefill_lengths) for n in self.prefill_chunks(tokens))
 
     def pages_for(self, tokens: int) -> int:
         """Pages that hold ``tokens`` positions."""
