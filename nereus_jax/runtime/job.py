@@ -1,4 +1,4 @@
-"""The RL job: PPO / GRPO / RLOO / ReMax over model-stages placed by an execution plan.
+"""The RL job: PPO / GRPO / RLOO / ReMax / DAPO / Dr.GRPO / GSPO over model-stages placed by an execution plan.
 
 One synchronous step, as data flows (nereus_jax.rl.batch fixes the sequence layout)::
 
