@@ -34,18 +34,6 @@ RTOL, ATOL = 1e-4, 1e-6
 PARAM_ATOL = 1e-5  # parameters after 2-3 Adam steps at lr 1e-3 from last-bit gradient differences
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    """A fresh Job traces its programs again; the persistent cache spares compiling them again."""
-    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    old = {k: getattr(jax.config, k) for k in keys}
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.getbasetemp() / "jax-cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    yield
-    for k, v in old.items():
-        jax.config.update(k, v)
-
-
 def _cfg(*extra):
     return load_config(None, BASE + list(extra))
 

@@ -44,16 +44,9 @@ KEYS = ("reward_mean", "kl", "loss", "policy_loss", "value_loss", "response_leng
 
 
 @pytest.fixture(scope="module")
-def jax_cache(tmp_path_factory):
-    """One persistent compilation cache for this module and its subprocesses."""
-    path = str(tmp_path_factory.getbasetemp() / "jax-cache")
-    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    old = {k: getattr(jax.config, k) for k in keys}
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    yield path
-    for k, v in old.items():
-        jax.config.update(k, v)
+def jax_cache() -> str:
+    """The session's persistent compilation cache (tests/conftest.py), handed to subprocesses."""
+    return os.environ["JAX_COMPILATION_CACHE_DIR"]
 
 
 def _env(jax_cache: str) -> dict:
