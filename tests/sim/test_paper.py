@@ -13,7 +13,7 @@ import pytest
 from nereus_jax import simulate
 from nereus_jax.sim import Simulation, load_trace
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # ~5 min: the SIMULATED paper figures
 
 
 @pytest.fixture(scope="module")
