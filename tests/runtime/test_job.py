@@ -112,6 +112,7 @@ def test_plan_on_devices_that_do_not_exist_fails_before_compute(tmp_path, capsys
 
 
 @pytest.mark.slow
+@pytest.mark.long  # GRPO learning is shown in CI by tests/test_post_train.py (from a checkpoint)
 def test_grpo_raises_held_out_accuracy_over_the_warm_start(tmp_path):
     """GRPO on 2-digit addition: 60 steps after a 1,200-step warm start. Measured here: 0.29 -> ~0.45;
     the assertion asks for +0.10 (deterministic for the seed; the margin covers other CPUs' float order)."""
