@@ -1,7 +1,8 @@
 """Benchmark of the generation engine on a fixed long-tail workload; prints one JSON object on its last line.
 
-    .venv312/bin/python tools/bench_engine.py              # the issue's workload (~2-3 minutes on 2 CPU cores)
-    .venv312/bin/python tools/bench_engine.py --quick      # 64 requests, a smoke run (~1 minute)
+    .venv312/bin/python tools/bench_engine.py              # everything below (~10 minutes on 2 CPU cores)
+    .venv312/bin/python tools/bench_engine.py --quick      # smaller runs of every section, a smoke run
+    .venv312/bin/python tools/bench_engine.py --sections capacity,longtail   # only the paged-KV sections
 
 Workload: 256 requests of 32 random prompt tokens, 32 decode slots, response lengths drawn with seed 0
 (80% uniform in [8, 32], 20% uniform in [96, 128]; generation forced to that length, temperature 1), on a
@@ -18,6 +19,28 @@ Workload: 256 requests of 32 random prompt tokens, 32 decode slots, response len
 Tokens are generated tokens (prompt tokens are not counted); every mode pays the same prefill work. Each
 mode runs ``--repeats`` times, alternating, and its fastest run counts (other processes share this machine);
 ``speedup_vs_static_in_cpu_time`` is the same ratio in process CPU time, which such load disturbs less.
+
+Paged KV memory (issue 21), in the same process:
+
+- ``capacity_sweep``: ``[{max_target_length, decode_step_ms}]``, one decode step with 32 live slots holding
+  ~160 tokens each (160-token prompts, then 16 timed steps), paged engines (``page_size`` 16, the default
+  pool: every slot's full capacity) of capacity 256 ... 8192, timed in alternating rounds (medians);
+  ``capacity_step_ratio_8192_vs_256`` is the ratio the issue asks about (<= 1.3). ``capacity_sweep_unpaged``
+  is today's engine at 256 and 4096 in the same rounds, for comparison.
+- The long-tail workload: prompts of 32 tokens, response lengths Pareto(1) as the copy task draws them
+  (``min(4096, floor(16 / (1 - u)))``: every length >= 16, 6% >= 256, up to 4096), forced, temperature 1,
+  through today's engine (32 slots, ``max_target_length`` 32 + 4096) and through a paged engine given the
+  same KV bytes (``kv_bytes`` = today's ``kv_cache_bytes``) and 4x the slots, admission ``"preempt"``. A run
+  of this workload lasts at least 4096 decode steps (its longest response), over 8 minutes per run for
+  today's engine here, so each engine runs a window of decode steps from an empty state with a queue that
+  never runs dry (``--longtail-steps``: 512 paged, 64 unpaged; today's step costs the same whatever its
+  slots hold, the paged one grows with the tokens held, so the longer paged window is the harder one);
+  a warm-up window first compiles every program. ``paged_tokens_per_s`` and
+  ``unpaged_longtail_tokens_per_s`` count every generated token in the window over its wall time (prefill
+  included, the fastest of ``--repeats`` alternating runs); ``paged_concurrent_sequences`` and
+  ``unpaged_concurrent_sequences`` are the live sequences per decode step. ``longtail`` holds the details,
+  with each engine's ``matmul_floor_tokens_per_s``: its slots over the matmul-only step at that batch size
+  (the same weight shapes, measured in this run), the most its decode could deliver.
 
 Reading ``speedup_vs_static``: with requests admitted in arrival order, the decode steps alone give
 ``speedup_vs_static_in_decode_steps`` (2.55 on this draw: 974 static steps vs 382 continuous ones, of which
@@ -47,8 +70,9 @@ from nereus_jax.engine import Generator, JaxEngine, SamplingParams, make_request
 from nereus_jax.models import count_params, forward, init_params  # noqa: E402
 
 BENCH_MODEL = ModelConfig(name="bench-23m", vocab_size=16384, hidden_size=512, num_layers=5, num_heads=8,
-                          num_kv_heads=2, intermediate_size=1536, tie_embeddings=True, max_position_embeddings=4096)
+                          num_kv_heads=2, intermediate_size=1536, tie_embeddings=True, max_position_embeddings=8192)
 PROMPT_LEN, MAX_RESPONSE, NOCACHE_BUCKET = 32, 128, 16
+CAPACITIES, SWEEP_CONTEXT, LONGEST = (256, 512, 1024, 2048, 4096, 8192), 160, 4096
 
 
 def workload(requests: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -179,18 +203,178 @@ def nocache_seconds(cfg: ModelConfig, params, prompts, lengths, slots: int) -> t
     return sum(per_bucket[b] * n for b, n in steps_per_bucket.items()), {b: round(t, 4) for b, t in per_bucket.items()}
 
 
+def filled_state(engine: JaxEngine, params, context: int, seed: int = 0):
+    """A decode state with every slot live, holding ``context`` tokens (prompts of that length)."""
+    rng = np.random.default_rng(seed)
+    state, b = engine.init_decode_state(), engine.max_prefill_batch
+    for start in range(0, engine.max_concurrent_decodes, b):
+        reqs = make_requests(b, engine.max_stop_tokens, prompt=np.arange(start, start + b), temperature=1.0,
+                             limit=engine.max_target_length - context)
+        prompts = rng.integers(0, engine.cfg.vocab_size, (b, context)).astype(np.int32)
+        prefix, _ = engine.prefill(params=params, padded_tokens=prompts, true_length=context, requests=reqs)
+        state = engine.insert_many(prefix, state, range(start, start + b), range(b), [0] * b)
+    return state
+
+
+def capacity_sweep(raw, capacities, page_size: int, slots: int, rounds: int, per_round: int) -> dict:
+    """Decode step time with every slot holding ~SWEEP_CONTEXT tokens: paged engines of each capacity and
+    today's at the smallest and 4096, timed in alternating rounds (medians)."""
+    cases = [("paged", c) for c in capacities] + [("unpaged", c) for c in capacities if c in (capacities[0], 4096)]
+    runs = []
+    for kind, capacity in cases:
+        engine = JaxEngine(BENCH_MODEL, max_concurrent_decodes=slots, max_prefill_length=SWEEP_CONTEXT,
+                           max_target_length=capacity, max_prefill_batch=8,
+                           page_size=page_size if kind == "paged" else None)
+        params = engine.load_params(raw)
+        runs.append({"kind": kind, "engine": engine, "params": params,
+                     "state": filled_state(engine, params, SWEEP_CONTEXT), "length": SWEEP_CONTEXT, "times": []})
+    for r in runs:  # compile every program before timing
+        step_once(r)
+    for _ in range(rounds):
+        for r in runs:
+            for _ in range(per_round):
+                r["times"].append(step_once(r))
+    out = {"paged": [], "unpaged": []}
+    for r in runs:
+        out[r["kind"]].append({"max_target_length": r["engine"].max_target_length,
+                               "decode_step_ms": round(1e3 * float(np.median(r["times"])), 2)})
+        r["state"] = None
+    return out
+
+
+def step_once(run: dict) -> float:
+    """One timed decode step of a capacity-sweep run (the pages bound from the known lengths)."""
+    engine = run["engine"]
+    kwargs = {"pages": engine.max_concurrent_decodes * engine.pages_for(run["length"] + 1)} if engine.paged else {}
+    start = time.perf_counter()
+    run["state"], result = engine.generate(run["params"], run["state"], **kwargs)
+    jax.block_until_ready(result.tokens)
+    run["length"] += 1
+    assert bool(np.all(np.asarray(result.valid))), "a slot ended during the capacity sweep"
+    return time.perf_counter() - start
+
+
+def longtail_workload(requests: int, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Prompts [requests, 32] and response lengths Pareto(1) as the copy task draws them, scaled to >= 16
+    and capped at 4096: P(length >= n) = 16 / n."""
+    rng = np.random.default_rng(seed)
+    lengths = np.minimum(LONGEST, np.floor(16.0 / (1.0 - rng.random(requests)))).astype(np.int32)
+    prompts = rng.integers(0, BENCH_MODEL.vocab_size, (requests, PROMPT_LEN)).astype(np.int32)
+    return prompts, lengths
+
+
+class _WindowOver(Exception):
+    """Raised from ``on_step`` to end a long-tail window."""
+
+
+def longtail_window(gen: Generator, prompts, lengths, steps: int) -> dict:
+    """The long-tail workload through ``gen`` for ``steps`` decode steps from an empty state."""
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=LONGEST, seed=0)
+    seen = {}
+
+    def stop(g: Generator, step: int) -> None:
+        if step >= steps:
+            seen.update(g.progress(), seconds=time.perf_counter() - start)
+            raise _WindowOver
+
+    start = time.perf_counter()
+    try:
+        gen.generate(list(prompts), sampling, forced_lengths=lengths, on_step=stop)
+        raise AssertionError("the long-tail queue ran dry inside the window: give more requests")
+    except _WindowOver:
+        pass
+    return {"tokens": seen["tokens"], "seconds": round(seen["seconds"], 3), "decode_steps": seen["decode_steps"],
+            "tokens_per_s": seen["tokens"] / seen["seconds"],
+            "concurrent_sequences": seen["slot_steps"] / seen["decode_steps"],
+            "preemptions": seen["preemptions"]}
+
+
+def longtail(raw, args) -> dict:
+    """The long-tail workload through today's engine and through a paged one in the same KV bytes."""
+    prompts, lengths = longtail_workload(args.longtail_requests)
+    common = dict(max_prefill_length=PROMPT_LEN, max_target_length=PROMPT_LEN + LONGEST,
+                  max_prefill_batch=args.prefill_batch)
+    unpaged = JaxEngine(BENCH_MODEL, max_concurrent_decodes=args.slots, **common)
+    pagedx = JaxEngine(BENCH_MODEL, max_concurrent_decodes=args.paged_slots, page_size=args.page_size,
+                       kv_bytes=unpaged.kv_cache_bytes, **common)
+    runs = {"paged": (Generator(pagedx, pagedx.load_params(raw)), args.longtail_steps),
+            "unpaged": (Generator(unpaged, unpaged.load_params(raw)), args.longtail_steps_unpaged)}
+    for gen, steps in runs.values():  # warm-up: the same window compiles every program it uses
+        longtail_window(gen, prompts, lengths, steps)
+    results = {name: [] for name in runs}
+    for _ in range(args.repeats):
+        for name, (gen, steps) in runs.items():
+            results[name].append(longtail_window(gen, prompts, lengths, steps))
+    best = {name: max(rs, key=lambda r: r["tokens_per_s"]) for name, rs in results.items()}
+    floors = {}
+    for name, (gen, _) in runs.items():
+        fn, fargs, _ = matmul_program(BENCH_MODEL, gen.engine.max_concurrent_decodes)
+        floors[name] = gen.engine.max_concurrent_decodes / timed(fn, *fargs, repeats=10)
+    return {
+        "workload": {"requests": int(len(lengths)), "prompt_tokens": PROMPT_LEN,
+                     "lengths": "min(4096, floor(16 / (1 - u))), seed 1, forced",
+                     "length_mean": round(float(lengths.mean()), 1), "length_max": int(lengths.max()),
+                     "share_under_256": round(float(np.mean(lengths < 256)), 3)},
+        **{name: {**{k: round(v, 2) if isinstance(v, float) else v for k, v in best[name].items()},
+                  "slots": runs[name][0].engine.max_concurrent_decodes,
+                  "kv_cache_bytes": runs[name][0].engine.kv_cache_bytes,
+                  "window_steps": runs[name][1],
+                  "tokens_per_s_per_run": [round(r["tokens_per_s"], 1) for r in results[name]],
+                  "matmul_floor_tokens_per_s": round(floors[name], 1),
+                  "share_of_matmul_floor": round(best[name]["tokens_per_s"] / floors[name], 3)}
+           for name in runs},
+        "paged_engine": {"page_size": pagedx.page_size, "kv_pages": pagedx.kv_pages, "admission": "preempt",
+                         "compiled_programs": dict(pagedx.traces)},
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--slots", type=int, default=32)
     parser.add_argument("--prefill-batch", type=int, default=32, help="prompts per prefill call")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per mode (the fastest counts)")
-    parser.add_argument("--quick", action="store_true", help="64 requests: a smoke run")
+    parser.add_argument("--quick", action="store_true", help="smaller runs of every section: a smoke run")
+    parser.add_argument("--sections", default="base,capacity,longtail",
+                        help="comma-separated: base (continuous/static/nocache), capacity, longtail")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--paged-slots", type=int, default=128, help="slots of the paged long-tail engine")
+    parser.add_argument("--longtail-requests", type=int, default=2048)
+    parser.add_argument("--longtail-steps", type=int, default=512, help="paged window, decode steps")
+    parser.add_argument("--longtail-steps-unpaged", type=int, default=64, help="today's engine's window")
     args = parser.parse_args(argv)
+    sections = set(args.sections.split(","))
+    if not sections <= {"base", "capacity", "longtail"}:
+        parser.error(f"--sections takes base, capacity, longtail; got {args.sections}")
+    if args.quick:
+        args.longtail_steps, args.longtail_steps_unpaged, args.repeats = 64, 16, 1
+    raw = init_params(BENCH_MODEL, seed=0)
+    result = base_sections(raw, args) if "base" in sections else {}
+    if "capacity" in sections:
+        rounds, per_round = (2, 2) if args.quick else (4, 4)
+        sweep = capacity_sweep(raw, CAPACITIES[:3] if args.quick else CAPACITIES, args.page_size, args.slots,
+                               rounds, per_round)
+        by = {c["max_target_length"]: c["decode_step_ms"] for c in sweep["paged"]}
+        result.update(capacity_sweep=sweep["paged"], capacity_sweep_unpaged=sweep["unpaged"],
+                      capacity_step_ratio_8192_vs_256=round(by[8192] / by[256], 3) if 8192 in by else None)
+    if "longtail" in sections:
+        tail = longtail(raw, args)
+        result.update(paged_tokens_per_s=tail["paged"]["tokens_per_s"],
+                      unpaged_longtail_tokens_per_s=tail["unpaged"]["tokens_per_s"],
+                      paged_concurrent_sequences=tail["paged"]["concurrent_sequences"],
+                      unpaged_concurrent_sequences=tail["unpaged"]["concurrent_sequences"],
+                      longtail_speedup=round(tail["paged"]["tokens_per_s"] / tail["unpaged"]["tokens_per_s"], 2),
+                      longtail=tail)
+    result.update(device=str(jax.devices()[0].device_kind), jax=jax.__version__)
+    print(json.dumps(result))
+    return result
+
+
+def base_sections(raw, args) -> dict:
+    """The continuous / static / no-cache comparison and the full-batch step against the matmul floor."""
     requests = 64 if args.quick else args.requests
     cfg = BENCH_MODEL
     prompts, lengths = workload(requests)
-    raw = init_params(cfg, seed=0)
     engine = JaxEngine(cfg, max_concurrent_decodes=args.slots, max_prefill_length=PROMPT_LEN,
                        max_target_length=PROMPT_LEN + MAX_RESPONSE, max_prefill_batch=args.prefill_batch)
     params = engine.load_params(raw)
@@ -236,9 +420,7 @@ def main(argv: list[str] | None = None) -> dict:
         "compiled_programs": compiled,
         "model": {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "num_layers", "num_heads",
                                               "num_kv_heads", "intermediate_size", "tie_embeddings")},
-        "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
     }
-    print(json.dumps(result))
     return result
 
 
