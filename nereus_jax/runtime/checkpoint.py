@@ -144,10 +144,15 @@ def canonical_leaves(unit: EMU) -> list[jax.Array]:
     rep = unit.spec.repeat(unit.layout)
     if rep == 1:
         return list(leaves)
-    out = [NamedSharding(unit.mesh, PartitionSpec())] * len(leaves)
-    convert = functools.partial(unit.spec.converter(rep, 1), shardings=tuple(out),
-                                sources=tuple(x.sharding for x in leaves))  # pinned: every bit kept
-    return jax.jit(convert, out_shardings=out)(list(leaves))
+    return _repeat_kv(unit.spec, rep, 1, leaves, [NamedSharding(unit.mesh, PartitionSpec())] * len(leaves))
+
+
+def _repeat_kv(spec, rep_in: int, rep_out: int, leaves, out: Sequence) -> list[jax.Array]:
+    """``leaves`` with each kv head stored ``rep_out`` times instead of ``rep_in``, laid out as ``out``: the
+    spec's converter pinned at both ends, so every bit is kept (-0.0, subnormals, NaN payloads)."""
+    convert = functools.partial(spec.converter(rep_in, rep_out), shardings=tuple(out),
+                                sources=tuple(x.sharding for x in leaves))
+    return jax.jit(convert, out_shardings=list(out))(list(leaves))
 
 
 def shared_host_leaves(units: Sequence[EMU]) -> list[np.ndarray]:
@@ -495,10 +500,7 @@ def _units(job: Job, ms: ModelStage, leaves: list[jax.Array], mesh) -> list[EMU]
     sp, spec = job.plan[ms], job.specs[ms]
     rep = spec.repeat(sp.layout)
     if rep > 1:
-        out = spec.shardings(mesh)
-        convert = functools.partial(spec.converter(1, rep), shardings=tuple(out),
-                                    sources=tuple(x.sharding for x in leaves))  # pinned: every bit kept
-        leaves = jax.jit(convert, out_shardings=out)(list(leaves))
+        leaves = _repeat_kv(spec, 1, rep, leaves, spec.shardings(mesh))
     if sp.memory != DEVICE:
         leaves = jax.device_put(list(leaves), spec.shardings(mesh, sp.memory))
     return split_replicas(list(leaves), mesh, ms, spec, sp.memory)

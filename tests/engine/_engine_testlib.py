@@ -35,3 +35,12 @@ def teacher_forced_logits(params, cfg, prompts, out):
         p = prompts[out.prompt_index[r]].size
         res.append(logits[r, p - 1 : s.size - 1])
     return res
+
+
+def assert_same_generation(a, b):
+    """Two generations agree bit for bit: lengths, tokens, log-probabilities, policy versions, finish reasons."""
+    np.testing.assert_array_equal(a.lengths, b.lengths)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.logprobs, b.logprobs)  # bit-identical, not close
+    np.testing.assert_array_equal(a.param_versions, b.param_versions)
+    assert a.finish_reasons == b.finish_reasons

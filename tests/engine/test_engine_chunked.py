@@ -5,6 +5,7 @@ different lengths, greedy and sampled; swaps land between calls."""
 import numpy as np
 import pytest
 from _engine_testlib import TINY, make_engine, make_prompts
+from _engine_testlib import assert_same_generation as _assert_same
 
 from nereus_jax.config import ConfigError, load_config
 from nereus_jax.engine import EngineError, Generator, SamplingParams
@@ -23,14 +24,6 @@ def _stop_token(gen, prompts, sampling):
     """A token some rows draw mid-response (so stops end rows at different steps)."""
     free = gen.generate(prompts, sampling)
     return int(free.tokens[0, 3])
-
-
-def _assert_same(a, b):
-    np.testing.assert_array_equal(a.lengths, b.lengths)
-    np.testing.assert_array_equal(a.tokens, b.tokens)
-    np.testing.assert_array_equal(a.logprobs, b.logprobs)  # bit-identical, not close
-    np.testing.assert_array_equal(a.param_versions, b.param_versions)
-    assert a.finish_reasons == b.finish_reasons
 
 
 @pytest.mark.parametrize("sampling", [

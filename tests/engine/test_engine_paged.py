@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _engine_testlib import TINY, make_engine, make_prompts, teacher_forced_logits
+from _engine_testlib import assert_same_generation as _assert_same
 
 from nereus_jax.engine import EngineError, Generator, SamplingParams, decode, make_requests, paged
 from nereus_jax.models import forward, init_params
@@ -30,14 +31,6 @@ def tight_engine(devices, raw_params):
     """5 pages of 8 positions: room for two or three of the tests' sequences at a time, not four."""
     engine = make_engine(devices, page_size=PAGE, kv_pages=5)
     return engine, engine.load_params(raw_params)
-
-
-def _assert_same(a, b):
-    np.testing.assert_array_equal(a.lengths, b.lengths)
-    np.testing.assert_array_equal(a.tokens, b.tokens)
-    np.testing.assert_array_equal(a.logprobs, b.logprobs)  # bit-identical, not close
-    np.testing.assert_array_equal(a.param_versions, b.param_versions)
-    assert a.finish_reasons == b.finish_reasons
 
 
 def _with_stop(gen, prompts, sampling):
