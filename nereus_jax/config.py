@@ -333,6 +333,9 @@ class TrainerConfig(_Node):
         1, "optimizer updates per pass over a rollout batch (verl: batch size / ppo_mini_batch_size); the rows "
            "(prompts_per_step x samples_per_prompt) split into this many equal mini-batches, in order")
     ppo_epochs: int = _field(1, "passes over each rollout batch (verl: ppo_epochs); updates = mini_batches x this")
+    packing: bool = _field(
+        False, "pack sequences end to end (segment ids, positions restart) in rows of prompt + response length for "
+               "every scoring and training forward, instead of padding each (verl: use_remove_padding)")
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = _field(1, "async: how many policy versions a rollout may lag (1 = one-step-off)")
     sync_every: int = _field(1, "async: learner updates between weight syncs to actor-gen (<= max_staleness + 1)")

@@ -165,15 +165,18 @@ def default_positions(tokens_bt: jax.Array, attention_mask_bt: jax.Array | None)
 
 
 def forward(params: dict, cfg: ModelConfig, tokens_bt: jax.Array, positions_bt: jax.Array | None = None,
-            attention_mask_bt: jax.Array | None = None, *, return_hidden: bool = False) -> jax.Array:
+            attention_mask_bt: jax.Array | None = None, *, return_hidden: bool = False,
+            segment_ids_bt: jax.Array | None = None) -> jax.Array:
     """Full (uncached) forward. Returns logits [b, t, vocab] (float32), or values [b, t, labels] for a
     value-head model, or the final hidden states [b, t, embed] with ``return_hidden``.
 
-    ``attention_mask_bt`` (1 = real token) masks padding keys; attention is causal by index.
+    ``attention_mask_bt`` (1 = real token) masks padding keys; attention is causal by index. Packed rows
+    (:mod:`nereus_jax.rl.packing`) pass ``segment_ids_bt`` (1, 2, ... per sequence, 0 on padding: attention
+    stays inside a segment) and their ``positions_bt`` (restarting per segment).
     """
     if positions_bt is None:
         positions_bt = default_positions(tokens_bt, attention_mask_bt)
-    mask_bts = causal_mask(tokens_bt.shape[1], attention_mask_bt)
+    mask_bts = causal_mask(tokens_bt.shape[1], attention_mask_bt, segment_ids_bt)
     x = apply_layers(params["layers"], cfg, embed_tokens(params, tokens_bt), positions_bt, mask_bts)
     return output_head(params, cfg, x, return_hidden=return_hidden)
 
@@ -195,11 +198,15 @@ def embed_tokens(params: dict, tokens_bt: jax.Array) -> jax.Array:
                      ("batch", "length", "embed"))
 
 
-def causal_mask(t: int, attention_mask_bt: jax.Array | None) -> jax.Array:
-    """[b or 1, t, t] boolean: causal by index, padding keys (attention_mask 0) masked."""
+def causal_mask(t: int, attention_mask_bt: jax.Array | None, segment_ids_bt: jax.Array | None = None) -> jax.Array:
+    """[b or 1, t, t] boolean: causal by index, padding keys (attention_mask 0, segment 0) masked, and with
+    segment ids, keys of another segment masked."""
     mask_bts = jnp.tril(jnp.ones((t, t), dtype=bool))[None]
     if attention_mask_bt is not None:
         mask_bts = mask_bts & attention_mask_bt.astype(bool)[:, None, :]
+    if segment_ids_bt is not None:
+        same = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+        mask_bts = mask_bts & same & (segment_ids_bt > 0)[:, None, :]
     return mask_bts
 
 

@@ -51,6 +51,7 @@ from nereus_jax.elastic.weight_sync import WeightSync
 from nereus_jax.engine import Generator, JaxEngine, Rollouts, SamplingParams
 from nereus_jax.models import abstract_params, init_params
 from nereus_jax.rl import algorithms as alg
+from nereus_jax.rl import packing
 from nereus_jax.rl.batch import RolloutBatch, left_pad, right_pad
 from nereus_jax.rl.tasks import Problem
 from nereus_jax.runtime import steps
@@ -138,6 +139,7 @@ class Job:
         self.rewarder = rewarder
         self.version = 0
         self.updates: dict[ModelStage, int] = {}  # successful training updates per model-stage (this Job)
+        self.packing_fill: float | None = None  # with trainer.packing: the last packed stage's real tokens / slots
         self.nonfinite: dict[ModelStage, int] = {}  # consecutive skipped (non-finite) updates per stage
         self.skipped: dict[ModelStage, int] = {}  # skipped updates per stage in all
         if actor is None:
@@ -221,8 +223,7 @@ class Job:
             else:
                 fn = _infer_program(spec.model, self.P, rest[0])
                 params = spec.unflatten(leaves)["params"]
-                programs[self._key("infer", ms, mesh, accum, rest[0])] = fn.lower(
-                    params, micro["tokens"], micro["mask"]).compile()
+                programs[self._key("infer", ms, mesh, accum, rest[0])] = fn.lower(params, micro).compile()
         engines = []
         for replica in plan[ACTOR_GEN].replicas:
             if not is_local(self.devices[replica[0]]):
@@ -471,27 +472,51 @@ class Job:
             ExecutionPlan({ms: dataclasses.replace(sp, memory=dst)}), {ms: self.specs[ms]}))
         self.units[ms] = TransitionExecutor().run(graph, {ms: self.units[ms]})[ms]
 
-    def _stage_inputs(self, ms: ModelStage, data: dict, program: tuple):
-        """The stage's replicas as one SPMD state, and ``data`` as token-budget micro-batches on its mesh.
-        Records the host inputs' signature under ``program`` so :meth:`prepare` can compile it ahead."""
-        self._signatures[program] = {k: (np.shape(v), np.asarray(v).dtype) for k, v in data.items()}
+    def _stage_inputs(self, ms: ModelStage, data: dict, program: tuple, mini: int | None = None):
+        """The stage's replicas as one SPMD state, and ``data`` ([rows, ...] host arrays) as token-budget
+        micro-batches on its mesh (``mini``: split into mini-batches first), padded or, with
+        ``trainer.packing``, packed (:mod:`nereus_jax.rl.packing`). Returns (leaves, mesh, program key, micro,
+        order): ``order`` is the row order of the micro-batches' sequences (None: as given). Records padded
+        inputs' signature under ``program`` so :meth:`prepare` can compile it ahead."""
         leaves, mesh = assemble_replicas(self._use(ms))
-        accum = steps.accumulation_steps(self.rows, mesh.shape["dp"], self.P + self.R,
-                                         self.cfg.trainer.micro_batch_tokens)
-        return leaves, mesh, accum, steps.put_micro(steps.split_micro(data, accum), mesh)
+        kind, dp = program[0], mesh.shape["dp"]
+        if not self.cfg.trainer.packing:
+            self._signatures[program] = {k: (np.shape(v), np.asarray(v).dtype) for k, v in data.items()}
+            accum = self._accum(kind, dp)
+            host = steps.split_micro(data, accum) if mini is None else steps.split_minibatches(data, mini, accum)
+            return leaves, mesh, self._key(kind, ms, mesh, accum, *program[2:]), self._put(host, mesh, mini), None
+        layout = packing.pack(data["tokens"], data["mask"], prompt_len=self.P, mini=mini or 1, dp=dp,
+                              budget_rows=self.cfg.trainer.micro_batch_tokens // (self.P + self.R))
+        keys = steps.packed_keys(layout)
+        rows = {k: v for k, v in keys.items() if k.startswith("unpack")}
+        fields = {k: np.asarray(v)[layout.order] for k, v in data.items() if k not in ("tokens", "mask")} | rows
+        if mini is None:
+            host = steps.split_micro(fields, layout.accum) | {k: v[0] for k, v in keys.items() if k not in rows}
+        else:
+            host = steps.split_minibatches(fields, mini, layout.accum) | {k: v for k, v in keys.items()
+                                                                          if k not in rows}
+        self.packing_fill = layout.packed_tokens / layout.tokens.size  # real tokens / token slots run
+        key = self._key(kind, ms, mesh, layout.accum, "packed", *program[2:])
+        return leaves, mesh, key, self._put(host, mesh, mini), layout.order
+
+    @staticmethod
+    def _put(host: dict, mesh, mini: int | None) -> dict:
+        return steps.put_micro(host, mesh) if mini is None else steps.put_minibatches(host, mesh)
 
     def _infer(self, ms: ModelStage, what: str, batch: RolloutBatch) -> np.ndarray:
         data = {"tokens": batch.tokens(), "mask": batch.attention_mask()}
-        leaves, mesh, accum, micro = self._stage_inputs(ms, data, ("infer", ms, what))
+        leaves, mesh, key, micro, order = self._stage_inputs(ms, data, ("infer", ms, what))
         params = self.specs[ms].unflatten(leaves)["params"]
-        fn = self._program(self._key("infer", ms, mesh, accum, what), lambda: _infer_program(
-            self.specs[ms].model, self.P, what))
-        out = to_numpy(fn(params, micro["tokens"], micro["mask"]))
+        fn = self._program(key, lambda: _infer_program(self.specs[ms].model, self.P, what))
+        out = to_numpy(fn(params, micro))
         if ms.kind == "infer":
             self.park(ms)
+        out = out.reshape(self.rows, -1)
+        if order is not None:
+            out = out[np.argsort(order)]
         if what == "scores":
             return out.reshape(self.rows).astype(np.float32)
-        return out.reshape(self.rows, self.R) * batch.response_mask_br
+        return out * batch.response_mask_br
 
     def _advantages(self, batch: RolloutBatch, scores: np.ndarray, scored: dict) -> alg.Advantages:
         a = self.cfg.algorithm
@@ -548,12 +573,9 @@ class Job:
         """One training program: mini_batches x ppo_epochs updates of the stage on ``data`` ([rows, ...]).
         Logged: each metric's mean over the updates (``*_max`` / ``*_min``: the extreme), and with more than
         one update ``<model>_per_update``, the policy's ratio and clipping statistics update by update."""
-        self._signatures[("train", ms)] = {k: (np.shape(v), np.asarray(v).dtype) for k, v in data.items()}
-        leaves, mesh = assemble_replicas(self._use(ms))
-        accum = self._accum("train", mesh.shape["dp"])
-        micro = steps.put_minibatches(steps.split_minibatches(data, self.cfg.trainer.mini_batches, accum), mesh)
+        leaves, mesh, key, micro, _ = self._stage_inputs(ms, data, ("train", ms), self.cfg.trainer.mini_batches)
         spec = self.specs[ms]
-        fn = self._program(self._key("train", ms, mesh, accum), lambda: self._train_program(ms, spec, mesh))
+        fn = self._program(key, lambda: self._train_program(ms, spec, mesh))
         new_leaves, metrics = fn(leaves, micro)
         self.units[ms] = split_replicas(new_leaves, mesh, ms, spec)
         self.updates[ms] = self.updates.get(ms, 0) + 1
@@ -627,7 +649,8 @@ class Job:
                 "response_length_p95": float(np.percentile(mask.sum(1), 95)), "response_tokens": tokens,
                 "step_seconds": step_s, "tokens_per_s": tokens / max(step_s, 1e-9),
                 "stage_seconds": {k: round(v, 4) for k, v in seconds.items()}, **train_metrics,
-                "policy_version": self.version, "plan": repr(self.plan), "plan_short": plan_short(self.plan)}
+                "policy_version": self.version, "plan": repr(self.plan), "plan_short": plan_short(self.plan),
+                **({"packing_fill": self.packing_fill} if self.packing_fill is not None else {})}
 
     # ----------------------------------------------------------------------------------- evaluation
     def evaluate(self, problems: Sequence[Problem], samples: int = 1) -> dict[str, float]:
@@ -714,13 +737,17 @@ def _critic_source(cfg: Config, actor: ParamSource) -> ParamSource:
 
 
 def _infer_program(cfg, prompt_len: int, what: str):
-    if what == "scores":
-        fn = lambda params, c, tokens, mask, _: steps.sequence_scores(params, c, tokens, mask)  # noqa: E731
-    else:
-        fn = steps.response_logprobs if what == "logprobs" else steps.response_values
+    """A scoring stage over its micro-batches (padded or packed): log-probs or values [accum, b, R], or
+    scores [accum, b]."""
+    def one(params, mb):
+        if what == "scores":
+            return steps.stage_scores(params, cfg, mb)
+        if what == "values":
+            return steps.stage_values(params, cfg, mb, prompt_len)
+        return steps.response_stats(params, cfg, mb, prompt_len)[0]
 
-    def program(params, tokens, mask):
-        return jax.lax.map(lambda tm: fn(params, cfg, tm[0], tm[1], prompt_len), (tokens, mask))
+    def program(params, micro):
+        return jax.lax.map(lambda mb: one(params, mb), micro)
 
     return jax.jit(program)
 

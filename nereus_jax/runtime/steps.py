@@ -59,10 +59,63 @@ def response_values(params, cfg: ModelConfig, tokens_bl, mask_bl, prompt_len: in
 
 
 def sequence_scores(params, cfg: ModelConfig, tokens_bl, mask_bl, forward_fn: ForwardFn = forward) -> jax.Array:
-    """A reward model's score at each row's last real token, [b]."""
+    """A reward model's score at each row's last real token, [b] (the prompt may be left-padded: the last
+    column whose mask is 1, as Hugging Face's sequence classifiers pick it)."""
     values = forward_fn(params, cfg, tokens_bl, None, mask_bl)[..., 0]
-    last = jnp.sum(mask_bl, axis=1) - 1
+    last = jnp.max(jnp.where(mask_bl > 0, jnp.arange(mask_bl.shape[1]), 0), axis=1)
     return jnp.take_along_axis(values, last[:, None], axis=1)[:, 0]
+
+
+def response_stats(params, cfg: ModelConfig, mb: dict, prompt_len: int, forward_fn: ForwardFn = forward, *,
+                   entropy: bool = False) -> tuple[jax.Array, jax.Array | None]:
+    """Each response token's log-prob [b, R] (and entropy [b, R] with ``entropy``) from a micro-batch, padded
+    (``tokens`` / ``mask`` [b, P + R]) or packed (:func:`packed_keys`), in the padded batch's layout."""
+    if "packed_tokens" not in mb:
+        logits = response_logits(params, cfg, mb["tokens"], mb["mask"], prompt_len, forward_fn)
+        logp = token_logprobs(logits, mb["tokens"][:, prompt_len:])
+        return logp, entropy_from_logits(logits) if entropy else None
+    logits = _packed_forward(params, cfg, mb, forward_fn)  # [dp, rows * L, vocab]
+    # the output at each column predicts the next column's token (a row's last column is never gathered)
+    logp = token_logprobs(logits, jnp.roll(mb["packed_tokens"], -1, axis=-1).reshape(logits.shape[:2]))
+    ent = _unpack(entropy_from_logits(logits), mb["unpack_index"]) if entropy else None
+    return _unpack(logp, mb["unpack_index"]), ent
+
+
+def stage_values(params, cfg: ModelConfig, mb: dict, prompt_len: int, forward_fn: ForwardFn = forward) -> jax.Array:
+    """:func:`response_values` of a padded or packed micro-batch, [b, R] in the padded layout."""
+    if "packed_tokens" not in mb:
+        return response_values(params, cfg, mb["tokens"], mb["mask"], prompt_len, forward_fn)
+    return _unpack(_packed_forward(params, cfg, mb, forward_fn)[..., 0], mb["unpack_index"])
+
+
+def stage_scores(params, cfg: ModelConfig, mb: dict, forward_fn: ForwardFn = forward) -> jax.Array:
+    """:func:`sequence_scores` of a padded or packed micro-batch, [b]."""
+    if "packed_tokens" not in mb:
+        return sequence_scores(params, cfg, mb["tokens"], mb["mask"], forward_fn)
+    return _unpack(_packed_forward(params, cfg, mb, forward_fn)[..., 0], mb["unpack_last"])
+
+
+def packed_keys(layout) -> dict:
+    """A :class:`~nereus_jax.rl.packing.PackedLayout` as the micro-batch keys the stages read: packed arrays
+    ``[mini, accum, dp, rows, L]`` and the gather offsets (per sequence, in group order)."""
+    return {"packed_tokens": layout.tokens.astype(np.int32), "packed_positions": layout.positions,
+            "segment_ids": layout.segments, "unpack_index": layout.index, "unpack_last": layout.last}
+
+
+def _packed_forward(params, cfg: ModelConfig, mb: dict, forward_fn: ForwardFn) -> jax.Array:
+    """The forward over a micro-batch's packed rows ``[dp, rows, L]``, as ``[dp, rows * L, ...]``."""
+    dp, rows, width = mb["packed_tokens"].shape
+    flat = lambda x: x.reshape(dp * rows, width)  # noqa: E731
+    out = forward_fn(params, cfg, flat(mb["packed_tokens"]), flat(mb["packed_positions"]), None,
+                     segment_ids_bt=flat(mb["segment_ids"]))
+    return out.reshape(dp, rows * width, *out.shape[2:])
+
+
+def _unpack(x: jax.Array, index: jax.Array) -> jax.Array:
+    """``x`` ``[dp, rows * L]`` at ``index`` ``[b, ...]`` (offsets into the replica's own block; sequences are
+    split over dp like the packed rows), so the gather is replica-local: no communication."""
+    dp = x.shape[0]
+    return jnp.take_along_axis(x, index.reshape(dp, -1), axis=1).reshape(index.shape)
 
 
 def actor_loss(cfg: ModelConfig, algo: AlgorithmConfig, prompt_len: int, forward_fn: ForwardFn = forward) -> LossFn:
@@ -73,8 +126,7 @@ def actor_loss(cfg: ModelConfig, algo: AlgorithmConfig, prompt_len: int, forward
     s = settings(algo, max_response_length=0)  # the loss reads no length-derived setting
 
     def loss(params, mb):
-        logits = response_logits(params, cfg, mb["tokens"], mb["mask"], prompt_len, forward_fn)
-        logp = token_logprobs(logits, mb["tokens"][:, prompt_len:])
+        logp, entropy = response_stats(params, cfg, mb, prompt_len, forward_fn, entropy=bool(algo.entropy_coef))
         mask, denom, seq_denom = mb["response_mask"], mb.get("denom"), mb.get("seq_denom")
         pl = policy_loss(logp, mb["old_logp"], mb["advantages"], mask, s.clip_low, s.clip_high, agg=s.loss_agg,
                          level=s.ratio_level, denom=denom, seq_denom=seq_denom)
@@ -83,7 +135,7 @@ def actor_loss(cfg: ModelConfig, algo: AlgorithmConfig, prompt_len: int, forward
                                    "ratio_max": pl.ratio_max, "ratio_min": pl.ratio_min}
         agg = lambda x: aggregate(x, mask, s.loss_agg, denom, seq_denom)  # noqa: E731
         if algo.entropy_coef:
-            entropy = agg(entropy_from_logits(logits))
+            entropy = agg(entropy)
             total, metrics["entropy"] = total - algo.entropy_coef * entropy, entropy
         if not algo.kl_in_reward:
             kl = agg(kl_estimate(logp, mb["ref_logp"], algo.kl_estimator))
@@ -96,7 +148,7 @@ def actor_loss(cfg: ModelConfig, algo: AlgorithmConfig, prompt_len: int, forward
 def critic_loss(cfg: ModelConfig, algo: AlgorithmConfig, prompt_len: int, forward_fn: ForwardFn = forward) -> LossFn:
     """Clipped value loss against the GAE returns."""
     def loss(params, mb):
-        values = response_values(params, cfg, mb["tokens"], mb["mask"], prompt_len, forward_fn)
+        values = stage_values(params, cfg, mb, prompt_len, forward_fn)
         vl = value_loss(values, mb["old_values"], mb["returns"], mb["response_mask"], algo.value_clip, mb["denom"])
         return vl, {"value_loss": vl}
 
@@ -106,7 +158,7 @@ def critic_loss(cfg: ModelConfig, algo: AlgorithmConfig, prompt_len: int, forwar
 def sft_loss(cfg: ModelConfig, prompt_len: int, forward_fn: ForwardFn = forward) -> LossFn:
     """Supervised next-token loss on the response (reference answer) tokens only."""
     def loss(params, mb):
-        logp = response_logprobs(params, cfg, mb["tokens"], mb["mask"], prompt_len, forward_fn)
+        logp, _ = response_stats(params, cfg, mb, prompt_len, forward_fn)
         nll = -masked_mean(logp, mb["response_mask"], denom=mb["denom"])
         return nll, {"sft_loss": nll}
 

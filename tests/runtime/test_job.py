@@ -123,22 +123,29 @@ def test_grpo_raises_held_out_accuracy_over_the_warm_start(tmp_path):
     assert summary["accuracy_after"] >= summary["accuracy_before"] + 0.10, summary
 
 
-def test_reward_model_stage_scores_rollouts_like_a_direct_forward(tmp_path):
+@pytest.mark.parametrize("packing", [False, True])
+def test_reward_model_stage_scores_rollouts_like_a_direct_forward(tmp_path, packing):
     """reward-infer with a (random) Hugging Face-format reward model: the job's rewards are the model's
-    score at each row's last real token, computed data-parallel over the stage's replicas."""
-    from nereus_jax.models import init_params, save_hf
-    from nereus_jax.runtime.steps import sequence_scores
+    score at each row's last real token, computed data-parallel over the stage's replicas, padded or packed."""
+    import jax.numpy as jnp
+
+    from nereus_jax.models import forward, init_params, save_hf
 
     cfg0 = load_config(None, BASE)
     save_hf(tmp_path / "rm", cfg0.model, init_params(cfg0.model, seed=9, head="value"), head="value")
-    cfg = load_config(None, BASE + [f"task.reward_model_path={tmp_path / 'rm'}", "plan.stages.reward-infer.dp=4"])
+    cfg = load_config(None, BASE + [f"task.reward_model_path={tmp_path / 'rm'}", "plan.stages.reward-infer.dp=4",
+                                    f"trainer.packing={packing}"])
     job = Job(cfg, make_task(cfg.task), CharTokenizer())
     assert job.plan[REWARD_INFER].dp == 4
     result = job.step(0)
     problems, _ = job.problems(0)
     rm_params = init_params(cfg0.model, seed=9, head="value")
     batch = result.batch
-    want = np.asarray(sequence_scores(rm_params, cfg0.model, batch.tokens(), batch.attention_mask()))
+    tokens, mask = batch.tokens(), batch.attention_mask()
+    # the reference: each row's real tokens alone, unpadded, the value at the last one (prompts are left-padded)
+    want = [float(forward(rm_params, cfg0.model, jnp.asarray(t[m > 0])[None])[0, -1, 0])
+            for t, m in zip(tokens, mask, strict=True)]
+    assert len(set(mask.sum(1))) > 1 and not mask[:, 0].all()  # mixed lengths, some prompts padded
     np.testing.assert_allclose(job.rewards(problems, batch)[0], want, atol=1e-5)
     assert "reward-infer" in result.metrics["stage_seconds"]
 
