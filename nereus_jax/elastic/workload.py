@@ -1,9 +1,9 @@
 """What the cost model needs to know about one RL step: how many sequences, and how long they are.
 
 Lengths are summarised by mean, p95 and max. The max sets the memory (a KV cache slot and a micro-batch
-row must hold the longest sequence). FLOPs follow the padded row length: with ``packed`` False (what
-static-shape JAX programs do today) every row is padded to the step's longest sequence; with ``packed``
-True rows are packed by a token budget and FLOPs follow the mean. ``from_lengths`` builds a Workload
+row must hold the longest sequence). FLOPs follow the padded row length: with ``packed`` False every row
+is padded to the longest sequence; with ``packed`` True (``trainer.packing``) sequences are packed end to end
+and FLOPs follow the mean. ``from_lengths`` builds a Workload
 from the lengths a step actually produced, so the controller can re-plan on the observed distribution.
 
     wl = Workload(prompts_per_step=512, prompt_length=LengthStats.fixed(512),
@@ -145,4 +145,5 @@ class Workload:
         greedy = algorithm_spec(config.algorithm.name).needs_greedy_baseline
         return cls.fixed(config.trainer.prompts_per_step, config.rollout.max_prompt_length,
                          config.rollout.max_response_length, config.rollout.samples_per_prompt, greedy,
-                         mini_batches=config.trainer.mini_batches, epochs=config.trainer.ppo_epochs)
+                         packed=config.trainer.packing, mini_batches=config.trainer.mini_batches,
+                         epochs=config.trainer.ppo_epochs)

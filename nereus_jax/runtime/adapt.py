@@ -284,6 +284,7 @@ class Adapter:
         p95 = max(mean, metrics.get("response_length_p95", mean))
         self._workload = Workload(job.cfg.trainer.prompts_per_step, LengthStats.fixed(job.P),
                                   LengthStats(mean, p95, job.R), job.n,  # programs pad responses to R
+                                  packed=job.cfg.trainer.packing,  # packed: FLOPs follow the mean length
                                   mini_batches=job.cfg.trainer.mini_batches, epochs=job.cfg.trainer.ppo_epochs)
         if self._compiled_last_step:  # this step compiled its programs: time it, do not calibrate on it
             self._compile_step_s = metrics["step_seconds"]

@@ -176,3 +176,23 @@ def test_job_with_packing_matches_the_padded_job(warm):
         for key in ("reward_mean", "kl", "loss", "policy_loss", "value_loss", "grad_norm"):
             np.testing.assert_allclose(packed.metrics[key], padded.metrics[key], rtol=1e-4, atol=1e-6, err_msg=key)
     assert 0 < results[True][-1].metrics["packing_fill"] <= 1 and "packing_fill" not in results[False][-1].metrics
+
+
+def test_the_cost_model_prices_packed_tokens():
+    """With trainer.packing the planner's workload is packed: a long-tailed step's training is priced by its
+    mean length (cheaper than padding every row to the longest); equal lengths cost the same either way."""
+    from dataclasses import replace
+
+    from nereus_jax.elastic.costs import CostModel, StageChoice
+    from nereus_jax.elastic.hardware import get_hardware
+    from nereus_jax.elastic.workload import LengthStats, Workload
+
+    cfg = load_config(None, ["model=qwen2.5-0.5b", "trainer.prompts_per_step=256", "trainer.packing=true"])
+    wl = Workload.from_config(cfg)
+    assert wl.packed and not Workload.from_config(load_config(None, TINY_JOB)).packed
+    cost, choice = CostModel(get_hardware("h100")), StageChoice(1, 1, 8, 4)
+    price = lambda w: cost.stage_latency(cfg.model, "actor-train", choice, w).total  # noqa: E731
+    tail = wl.with_response_length(LengthStats(40.0, 300.0, 1024))
+    assert price(tail) < 0.5 * price(replace(tail, packed=False))
+    flat = wl.with_response_length(LengthStats.fixed(1024))
+    assert price(flat) == pytest.approx(price(replace(flat, packed=False)), rel=0.05)
