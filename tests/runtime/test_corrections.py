@@ -149,12 +149,12 @@ def test_float32_on_one_layout_has_no_mismatch(warm):
 
 
 def test_a_transition_logs_the_mismatch_before_and_after_it(warm):
-    """bf16 generation; devices 6 and 7 leave at step 1: the move's event holds the mismatch of step 0 and of
-    step 1 (the first on the new plan), and the adapter logs both."""
+    """bf16 generation, packed sequences; devices 6 and 7 leave at step 1: the move's event holds the mismatch of
+    step 0 and of step 1 (the first on the new plan), and the adapter logs both."""
     from nereus_jax.runtime.adapt import Adapter
 
     lines = []
-    job = _job(BF16 + ["cluster.schedule=[{step: 1, leave: [6, 7]}]"], warm)
+    job = _job(BF16 + ["cluster.schedule=[{step: 1, leave: [6, 7]}]", "trainer.packing=true"], warm)
     adapter = Adapter(job, log=lines.append)
     try:
         metrics = None
@@ -172,13 +172,14 @@ def test_a_transition_logs_the_mismatch_before_and_after_it(warm):
 
 
 def test_async_corrects_stale_and_fresh_rows_together(warm):
-    """trainer.mode=async one-step-off with TIS: stale rows get the staleness weight, every step logs the
-    mismatch and the correction; the run is the sync-mode job's order of corrections."""
+    """trainer.mode=async one-step-off with TIS and packed sequences: stale rows get the staleness weight, every
+    step logs the mismatch and the correction; the run is the sync-mode job's order of corrections."""
     from nereus_jax.runtime.adapt import Adapter
     from nereus_jax.runtime.run import rl_steps
 
     job = _job(BF16 + ["plan.colocate=false", "plan.stages.actor-gen.dp=4", "trainer.mode=async",
-                       "trainer.max_staleness=1", "algorithm.rollout_correction=tis", "trainer.mini_batches=2"], warm)
+                       "trainer.max_staleness=1", "algorithm.rollout_correction=tis", "trainer.mini_batches=2",
+                       "trainer.packing=true"], warm)
     adapter = Adapter(job, log=lambda _: None)
     try:
         got = [r.metrics for r in rl_steps(job, adapter, 3)]
@@ -189,7 +190,7 @@ def test_async_corrects_stale_and_fresh_rows_together(warm):
     assert "importance_weight_mean" not in got[0] and 0 < got[1]["importance_weight_mean"] <= 2.0
     for m in got:
         assert m["mismatch_kl"] > 0 and m["correction_weight_mean"] > 0
-        assert len(m["actor_per_update"]["ratio_max"]) == 2
+        assert len(m["actor_per_update"]["ratio_max"]) == 2 and 0 < m["packing_fill"] <= 1
 
 
 # ------------------------------------------------------------------------------------------ dynamic sampling
@@ -244,12 +245,13 @@ def test_dynamic_sampling_stops_at_its_cap_and_masks_the_filler():
 
 # ------------------------------------------------------------------------------------------------ resume
 def test_resume_mid_run_computes_what_a_straight_run_computes(warm, tmp_path):
-    """DAPO (dynamic sampling, clip-higher, overlong penalty) with 2 mini-batches x 2 epochs and TIS: 4 steps
-    straight vs 2 + checkpoint + restore into a fresh Job + 2, on the same plan: the same metrics, bit for bit."""
+    """DAPO (dynamic sampling, clip-higher, overlong penalty) with 2 mini-batches x 2 epochs, TIS and packed
+    sequences: 4 steps straight vs 2 + checkpoint + restore into a fresh Job + 2, on the same plan: the same
+    metrics, bit for bit."""
     from nereus_jax.runtime.checkpoint import Checkpointer, restore_job
 
     extra = ["algorithm.name=dapo", "trainer.mini_batches=2", "trainer.ppo_epochs=2",
-             "algorithm.rollout_correction=tis"]
+             "algorithm.rollout_correction=tis", "trainer.packing=true"]
     job = _job(extra, warm)
     ckpt = Checkpointer(str(tmp_path / "ck"), every_steps=2, keep=2)
     straight = []
