@@ -87,6 +87,7 @@ class Shapes:
     model: str
     decode_batches: tuple[int, ...]
     decode_steps: int
+    decode_prefill_batch: int  # prompts per engine prefill call (the same at every batch: programs in common)
     longest: int  # response lengths are capped here (the engine holds 32 + longest positions per slot)
     prefill_rows: int
     prefill_len: int
@@ -100,12 +101,13 @@ class Shapes:
     repeats: int
 
 
-REAL = Shapes(model="llama3.2-1b", decode_batches=(64, 256), decode_steps=256, longest=bench_engine.LONGEST,
-              prefill_rows=16, prefill_len=1024, train_rows=64, train_prompt=64, train_response=448,
-              micro_batch_tokens=8192, matmul_n=8192, copy_bytes=2**30, host_layers=4, repeats=20)
-SMOKE = Shapes(model="tiny", decode_batches=(4, 8), decode_steps=4, longest=48, prefill_rows=4, prefill_len=32,
-               train_rows=8, train_prompt=16, train_response=48, micro_batch_tokens=256, matmul_n=256,
-               copy_bytes=2**22, host_layers=None, repeats=3)
+REAL = Shapes(model="llama3.2-1b", decode_batches=(64, 256), decode_steps=256, decode_prefill_batch=32,
+              longest=bench_engine.LONGEST, prefill_rows=16, prefill_len=1024, train_rows=64, train_prompt=64,
+              train_response=448, micro_batch_tokens=8192, matmul_n=8192, copy_bytes=2**30, host_layers=4,
+              repeats=20)
+SMOKE = Shapes(model="tiny", decode_batches=(4, 8), decode_steps=4, decode_prefill_batch=4, longest=48,
+               prefill_rows=4, prefill_len=32, train_rows=8, train_prompt=16, train_response=48,
+               micro_batch_tokens=256, matmul_n=256, copy_bytes=2**22, host_layers=None, repeats=3)
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -181,11 +183,14 @@ def decode(cfg: ModelConfig, raw: dict, shapes: Shapes, copy_gb_s: float, deadli
 def decode_batch(cfg: ModelConfig, raw: dict, shapes: Shapes, batch: int, copy_gb_s: float) -> dict:
     """The long-tail window at ``batch`` slots against its HBM roofline."""
     t0, prompt = time.perf_counter(), bench_engine.PROMPT_LEN
-    requests = batch * (2 + shapes.decode_steps // 16)  # more than the window can admit: the queue never runs dry
+    # more than the window can admit (a slot ends at most one sequence per 15 steps: lengths are >= 16, the first
+    # token comes from the prefill), so the queue never runs dry
+    requests = batch * (2 + -(-shapes.decode_steps // 15))
     prompts, lengths = bench_engine.longtail_workload(requests)
     prompts, lengths = prompts % cfg.vocab_size, np.minimum(lengths, shapes.longest)
     engine = JaxEngine(cfg, max_concurrent_decodes=batch, max_prefill_length=prompt,
-                       max_target_length=prompt + shapes.longest, max_prefill_batch=min(32, batch), page_size=16)
+                       max_target_length=prompt + shapes.longest,
+                       max_prefill_batch=min(shapes.decode_prefill_batch, batch), page_size=16)
     gen = Generator(engine, engine.load_params(raw))
 
     def kv_positions_read(g: Generator) -> dict:  # each response token at index i >= 1 was decoded reading prompt + i
@@ -360,6 +365,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-seconds", type=float, default=480.0,
                         help="no section starts after this many seconds; decode stops between batches by then")
     parser.add_argument("--decode-steps", type=int, help="decode steps per timed window (default 256; smoke 4)")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="change one of the shapes, e.g. --set model=qwen3-0.6b --set decode_batches=32,64,128 "
+                             f"(fields: {', '.join(f.name for f in dataclasses.fields(Shapes))})")
     parser.add_argument("--out", default=os.environ.get("OUT") or os.path.join("runs", "gpu_check"),
                         help="folder of gpu_check.json (default $OUT, else runs/gpu_check)")
     args = parser.parse_args(argv)
@@ -375,6 +383,14 @@ def main(argv: list[str] | None = None) -> dict:
     shapes = SMOKE if args.smoke else REAL
     if args.decode_steps:
         shapes = dataclasses.replace(shapes, decode_steps=args.decode_steps)
+    for item in args.set:
+        field, _, value = item.partition("=")
+        if field not in {f.name for f in dataclasses.fields(Shapes)}:
+            parser.error(f"--set: unknown field {field!r}")
+        old = getattr(shapes, field)
+        new = (tuple(int(v) for v in value.split(",")) if isinstance(old, tuple) else value if isinstance(old, str)
+               else None if value.lower() in ("none", "null") else int(value))
+        shapes = dataclasses.replace(shapes, **{field: new})
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "gpu_check.json")
 
@@ -385,6 +401,7 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {"device": str(dev.device_kind), "platform": dev.platform, "device_count": jax.device_count(),
                     "jax_version": jax.__version__, "smoke": args.smoke, "sections": sections, "complete": False,
                     "model": {"name": cfg.name, "compute_dtype": cfg.compute_dtype, "param_dtype": cfg.param_dtype},
+                    "shapes": dataclasses.asdict(shapes),
                     "decode": [], "prefill_tokens_per_s": None, "train_mfu": None, "matmul_tflops": None,
                     "copy_bandwidth_gb_s": None, "host_bandwidth": None, "reasons": reasons, "seconds": {}}
     stats = getattr(dev, "memory_stats", lambda: None)()
