@@ -6,6 +6,7 @@ same JSON object as its last line.
     bash tools/gpu_check.sh                        # the real run (~8 minutes on an H200); OUT=... sets the folder
     bash tools/gpu_check.sh --smoke                # tiny shapes, under a minute on 2 CPU cores (the test runs this)
     bash tools/gpu_check.sh --sections decode,train --budget decode=300
+    bash tools/gpu_check.sh --set decode_batches=32,128 --set model=qwen3-0.6b   # other shapes (Shapes' fields)
     # on a lent device machine, from the repo root (PYTHONPATH = the checkout, no install; JSON under $OUT):
     #   run(command="bash tools/gpu_check.sh", timeout_s=600)
 
