@@ -267,14 +267,17 @@ class _WindowOver(Exception):
     """Raised from ``on_step`` to end a long-tail window."""
 
 
-def longtail_window(gen: Generator, prompts, lengths, steps: int) -> dict:
-    """The long-tail workload through ``gen`` for ``steps`` decode steps from an empty state."""
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=LONGEST, seed=0)
+def longtail_window(gen: Generator, prompts, lengths, steps: int, observe=None, longest: int = LONGEST) -> dict:
+    """The long-tail workload through ``gen`` for ``steps`` decode steps from an empty state. ``observe(gen)``
+    (optional) is called once at the window's end, after the clock stops; its dict joins the result.
+    ``longest``: the sampling's ``max_new_tokens`` (lengths capped lower need a smaller engine)."""
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=longest, seed=0)
     seen = {}
 
     def stop(g: Generator, step: int) -> None:
         if step >= steps:
             seen.update(g.progress(), seconds=time.perf_counter() - start)
+            seen.update(observe(g) if observe is not None else {})
             raise _WindowOver
 
     start = time.perf_counter()
@@ -286,7 +289,9 @@ def longtail_window(gen: Generator, prompts, lengths, steps: int) -> dict:
     return {"tokens": seen["tokens"], "seconds": round(seen["seconds"], 3), "decode_steps": seen["decode_steps"],
             "tokens_per_s": seen["tokens"] / seen["seconds"],
             "concurrent_sequences": seen["slot_steps"] / seen["decode_steps"],
-            "preemptions": seen["preemptions"]}
+            "preemptions": seen["preemptions"],
+            **{k: v for k, v in seen.items() if k not in ("tokens", "seconds", "decode_steps", "slot_steps",
+                                                         "preemptions", "live")}}
 
 
 def longtail(raw, args) -> dict:
