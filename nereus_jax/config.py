@@ -229,6 +229,22 @@ class PlanConfig(_Node):
 
 
 @dataclass(frozen=True)
+class LengthStage(_Node):
+    """From `step` on, responses are cut at `max_response_length` tokens (a staged length budget)."""
+
+    step: int
+    max_response_length: int
+
+
+@dataclass(frozen=True)
+class TaskStage(_Node):
+    """From `step` on, the built-in task draws problems of `num_digits` (a difficulty curriculum)."""
+
+    step: int
+    num_digits: int
+
+
+@dataclass(frozen=True)
 class RolloutConfig(_Node):
     """Generation: lengths, samples per prompt and sampling parameters."""
 
@@ -247,8 +263,23 @@ class RolloutConfig(_Node):
         "finish", "async: a weight sync landing while responses are generating: 'finish' them with the old "
         "policy (the sync takes effect at the next batch) or 'resume' them with the new one from the next "
         "decode step (their tokens carry both versions)")
+    length_schedule: tuple[LengthStage, ...] = _field(
+        (), "staged response budget (DeepScaleR-style), e.g. [{step: 0, max_response_length: 64}, {step: 50, "
+            "max_response_length: 256}]; each <= rollout.max_response_length, which sizes the programs")
+    page_size: int | None = _field(
+        None, "paged KV cache: tokens per page (pages are taken as a sequence grows, freed when it ends); null: "
+              "every decode slot reserves max_prompt_length + max_response_length")
+    kv_cache_bytes: int | None = _field(
+        None, "paged: the KV page pool of one actor-gen replica in bytes (admission waits for free pages); "
+              "null: every slot's full length")
 
     def __post_init__(self) -> None:
+        _check_length_schedule(self.length_schedule, self.max_response_length)
+        if self.kv_cache_bytes is not None:
+            require(self.page_size is not None, "rollout.kv_cache_bytes sizes a paged KV pool: set rollout.page_size")
+            _check_positive("rollout", self, "kv_cache_bytes")
+        if self.page_size is not None:
+            _check_positive("rollout", self, "page_size")
         _check_positive(
             "rollout",
             self,
@@ -398,10 +429,18 @@ class TaskConfig(_Node):
     eval_size: int = 256
     eval_samples: int = _field(1, "k > 1: also report sampled pass@k on the held-out prompts before and after RL")
     num_digits: int = 2
+    schedule: tuple[TaskStage, ...] = _field(
+        (), "difficulty curriculum of a built-in task, e.g. [{step: 0, num_digits: 4}, {step: 40, num_digits: 16}]: "
+            "problems of step s use the last entry at or before s (held-out evaluation: task.num_digits)")
 
     def __post_init__(self) -> None:
         _check_at_least("task", self, 0, "eval_size")
         _check_positive("task", self, "num_digits", "eval_samples", "reward_timeout")
+        _check_stages("task.schedule", self.schedule)
+        require(not self.schedule or self.name != "file",
+                "task.schedule stages a built-in task's num_digits; task.name=file has none: remove task.schedule")
+        for i, stage in enumerate(self.schedule):
+            require(stage.num_digits > 0, f"task.schedule[{i}].num_digits must be > 0, got {stage.num_digits}")
         require(
             self.name != "file" or self.prompt_file is not None,
             "task.name is 'file' but task.prompt_file is not set: add task.prompt_file=path/to/prompts.jsonl",
@@ -506,6 +545,32 @@ def _check_at_least(section: str, obj: Any, minimum: float, *names: str) -> None
     for name in names:
         value = getattr(obj, name)
         require(value >= minimum, f"{section}.{name} must be >= {minimum}, got {value!r}")
+
+
+def _check_length_schedule(schedule: Sequence[LengthStage], limit: int) -> None:
+    _check_stages("rollout.length_schedule", schedule)
+    for i, stage in enumerate(schedule):
+        require(0 < stage.max_response_length <= limit,
+                f"rollout.length_schedule[{i}].max_response_length ({stage.max_response_length}) must be in "
+                f"[1, rollout.max_response_length={limit}]: raise rollout.max_response_length to the schedule's "
+                "largest budget (it sizes the programs and the KV cache)")
+
+
+def _check_stages(key: str, stages: Sequence[Any]) -> None:
+    for i, stage in enumerate(stages):
+        require(stage.step >= 0 and (i == 0 or stage.step > stages[i - 1].step),
+                f"{key}[{i}].step ({stage.step}) must be >= 0 and after the previous entry's: list stages in "
+                "step order")
+
+
+def stage_at(stages: Sequence[Any], step: int, default: Any = None) -> Any:
+    """The last stage of a step-ordered schedule starting at or before ``step`` (``default`` before the first)."""
+    current = default
+    for stage in stages:
+        if stage.step > step:
+            break
+        current = stage
+    return current
 
 
 def _check_schedule(schedule: Sequence[PoolChange], num_devices: int) -> None:

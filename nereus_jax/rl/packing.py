@@ -13,7 +13,8 @@ number of packed rows. Within each mini-batch, sequences are dealt to the ``accu
 replica) groups longest first in snake order (each group gets the same count and nearly the same tokens),
 and each group is packed on its own, so a replica's gather never reads another replica's rows. ``accum`` is
 the fewest micro-batches whose every group packs into the token budget (``micro_batch_tokens // L`` rows);
-the packed row count is rounded up to a quarter of that budget, so a run compiles a handful of shapes.
+the packed row count is rounded up a sqrt(2) ladder (1, 2, 3, 4, 6, 8, 12, 16, 23, ...), so a run compiles a
+handful of shapes and runs at most ~41% empty rows.
 
     layout = pack(tokens, mask, prompt_len=P, mini=2, dp=4, budget_rows=8)
     fields = {k: v[layout.order] for k, v in per_sequence.items()}   # the order the groups hold them in
@@ -78,9 +79,17 @@ def pack(tokens: np.ndarray, mask: np.ndarray, *, prompt_len: int, mini: int, dp
         need = max(int(b.max()) + 1 for b in bins)
         if need <= budget_rows:
             break
-    quantum = quantum or max(1, budget_rows // 4)
-    rows = min(budget_rows, math.ceil(need / quantum) * quantum)
+    rows = min(budget_rows, _bucket(need) if quantum is None else math.ceil(need / quantum) * quantum)
     return _layout(tokens, mask, lengths, starts, prompt_len, groups, bins, (mini, accum, dp, rows, width))
+
+
+def _bucket(need: int) -> int:
+    """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, 23, 32, ... (a sqrt(2) ladder) that holds ``need`` rows: at
+    most ~41% empty rows, and a handful of shapes to compile over a run."""
+    k = 0
+    while math.ceil(2 ** (k / 2)) < need:
+        k += 1
+    return math.ceil(2 ** (k / 2))
 
 
 def _deal(lengths: np.ndarray, mini: int, accum: int, dp: int) -> list[np.ndarray]:

@@ -191,8 +191,15 @@ def job_metadata(job: Job, steps_done: int) -> dict[str, Any]:
         "stages": {str(ms): [[list(leaf.shape), str(leaf.dtype)] for leaf in job.specs[ms].leaves]
                    for ms in job.units},
         "controller": adapter.state_dict() if adapter is not None and hasattr(adapter, "state_dict") else None,
+        "schedules": _schedules(cfg),
         "process_count": jax.process_count(), "jax": jax.__version__, "written_at": time.time(),
     }
+
+
+def _schedules(cfg: Config) -> dict[str, list]:
+    """The staged budgets a resumed run must continue: the length schedule and the task curriculum."""
+    return {"rollout.length_schedule": [s.to_dict() for s in cfg.rollout.length_schedule],
+            "task.schedule": [s.to_dict() for s in cfg.task.schedule]}
 
 
 def fingerprint(model: Mapping[str, Any]) -> str:
@@ -278,6 +285,10 @@ def check_compatible(cfg: Config, meta: Mapping[str, Any]) -> None:
         raise CheckpointError(f"checkpoint {where!r} holds model-stages {sorted(meta['stages'])} but "
                               f"algorithm.name={cfg.algorithm.name} needs {stages}: resume with "
                               f"algorithm.name={meta['algorithm']}")
+    for key, saved in meta.get("schedules", {}).items():
+        if _schedules(cfg)[key] != saved:
+            raise CheckpointError(f"checkpoint {where!r} was written with {key}={saved}, the config has "
+                                  f"{_schedules(cfg)[key]}: resume with the saved schedule so the run continues it")
     for key, now, then in (("trainer.prompts_per_step", cfg.trainer.prompts_per_step, meta["prompts_per_step"]),
                            ("rollout.seed", cfg.rollout.seed, meta["seeds"]["rollout"])):
         if now != then:

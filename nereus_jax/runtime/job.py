@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nereus_jax.config import Config, ConfigError
+from nereus_jax.config import Config, ConfigError, stage_at
 from nereus_jax.elastic.emu import EMU, assemble_replicas, split_replicas
 from nereus_jax.elastic.executor import TransitionExecutor
 from nereus_jax.elastic.graph import TransitionGraph
@@ -139,6 +139,7 @@ class Job:
         self.rewarder = rewarder
         self.version = 0
         self.updates: dict[ModelStage, int] = {}  # successful training updates per model-stage (this Job)
+        self._staged_tasks: dict[int, Any] = {}  # task.schedule: the task of each num_digits, made on first use
         self.packing_fill: float | None = None  # with trainer.packing: the last packed stage's real tokens / slots
         self.nonfinite: dict[ModelStage, int] = {}  # consecutive skipped (non-finite) updates per stage
         self.skipped: dict[ModelStage, int] = {}  # skipped updates per stage in all
@@ -193,6 +194,7 @@ class Job:
         cfg = self.cfg
         return JaxEngine(cfg.model, mesh, max_concurrent_decodes=max(1, cfg.rollout.max_concurrent_decodes),
                          max_prefill_length=self.P, max_target_length=self.P + self.R,
+                         page_size=cfg.rollout.page_size, kv_bytes=cfg.rollout.kv_cache_bytes,
                          decode_steps_per_call=cfg.rollout.decode_steps_per_call,
                          max_prefill_batch=min(16, max(1, cfg.trainer.prompts_per_step)),
                          max_stop_tokens=max(4, len(self.tok.eos_ids)))
@@ -273,13 +275,32 @@ class Job:
     def problems(self, step: int) -> tuple[list[Problem], np.ndarray]:
         b = self.cfg.trainer.prompts_per_step
         positions = np.arange(step * b, (step + 1) * b, dtype=np.int64)
-        return [self.task.problem(int(p)) for p in positions], positions
+        task = self.task_at(step)
+        return [task.problem(int(p)) for p in positions], positions
+
+    def task_at(self, step: int):
+        """The task step ``step`` draws from: ``task.schedule``'s stage then (its num_digits), else the job's."""
+        stage = stage_at(self.cfg.task.schedule, step)
+        if stage is None or stage.num_digits == getattr(self.task, "num_digits", None):
+            return self.task
+        if stage.num_digits not in self._staged_tasks:
+            from nereus_jax.rl.tasks import make_task
+
+            cfg = dataclasses.replace(self.cfg.task, num_digits=stage.num_digits, eval_size=0)
+            self._staged_tasks[stage.num_digits] = make_task(cfg, seed=self.cfg.trainer.seed)
+        return self._staged_tasks[stage.num_digits]
+
+    def response_budget(self, step: int | None) -> int:
+        """Step ``step``'s response budget: ``rollout.length_schedule``'s stage then, else (and for None)
+        ``rollout.max_response_length``."""
+        stage = None if step is None else stage_at(self.cfg.rollout.length_schedule, step)
+        return self.R if stage is None else stage.max_response_length
 
     def step(self, step: int) -> StepResult:
         """One synchronous step: generate, score, train, weight sync."""
         problems, positions = self.problems(step)
         t = time.perf_counter()
-        batch = self.generate(problems, positions, self.cfg.rollout.temperature)
+        batch = self.generate(problems, positions, self.cfg.rollout.temperature, step=step)
         return self.learn(step, problems, batch, {"actor-gen": time.perf_counter() - t}, self._weight_sync)
 
     def inject_device_loss(self, devices: Sequence[int]) -> None:
@@ -310,11 +331,13 @@ class Job:
             stale["rollouts_dropped"] = int((1 - keep).sum())
             batch = batch._replace(response_mask_br=batch.response_mask_br * keep[:, None])
         if self.settings.overlong_buffer:
-            penalty = alg.overlong_penalty(batch.response_mask_br.sum(1), self.R, self.settings.overlong_buffer,
+            budget = self.response_budget(step)  # the buffer: overlong_buffer or its fraction of this budget
+            buffer = alg.settings(self.cfg.algorithm, budget).overlong_buffer
+            penalty = alg.overlong_penalty(batch.response_mask_br.sum(1), budget, buffer,
                                            self.cfg.algorithm.overlong_penalty)
             scores, sampled["overlong_penalty_mean"] = scores + penalty, float(penalty.mean())
         scored = self._score(batch, seconds)
-        adv = self._advantages(batch, scores, scored)
+        adv = self._advantages(step, batch, scores, scored)
         adv, corrected = self._correct(adv, batch, scored["old_logp"], staleness)
         train_metrics = self._train(batch, scored, adv, seconds)
         t = time.perf_counter()
@@ -337,9 +360,9 @@ class Job:
         rounds = [(list(problems), batch, scores)]
         while sum(int(alg.informative_groups(sc, n).sum()) for *_, sc in rounds) < b and len(rounds) <= cap:
             positions = EXTRA_INDEX_OFFSET + (step * cap + len(rounds) - 1) * b + np.arange(b, dtype=np.int64)
-            extra = [self.task.problem(int(p)) for p in positions]
+            extra = [self.task_at(step).problem(int(p)) for p in positions]
             t = time.perf_counter()
-            rollouts = self.generate(extra, positions, self.cfg.rollout.temperature)
+            rollouts = self.generate(extra, positions, self.cfg.rollout.temperature, step=step)
             seconds["actor-gen"] = seconds.get("actor-gen", 0.0) + time.perf_counter() - t
             t = time.perf_counter()
             rounds.append((extra, rollouts, self.rewards(extra, rollouts)[0]))
@@ -358,12 +381,13 @@ class Job:
         return [groups[g] for g in order], out, np.concatenate([r[2] for r in rounds])[rows], metrics
 
     def generate(self, problems: Sequence[Problem], positions: np.ndarray, temperature: float,
-                 n: int | None = None) -> RolloutBatch:
-        """Rollouts of every prompt, the prompts split over the actor-gen replicas in order."""
+                 n: int | None = None, step: int | None = None) -> RolloutBatch:
+        """Rollouts of every prompt, the prompts split over the actor-gen replicas in order; responses are cut
+        at step ``step``'s budget (:meth:`response_budget`) and right-padded to the programs' R."""
         n = self.n if n is None else n
         prompts = [self.prompt_ids(p) for p in problems]
         _check_prompt_lengths(prompts, self.P)
-        sampling = self._sampling(temperature, n)
+        sampling = self._sampling(temperature, n, self.response_budget(step))
         chunks = np.array_split(np.arange(len(prompts)), len(self._engines))
         outs = self._on_engines([(i, lambda g, idx=idx: g.generate([prompts[j] for j in idx], sampling,
                                                                      prompt_ids=positions[idx] % (2**31)))
@@ -373,7 +397,8 @@ class Job:
         response, response_mask = right_pad([list(t[:n_]) for t, n_ in zip(tokens, lengths, strict=True)],
                                             self.R, self.tok.pad_id)
         prompt, prompt_mask = left_pad([p for p in prompts for _ in range(n)], self.P, self.tok.pad_id)
-        logp = np.concatenate([o.logprobs for o in outs]) * response_mask
+        logp = np.concatenate([o.logprobs for o in outs])
+        logp = np.pad(logp, ((0, 0), (0, self.R - logp.shape[1]))) * response_mask  # a budget under R: pad
         # the oldest policy version behind any of a row's tokens (a resumed partial rollout has several)
         versions = np.concatenate([np.where(o.param_versions < 0, np.iinfo(np.int32).max, o.param_versions).min(1)
                                    for o in outs])
@@ -414,10 +439,10 @@ class Job:
         self.engine_thread_cpu_s += sum(o.stats.get("thread_cpu_s", 0.0) for o in outs.values())
         return outs
 
-    def _sampling(self, temperature: float, n: int) -> SamplingParams:
+    def _sampling(self, temperature: float, n: int, max_new_tokens: int | None = None) -> SamplingParams:
         c = self.cfg.rollout
         return SamplingParams(temperature=temperature, top_k=c.top_k if temperature else 0,
-                              top_p=c.top_p if temperature else 1.0, max_new_tokens=self.R,
+                              top_p=c.top_p if temperature else 1.0, max_new_tokens=max_new_tokens or self.R,
                               stop_tokens=tuple(self.tok.eos_ids), n=n, seed=c.seed)
 
     def rewards(self, problems: Sequence[Problem], batch: RolloutBatch) -> tuple[np.ndarray, dict[str, float]]:
@@ -518,7 +543,7 @@ class Job:
             return out.reshape(self.rows).astype(np.float32)
         return out * batch.response_mask_br
 
-    def _advantages(self, batch: RolloutBatch, scores: np.ndarray, scored: dict) -> alg.Advantages:
+    def _advantages(self, step: int, batch: RolloutBatch, scores: np.ndarray, scored: dict) -> alg.Advantages:
         a = self.cfg.algorithm
         if self.algo.advantage in ("gae", "grpo", "dr_grpo", "rloo"):  # one jitted program (eager ops: ~50 ms)
             values = scored["values"] if self.algo.advantage == "gae" else np.zeros_like(scored["old_logp"])
@@ -527,8 +552,8 @@ class Job:
                                       kl_in_reward=a.kl_in_reward, kl_coef=a.kl_coef, gamma=a.gamma, lam=a.lam,
                                       n=self.n)
         mask = jnp.asarray(batch.response_mask_br)
-        problems = [self.task.problem(int(p)) for p in batch.prompt_index_b[:: self.n]]
-        greedy = self.generate(problems, batch.prompt_index_b[:: self.n], 0.0, n=1)
+        problems = [self.task_at(step).problem(int(p)) for p in batch.prompt_index_b[:: self.n]]
+        greedy = self.generate(problems, batch.prompt_index_b[:: self.n], 0.0, n=1, step=step)
         base = self.rewarder.score(problems, self.texts(greedy)).rewards
         return alg.remax(jnp.asarray(scores), mask, jnp.asarray(np.repeat(base, self.n)))
 
@@ -644,7 +669,10 @@ class Job:
         kl = float(_k1_mean(scored["old_logp"], scored["ref_logp"], mask))
         step_s = sum(seconds.values())
         tokens = int(mask.sum())
-        return {"step": step, "reward_mean": float(scores.mean()), "accuracy": float(np.mean(scores >= 1.0)),
+        held = max(device_bytes_in_use(self.devices).values(), default=0)
+        cap = self.cfg.cluster.device_memory_bytes
+        return {"step": step, "device_bytes_max": held, "over_memory_cap": bool(cap and held > cap),
+                "reward_mean": float(scores.mean()), "accuracy": float(np.mean(scores >= 1.0)),
                 "kl": kl, "response_length_mean": float(mask.sum(1).mean()),
                 "response_length_p95": float(np.percentile(mask.sum(1), 95)), "response_tokens": tokens,
                 "step_seconds": step_s, "tokens_per_s": tokens / max(step_s, 1e-9),
@@ -670,6 +698,23 @@ class Job:
     def actor_host_params(self) -> dict:
         """The actor's training parameters as a canonical numpy tree."""
         return self.units[ACTOR_TRAIN][0].to_host()["params"]
+
+
+def device_bytes_in_use(devices: Sequence[jax.Device]) -> dict[int, int]:
+    """Bytes each of ``devices`` holds now (parameters, optimizer state, the engines' KV caches, anything
+    alive): the allocator's count where the backend keeps one (GPU, TPU), else the live arrays' shards on it
+    (CPU). Shards that share a buffer count once."""
+    stats = {d.id: (d.memory_stats() or {}).get("bytes_in_use") for d in devices if is_local(d)}
+    if all(v is not None for v in stats.values()):
+        return stats
+    held, seen = dict.fromkeys(stats, 0), set()
+    for array in jax.live_arrays():
+        for shard in array.addressable_shards:
+            key = (shard.device.id, shard.data.unsafe_buffer_pointer()) if shard.data is not None else None
+            if shard.device.id in held and key not in seen:
+                seen.add(key)
+                held[shard.device.id] += shard.data.nbytes
+    return held
 
 
 def prompt_ids(tokenizer, task_cfg, problem: Problem) -> list[int]:

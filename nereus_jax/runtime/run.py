@@ -216,13 +216,14 @@ def _run(cfg: Config, run_dir: str, inputs: Inputs, report: RunReport, started: 
         report.log("the controller starts afresh (the checkpoint was written on another device count)")
     ckpt = Checkpointer(checkpoint_dir(cfg, run_dir), every_steps=cfg.checkpoint.every_steps,
                         keep=cfg.checkpoint.keep, export_hf=cfg.checkpoint.export_hf)
-    rl_start, tokens, step_s, stopped = time.perf_counter(), 0, 0.0, None
+    rl_start, tokens, step_s, stopped, over_cap = time.perf_counter(), 0, 0.0, None, 0
     with GracefulStop() as stop:
         try:
             for result in rl_steps(job, adapter, cfg.trainer.steps, first=first, checkpointer=ckpt):
                 job = adapter.job  # a device loss restored from a checkpoint replaces the job
                 metrics = result.metrics
                 tokens, step_s = tokens + metrics["response_tokens"], step_s + metrics["step_seconds"]
+                over_cap += metrics.get("over_memory_cap", False)
                 report.step(metrics)
                 stopped = _after_step(cfg, job, ckpt, stop, metrics["step"] + 1)
                 if stopped is not None:
@@ -253,6 +254,9 @@ def _run(cfg: Config, run_dir: str, inputs: Inputs, report: RunReport, started: 
                   if samples > 1 else {}),
                "accuracy_sft_control": control, "prompts_dropped_overlong": inputs.dropped,
                "steps": cfg.trainer.steps, "transitions": adapter.transitions,
+               # steps that ended with a device holding more than cluster.device_memory_bytes (a GPU would
+               # have run out of memory there)
+               "oom_events": over_cap,
                "controller_events": adapter.events, "tokens_per_s": tokens / max(step_s, 1e-9),
                "rl_seconds": rl_s, "warm_start_seconds": sft_s, "warm_start_cache_hit": hit,
                "hf_export": str(exported) if exported else None,

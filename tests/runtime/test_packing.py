@@ -72,13 +72,16 @@ def test_layout_holds_every_real_token_once_in_its_own_segment():
         np.testing.assert_array_equal(flat[layout.index[k][resp] + 1], batch["tokens"][seq, P:][resp])
 
 
-def test_fewest_micro_batches_that_fit_the_budget_and_rows_rounded_to_the_quantum():
+def test_fewest_micro_batches_that_fit_the_budget_and_rows_up_the_ladder():
     batch = _batch(2)
     tight = packing.pack(batch["tokens"], batch["mask"], prompt_len=P, mini=1, dp=2, budget_rows=1)
     assert tight.rows == 1 and tight.accum > 1  # one packed row a micro-batch: more micro-batches
-    loose = packing.pack(batch["tokens"], batch["mask"], prompt_len=P, mini=1, dp=2, budget_rows=8)
-    assert loose.accum == 1 and loose.rows <= 8 and loose.rows % 2 == 0  # quantum 8 // 4
+    loose = packing.pack(batch["tokens"], batch["mask"], prompt_len=P, mini=1, dp=2, budget_rows=16)
+    exact = packing.pack(batch["tokens"], batch["mask"], prompt_len=P, mini=1, dp=2, budget_rows=16, quantum=1)
+    assert loose.accum == exact.accum == 1 and loose.rows in (1, 2, 3, 4, 6, 8, 12, 16)
+    assert exact.rows <= loose.rows < 1.42 * exact.rows  # the smallest rung that holds what is needed
     assert loose.tokens.size < B * (P + R)  # fewer token slots than the padded batch
+    assert [packing._bucket(n) for n in range(1, 13)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12]
 
 
 def test_bad_rows_are_refused():
