@@ -280,10 +280,12 @@ class Adapter:
     # --------------------------------------------------------------------------- calibration
     def _learn(self, metrics: dict[str, Any]) -> None:
         job = self.job
-        mean = max(1.0, metrics["response_length_mean"])
-        p95 = max(mean, metrics.get("response_length_p95", mean))
+        # padded programs run every row at R; packed ones at the lengths the next step's budget allows
+        budget = job.response_budget(metrics["step"] + 1) if job.cfg.trainer.packing else job.R
+        mean = min(max(1.0, metrics["response_length_mean"]), budget)
+        p95 = min(max(mean, metrics.get("response_length_p95", mean)), budget)
         self._workload = Workload(job.cfg.trainer.prompts_per_step, LengthStats.fixed(job.P),
-                                  LengthStats(mean, p95, job.R), job.n,  # programs pad responses to R
+                                  LengthStats(mean, p95, budget), job.n,
                                   packed=job.cfg.trainer.packing,  # packed: FLOPs follow the mean length
                                   mini_batches=job.cfg.trainer.mini_batches, epochs=job.cfg.trainer.ppo_epochs)
         if self._compiled_last_step:  # this step compiled its programs: time it, do not calibrate on it
