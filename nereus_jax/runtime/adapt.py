@@ -163,8 +163,10 @@ class Adapter:
         if decision.admitted:
             target = align_ranks(self.job.plan, decision.target)
             steady = statistics.median(self._steady_s) if self._steady_s else None
+            # an urgent move (memory, devices) runs at the next boundary even if it must wait for the compile:
+            # stepping on while the plan is predicted not to fit would risk an out-of-memory error
             pending = _Pending(decision, target, self._pool_ex.submit(self.job.prepare, target),
-                               time.perf_counter(), step, steady)
+                               time.perf_counter(), step, steady, wait=decision.urgent)
             self.pending = pending
             if gone & set(self.job.plan.devices):  # the device is gone now: no time to compile ahead
                 self._execute(step, pending)

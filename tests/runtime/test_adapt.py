@@ -107,7 +107,8 @@ def test_an_announced_leave_is_compiled_ahead_and_the_move_is_data_movement_only
 
 def test_a_predicted_memory_violation_is_an_urgent_trigger_toward_a_plan_that_fits():
     """cluster.device_memory_bytes below the current plan's predicted peak: the controller admits, without
-    the profitability test, a plan whose predicted peak per device fits the cap less the headroom."""
+    the profitability test, a plan whose predicted peak per device fits the cap less the headroom, and the
+    move runs at the next boundary (it does not wait for a compile to finish in the background)."""
     from nereus_jax.elastic.planner import Planner
 
     job = _job(["cluster.device_memory_bytes=80000000"])
@@ -125,7 +126,10 @@ def test_a_predicted_memory_violation_is_an_urgent_trigger_toward_a_plan_that_fi
         decision = next(e for e in adapter.events if e["event"] == "decision")
         assert decision["trigger"] == "memory" and decision["urgent"] and decision["admitted"], \
             (decision["reason"], decision["rejected"])
-        assert adapter.peak_bytes(adapter.pending.target) <= adapter.memory_cap_bytes
+        target = adapter.pending.target
+        assert adapter.peak_bytes(target) <= adapter.memory_cap_bytes and adapter.pending.wait
+        adapter.boundary(3, job.step(2).metrics)  # urgent: moved at the next boundary, compiled or not
+        assert adapter.transitions == 1 and adapter.job.plan == target
     finally:
         adapter.close()
 
