@@ -41,6 +41,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nereus_jax.config import Config, ConfigError, stage_at
+from nereus_jax.elastic.costs import pipeline_microbatches
 from nereus_jax.elastic.emu import EMU, assemble_replicas, split_replicas
 from nereus_jax.elastic.executor import TransitionExecutor
 from nereus_jax.elastic.graph import TransitionGraph
@@ -49,7 +50,7 @@ from nereus_jax.elastic.sources import HostSource, ParamSource, ValueHeadSource,
 from nereus_jax.elastic.spec import StateSpec
 from nereus_jax.elastic.weight_sync import WeightSync
 from nereus_jax.engine import Generator, JaxEngine, Rollouts, SamplingParams
-from nereus_jax.models import abstract_params, init_params
+from nereus_jax.models import abstract_params, forward, init_params
 from nereus_jax.rl import algorithms as alg
 from nereus_jax.rl import packing
 from nereus_jax.rl.batch import RolloutBatch, left_pad, right_pad
@@ -66,6 +67,7 @@ from nereus_jax.runtime.plans import (
     plan_from_config,
 )
 from nereus_jax.sharding import device_index, is_local, make_mesh, to_numpy, tree_to_numpy
+from nereus_jax.sharding.pipeline import pipeline_forward_fn
 
 # dynamic sampling's extra prompts: a part of the data stream steps never reach, whose sampling keys
 # (position mod 2**31) start at 2**30, away from the steps' own
@@ -223,7 +225,7 @@ class Job:
                 fn = self._train_program(ms, spec, mesh)
                 programs[self._key("train", ms, mesh, accum)] = fn.lower(leaves, micro).compile()
             else:
-                fn = _infer_program(spec.model, self.P, rest[0])
+                fn = _infer_program(spec.model, self.P, rest[0], stage_forward(mesh, spec.kind))
                 params = spec.unflatten(leaves)["params"]
                 programs[self._key("infer", ms, mesh, accum, rest[0])] = fn.lower(params, micro).compile()
         engines = []
@@ -532,7 +534,8 @@ class Job:
         data = {"tokens": batch.tokens(), "mask": batch.attention_mask()}
         leaves, mesh, key, micro, order = self._stage_inputs(ms, data, ("infer", ms, what))
         params = self.specs[ms].unflatten(leaves)["params"]
-        fn = self._program(key, lambda: _infer_program(self.specs[ms].model, self.P, what))
+        fn = self._program(key, lambda: _infer_program(self.specs[ms].model, self.P, what,
+                                                       stage_forward(mesh, self.specs[ms].kind)))
         out = to_numpy(fn(params, micro))
         if ms.kind == "infer":
             self.park(ms)
@@ -637,7 +640,8 @@ class Job:
 
     def _train_program(self, ms: ModelStage, spec: StateSpec, mesh):
         a, m = self.cfg.algorithm, self.cfg.model
-        loss = steps.actor_loss(m, a, self.P) if ms.model == "actor" else steps.critic_loss(m, a, self.P)
+        fwd = stage_forward(mesh, spec.kind)
+        loss = steps.actor_loss(m, a, self.P, fwd) if ms.model == "actor" else steps.critic_loss(m, a, self.P, fwd)
         step = steps.make_minibatch_train_step(loss, spec.optimizer, m, epochs=self.cfg.trainer.ppo_epochs)
 
         def program(leaves, micro):
@@ -781,15 +785,22 @@ def _critic_source(cfg: Config, actor: ParamSource) -> ParamSource:
     return ckpt
 
 
-def _infer_program(cfg, prompt_len: int, what: str):
+def stage_forward(mesh, kind: str):
+    """The forward a stage's programs run on ``mesh``: GPipe over its pp axis when it has one (with the
+    micro-batch count the cost model prices, :func:`pipeline_microbatches` of the call's rows per replica),
+    else the plain forward."""
+    return pipeline_forward_fn(mesh, pipeline_microbatches, kind)
+
+
+def _infer_program(cfg, prompt_len: int, what: str, forward_fn=forward):
     """A scoring stage over its micro-batches (padded or packed): log-probs or values [accum, b, R], or
     scores [accum, b]."""
     def one(params, mb):
         if what == "scores":
-            return steps.stage_scores(params, cfg, mb)
+            return steps.stage_scores(params, cfg, mb, forward_fn)
         if what == "values":
-            return steps.stage_values(params, cfg, mb, prompt_len)
-        return steps.response_stats(params, cfg, mb, prompt_len)[0]
+            return steps.stage_values(params, cfg, mb, prompt_len, forward_fn)
+        return steps.response_stats(params, cfg, mb, prompt_len, forward_fn)[0]
 
     def program(params, micro):
         return jax.lax.map(lambda mb: one(params, mb), micro)

@@ -90,20 +90,25 @@ def cache_sharding(mesh: Mesh, kind: str = "gen") -> KVCache:
 
 def pipeline_forward(params: dict, cfg: ModelConfig, tokens_bt: jax.Array, positions_bt: jax.Array | None = None,
                      attention_mask_bt: jax.Array | None = None, *, mesh: Mesh, microbatches: int,
-                     kind: str = "train", return_hidden: bool = False) -> jax.Array:
+                     kind: str = "train", return_hidden: bool = False,
+                     segment_ids_bt: jax.Array | None = None) -> jax.Array:
     """:func:`~nereus_jax.models.forward` with the layer stack pipelined over the mesh's pp axis.
 
-    Same outputs (logits, values, or hidden states); differentiable, so a loss built on it trains.
+    Same outputs (logits, values, or hidden states); differentiable, so a loss built on it trains. Packed rows
+    pass ``segment_ids_bt`` (and their positions) as to ``forward``.
     """
     axis = _checked_axis(params, tokens_bt.shape[0], mesh, microbatches, kind)
     if axis is None:
-        return forward(params, cfg, tokens_bt, positions_bt, attention_mask_bt, return_hidden=return_hidden)
+        return forward(params, cfg, tokens_bt, positions_bt, attention_mask_bt, return_hidden=return_hidden,
+                       segment_ids_bt=segment_ids_bt)
     if attention_mask_bt is None:
-        attention_mask_bt = jnp.ones(tokens_bt.shape, jnp.int32)
+        attention_mask_bt = jnp.ones(tokens_bt.shape, jnp.int32) if segment_ids_bt is None else \
+            (segment_ids_bt > 0).astype(jnp.int32)
     if positions_bt is None:
         positions_bt = default_positions(tokens_bt, attention_mask_bt)
+    segments = jnp.ones(tokens_bt.shape, jnp.int32) if segment_ids_bt is None else segment_ids_bt  # one segment
     hidden, _ = _run_uncached(params["layers"], cfg, embed_tokens(params, tokens_bt), positions_bt,
-                              attention_mask_bt, mesh=mesh, axis=axis, m=microbatches, kind=kind)
+                              attention_mask_bt, segments, mesh=mesh, axis=axis, m=microbatches, kind=kind)
     return _head(params, cfg, hidden, mesh, kind, axis, microbatches, return_hidden)
 
 
@@ -122,12 +127,24 @@ def pipeline_forward_with_cache(params: dict, cfg: ModelConfig, tokens_bt: jax.A
     return _head(params, cfg, hidden, mesh, kind, axis, microbatches, return_hidden), cache
 
 
-def pipeline_forward_fn(mesh: Mesh, microbatches: int, kind: str = "train") -> ForwardFn:
+def pipeline_forward_fn(mesh: Mesh, microbatches: int | Callable[[int, int], int],
+                        kind: str = "train") -> ForwardFn:
     """A drop-in for :func:`~nereus_jax.models.forward` (same signature) that pipelines over ``mesh``;
-    ``forward`` itself when the mesh does not pipeline. Hand it to losses that take a forward function."""
-    if pipeline_axis(mesh, kind) is None:
+    ``forward`` itself when the mesh does not pipeline. Hand it to losses that take a forward function.
+    ``microbatches`` may be a function of (rows per replica of the call, pp), evaluated at trace time, for
+    programs whose batch size varies (packed rows)."""
+    axis = pipeline_axis(mesh, kind)
+    if axis is None:
         return forward
-    return functools.partial(pipeline_forward, mesh=mesh, microbatches=microbatches, kind=kind)
+    if not callable(microbatches):
+        return functools.partial(pipeline_forward, mesh=mesh, microbatches=microbatches, kind=kind)
+    dp, pp = _batch_degree(mesh, kind), mesh.shape[axis]
+
+    def fn(params, cfg, tokens_bt, *args, **kwargs):
+        m = microbatches(tokens_bt.shape[0] // dp, pp)
+        return pipeline_forward(params, cfg, tokens_bt, *args, mesh=mesh, microbatches=m, kind=kind, **kwargs)
+
+    return fn
 
 
 def executed_schedule(params: dict, cfg: ModelConfig, tokens_bt: jax.Array, *, mesh: Mesh, microbatches: int,
@@ -142,8 +159,8 @@ def executed_schedule(params: dict, cfg: ModelConfig, tokens_bt: jax.Array, *, m
     @jax.jit
     def run(params, tokens_bt):
         x = embed_tokens(params, tokens_bt)
-        return _run_uncached(params["layers"], cfg, x, default_positions(tokens_bt, None), mask_bt, mesh=mesh,
-                             axis=axis, m=microbatches, kind=kind)[1]
+        return _run_uncached(params["layers"], cfg, x, default_positions(tokens_bt, None), mask_bt, mask_bt,
+                             mesh=mesh, axis=axis, m=microbatches, kind=kind)[1]
 
     return np.asarray(run(params, tokens_bt))
 
@@ -193,21 +210,21 @@ def _stage_constraints(mesh: Mesh, kind: str, manual_axis: str):
     return activation_constraints(fn)
 
 
-def _run_uncached(layers, cfg, x_btd, positions_bt, mask_bt, *, mesh, axis, m, kind):
+def _run_uncached(layers, cfg, x_btd, positions_bt, mask_bt, segments_bt, *, mesh, axis, m, kind):
     t, hand_off = x_btd.shape[1], _HandOff(mesh, kind, axis, x_btd.shape[0] // m)
 
-    def body(layers, x_m, pos_m, mask_m):
+    def body(layers, x_m, pos_m, mask_m, seg_m):
         def stage(x, ic, valid, state):
-            return apply_layers(layers, cfg, x, pos_m[ic], causal_mask(t, mask_m[ic])), state
+            return apply_layers(layers, cfg, x, pos_m[ic], causal_mask(t, mask_m[ic], seg_m[ic])), state
 
         with _stage_constraints(mesh, kind, axis):
             out, _, record = _gpipe(stage, x_m, None, axis, mesh.shape[axis])
         return hand_off.inside(out), record[None]
 
-    specs = (_layer_specs(layers, axis), PartitionSpec(), PartitionSpec(), PartitionSpec())
+    specs = (_layer_specs(layers, axis), PartitionSpec(), PartitionSpec(), PartitionSpec(), PartitionSpec())
     fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(hand_off.spec, PartitionSpec(axis)),
                        axis_names={axis})
-    out, record = fn(layers, _split(x_btd, m), _split(positions_bt, m), _split(mask_bt, m))
+    out, record = fn(layers, _split(x_btd, m), _split(positions_bt, m), _split(mask_bt, m), _split(segments_bt, m))
     return hand_off.outside(out), record.T
 
 
