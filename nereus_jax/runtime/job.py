@@ -713,11 +713,14 @@ def device_bytes_in_use(devices: Sequence[jax.Device]) -> dict[int, int]:
         return stats
     held, seen = dict.fromkeys(stats, 0), set()
     for array in jax.live_arrays():
-        for shard in array.addressable_shards:
-            key = (shard.device.id, shard.data.unsafe_buffer_pointer()) if shard.data is not None else None
-            if shard.device.id in held and key not in seen:
-                seen.add(key)
-                held[shard.device.id] += shard.data.nbytes
+        try:  # another thread (async generation, a move) may delete an array while we look
+            shards = [(s.device.id, s.data.unsafe_buffer_pointer(), s.data.nbytes) for s in array.addressable_shards]
+        except RuntimeError:
+            continue
+        for device, pointer, nbytes in shards:
+            if device in held and (device, pointer) not in seen:
+                seen.add((device, pointer))
+                held[device] += nbytes
     return held
 
 
