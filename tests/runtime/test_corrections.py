@@ -101,8 +101,8 @@ def bf16_runs(warm):
     job = _job(BF16, warm)
     advantages = job._advantages
 
-    def by_hand(batch, scores, scored):
-        adv = advantages(batch, scores, scored)
+    def by_hand(step, batch, scores, scored):
+        adv = advantages(step, batch, scores, scored)
         r = np.exp(scored["old_logp"].astype(np.float64) - batch.behaviour_logp_br.astype(np.float64))
         w = (np.minimum(r, 1.0) * batch.response_mask_br).astype(np.float32)
         return alg.Advantages(np.asarray(adv.advantages_bt) * w, adv.returns_bt)
