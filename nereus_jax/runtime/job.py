@@ -673,12 +673,14 @@ class Job:
         kl = float(_k1_mean(scored["old_logp"], scored["ref_logp"], mask))
         step_s = sum(seconds.values())
         tokens = int(mask.sum())
+        # rows masked out of the loss (dynamic sampling's filler, dropped stale rows) are not responses of length 0
+        lengths = mask.sum(1)[mask.sum(1) > 0] if mask.any() else np.zeros(1)
         held = max(device_bytes_in_use(self.devices).values(), default=0)
         cap = self.cfg.cluster.device_memory_bytes
         return {"step": step, "device_bytes_max": held, "over_memory_cap": bool(cap and held > cap),
                 "reward_mean": float(scores.mean()), "accuracy": float(np.mean(scores >= 1.0)),
-                "kl": kl, "response_length_mean": float(mask.sum(1).mean()),
-                "response_length_p95": float(np.percentile(mask.sum(1), 95)), "response_tokens": tokens,
+                "kl": kl, "response_length_mean": float(lengths.mean()),
+                "response_length_p95": float(np.percentile(lengths, 95)), "response_tokens": tokens,
                 "step_seconds": step_s, "tokens_per_s": tokens / max(step_s, 1e-9),
                 "stage_seconds": {k: round(v, 4) for k, v in seconds.items()}, **train_metrics,
                 "policy_version": self.version, "plan": repr(self.plan), "plan_short": plan_short(self.plan),
