@@ -70,12 +70,9 @@ def micro_batches(batch: dict, prompt_len: int, budget: int, packed: bool) -> tu
         return steps.split_minibatches(batch, 1, accum), {"micro_batches": accum, "token_slots": rows * width}
     layout = packing.pack(batch["tokens"], batch["mask"], prompt_len=prompt_len, mini=1, dp=1,
                           budget_rows=budget // width)
-    keys = steps.packed_keys(layout)
-    gather = {k: v for k, v in keys.items() if k.startswith("unpack")}
-    fields = {k: v[layout.order] for k, v in batch.items() if k not in ("tokens", "mask")} | gather
-    host = steps.split_minibatches(fields, 1, layout.accum) | {k: v for k, v in keys.items() if k not in gather}
-    return host, {"micro_batches": layout.accum, "packed_rows_per_micro_batch": layout.rows,
-                  "token_slots": int(layout.tokens.size), "fill": round(layout.packed_tokens / layout.tokens.size, 3)}
+    return steps.split_packed(batch, layout, mini=1), {
+        "micro_batches": layout.accum, "packed_rows_per_micro_batch": layout.rows,
+        "token_slots": int(layout.tokens.size), "fill": round(layout.packed_tokens / layout.tokens.size, 3)}
 
 
 def useful_flops(cfg: ModelConfig, batch: dict) -> float:

@@ -54,7 +54,7 @@ from nereus_jax.models import abstract_params, forward, init_params
 from nereus_jax.rl import algorithms as alg
 from nereus_jax.rl import packing
 from nereus_jax.rl.batch import RolloutBatch, left_pad, right_pad
-from nereus_jax.rl.tasks import Problem
+from nereus_jax.rl.tasks import Problem, make_task
 from nereus_jax.runtime import steps
 from nereus_jax.runtime.distributed import share_from
 from nereus_jax.runtime.plans import (
@@ -286,8 +286,6 @@ class Job:
         if stage is None or stage.num_digits == getattr(self.task, "num_digits", None):
             return self.task
         if stage.num_digits not in self._staged_tasks:
-            from nereus_jax.rl.tasks import make_task
-
             cfg = dataclasses.replace(self.cfg.task, num_digits=stage.num_digits, eval_size=0)
             self._staged_tasks[stage.num_digits] = make_task(cfg, seed=self.cfg.trainer.seed)
         return self._staged_tasks[stage.num_digits]
@@ -514,14 +512,7 @@ class Job:
             return leaves, mesh, self._key(kind, ms, mesh, accum, *program[2:]), self._put(host, mesh, mini), None
         layout = packing.pack(data["tokens"], data["mask"], prompt_len=self.P, mini=mini or 1, dp=dp,
                               budget_rows=self.cfg.trainer.micro_batch_tokens // (self.P + self.R))
-        keys = steps.packed_keys(layout)
-        rows = {k: v for k, v in keys.items() if k.startswith("unpack")}
-        fields = {k: np.asarray(v)[layout.order] for k, v in data.items() if k not in ("tokens", "mask")} | rows
-        if mini is None:
-            host = steps.split_micro(fields, layout.accum) | {k: v[0] for k, v in keys.items() if k not in rows}
-        else:
-            host = steps.split_minibatches(fields, mini, layout.accum) | {k: v for k, v in keys.items()
-                                                                          if k not in rows}
+        host = steps.split_packed(data, layout, mini)
         self.packing_fill = layout.packed_tokens / layout.tokens.size  # real tokens / token slots run
         key = self._key(kind, ms, mesh, layout.accum, "packed", *program[2:])
         return leaves, mesh, key, self._put(host, mesh, mini), layout.order

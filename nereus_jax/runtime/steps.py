@@ -69,7 +69,7 @@ def sequence_scores(params, cfg: ModelConfig, tokens_bl, mask_bl, forward_fn: Fo
 def response_stats(params, cfg: ModelConfig, mb: dict, prompt_len: int, forward_fn: ForwardFn = forward, *,
                    entropy: bool = False) -> tuple[jax.Array, jax.Array | None]:
     """Each response token's log-prob [b, R] (and entropy [b, R] with ``entropy``) from a micro-batch, padded
-    (``tokens`` / ``mask`` [b, P + R]) or packed (:func:`packed_keys`), in the padded batch's layout."""
+    (``tokens`` / ``mask`` [b, P + R]) or packed (:func:`split_packed`), in the padded batch's layout."""
     if "packed_tokens" not in mb:
         logits = response_logits(params, cfg, mb["tokens"], mb["mask"], prompt_len, forward_fn)
         logp = token_logprobs(logits, mb["tokens"][:, prompt_len:])
@@ -95,11 +95,18 @@ def stage_scores(params, cfg: ModelConfig, mb: dict, forward_fn: ForwardFn = for
     return _unpack(_packed_forward(params, cfg, mb, forward_fn)[..., 0], mb["unpack_last"])
 
 
-def packed_keys(layout) -> dict:
-    """A :class:`~nereus_jax.rl.packing.PackedLayout` as the micro-batch keys the stages read: packed arrays
-    ``[mini, accum, dp, rows, L]`` and the gather offsets (per sequence, in group order)."""
-    return {"packed_tokens": layout.tokens.astype(np.int32), "packed_positions": layout.positions,
-            "segment_ids": layout.segments, "unpack_index": layout.index, "unpack_last": layout.last}
+def split_packed(data: dict, layout, mini: int | None = None) -> dict:
+    """``data`` ([rows, ...] host arrays; ``tokens`` / ``mask`` are not needed) packed by ``layout`` (a
+    :class:`~nereus_jax.rl.packing.PackedLayout`) as the micro-batches the stages read: the per-sequence fields
+    in the layout's order, split like :func:`split_minibatches` (``mini``) or :func:`split_micro` (None), plus the
+    packed arrays ``[mini, accum, dp, rows, L]`` (no ``mini`` axis when None) and the gather offsets."""
+    fields = {k: np.asarray(v)[layout.order] for k, v in data.items() if k not in ("tokens", "mask")}
+    fields |= {"unpack_index": layout.index, "unpack_last": layout.last}
+    packed = {"packed_tokens": layout.tokens.astype(np.int32), "packed_positions": layout.positions,
+              "segment_ids": layout.segments}
+    if mini is None:
+        return split_micro(fields, layout.accum) | {k: v[0] for k, v in packed.items()}
+    return split_minibatches(fields, mini, layout.accum) | packed
 
 
 def _packed_forward(params, cfg: ModelConfig, mb: dict, forward_fn: ForwardFn) -> jax.Array:

@@ -44,11 +44,7 @@ def _batch(seed=0):
 def _packed(batch, mini, dp, budget_rows, quantum=None):
     layout = packing.pack(batch["tokens"], batch["mask"], prompt_len=P, mini=mini, dp=dp, budget_rows=budget_rows,
                           quantum=quantum)
-    keys = steps.packed_keys(layout)
-    rows = {k: v for k, v in keys.items() if k.startswith("unpack")}
-    fields = {k: v[layout.order] for k, v in batch.items() if k not in ("tokens", "mask")} | rows
-    host = steps.split_minibatches(fields, mini, layout.accum) | {k: v for k, v in keys.items() if k not in rows}
-    return layout, host
+    return layout, steps.split_packed(batch, layout, mini)
 
 
 def test_layout_holds_every_real_token_once_in_its_own_segment():
