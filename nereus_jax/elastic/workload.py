@@ -103,6 +103,10 @@ class Workload:
         """Sequences actor-gen decodes per step (ReMax adds a greedy one per prompt)."""
         return self.sequences + (self.prompts_per_step if self.greedy_baseline else 0)
 
+    def rows_for(self, kind: str) -> int:
+        """Sequences one run of a stage kind handles: gen all it decodes, train one update's, infer all."""
+        return {"gen": self.generated_sequences, "train": self.train_sequences}.get(kind, self.sequences)
+
     @property
     def mean_tokens(self) -> float:
         """Mean prompt + response length."""

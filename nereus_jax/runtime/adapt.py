@@ -43,26 +43,21 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nereus_jax.config import ConfigError, StageLayoutConfig
+from nereus_jax.config import ConfigError
 from nereus_jax.elastic.compile import align_ranks
 from nereus_jax.elastic.controller import Candidate, Controller, Decision, Observation
-from nereus_jax.elastic.costs import CostModel, Measurement, StageChoice, device_peak_bytes, link_bandwidth
+from nereus_jax.elastic.costs import CostModel, link_bandwidth
 from nereus_jax.elastic.executor import TransitionExecutor
-from nereus_jax.elastic.graph import TransitionGraph, transition_seconds
+from nereus_jax.elastic.graph import TransitionGraph
 from nereus_jax.elastic.hardware import get_hardware
-from nereus_jax.elastic.plan import ExecutionPlan, ModelStage
-from nereus_jax.elastic.planner import InfeasiblePlanError, Planner
+from nereus_jax.elastic.plan import ExecutionPlan
+from nereus_jax.elastic.planner import InfeasiblePlanError, Planner, PlanResult
+from nereus_jax.elastic.pricing import CALIBRATION_WINDOW, Pricing
 from nereus_jax.elastic.workload import LengthStats, Workload
-from nereus_jax.runtime import steps
 from nereus_jax.runtime.distributed import agree, all_processes
 from nereus_jax.runtime.job import Job, Prepared, engine_replicas_across_processes
-from nereus_jax.runtime.plans import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, plan_from_config
+from nereus_jax.runtime.plans import ACTOR_GEN, job_models, job_topology, plan_from_config
 
-# The cost model's name of each timed part of a job step -> the job's model-stage whose layout runs it.
-_PRICED = {"actor-gen": ACTOR_GEN, "actor-infer": ACTOR_TRAIN, "ref-infer": ModelStage("ref", "infer"),
-           "critic-infer": CRITIC_TRAIN, "reward-infer": ModelStage("reward", "infer"),
-           "actor-train": ACTOR_TRAIN, "critic-train": CRITIC_TRAIN}
-CALIBRATION_WINDOW = 8  # steps of measurements the efficiencies are fitted to
 _MEASURED = ("step_seconds", "stage_seconds", "response_length_mean", "response_length_p95")  # clock/length reads
 _MISMATCH = ("mismatch_kl", "mismatch_ratio_max", "mismatch_outside_fraction")  # logged before/after a move
 
@@ -95,6 +90,9 @@ class Adapter:
             hardware = dataclasses.replace(hardware, memory_bytes=cfg.cluster.device_memory_bytes)
         self.cost = CostModel(hardware)
         self.planner = Planner(self.cost, headroom=cfg.controller.memory_headroom)
+        self.topology = job_topology(cfg)
+        self.pricing = Pricing(self.cost, self.topology, job_models(cfg), hardware.memory_bytes * (
+            1 - cfg.controller.memory_headroom), window=CALIBRATION_WINDOW)
         self.pool = tuple(range(cfg.cluster.num_devices))
         self.controller = Controller(self._candidates, self._latency, self._transition_seconds,
                                      gamma=cfg.controller.gamma, length_drift=cfg.controller.length_drift,
@@ -102,7 +100,6 @@ class Adapter:
         self.events: list[dict[str, Any]] = []  # decisions and transitions, for the run's log
         self.transitions = 0
         self.pending: _Pending | None = None
-        self._window: collections.deque[list[Measurement]] = collections.deque(maxlen=CALIBRATION_WINDOW)
         self._compiled_last_step = True  # the first step compiles everything
         self._compile_s: float | None = None  # measured compile time of a whole plan
         self._compile_step_s: float | None = None
@@ -148,7 +145,7 @@ class Adapter:
         achieved = statistics.median(self._priced_s) if len(self._priced_s) >= 3 and not compiled else None
         obs = Observation(step, self.job.plan, self._planning_pool(step),
                           metrics["response_length_mean"] if metrics else (self._ref_length() or 1.0), achieved,
-                          self.peak_bytes(self.job.plan), self.memory_cap_bytes,
+                          self.peak_bytes(self.job.plan), self.pricing.trigger_bytes(self.cost.hardware.memory_bytes),
                           steps_left=max(1, self.job.cfg.trainer.steps - step))
         decision = self.controller.observe(obs)
         if decision is not None:
@@ -299,137 +296,76 @@ class Adapter:
             self._compile_s = max(0.0, self._compile_step_s - statistics.median(self._steady_s))
         seconds = dict(metrics["stage_seconds"])
         seconds["actor-infer"] = seconds.get("actor-infer", 0.0) + seconds.get("weight-sync", 0.0)  # as priced
-        ms = [Measurement(job.cfg.model, name, self._choice(job.plan, name), self._workload, seconds[name])
-              for name in self._stages() if seconds.get(name, 0) > 0]
+        ms = self.pricing.measurements(self.pricing.choices(job.plan, self._workload), self._workload, seconds)
         # achieved step latency: async, the wall interval between updates (generation overlapped)
         self._priced_s.append(metrics["step_seconds"] if self.async_mode else sum(m.seconds for m in ms))
-        self._window.append(ms)
-        self.cost.observe([m for step in self._window for m in step])
+        self.pricing.calibrate(ms)
 
     def _ref_length(self) -> float | None:
         return self.controller.reference_length
 
     # ---------------------------------------------------------------------------------- pricing
-    def _stages(self) -> list[str]:
-        names = ["actor-gen", "actor-infer", "ref-infer"]
-        if CRITIC_TRAIN in self.job.plan:
-            names.append("critic-infer")
-        if ModelStage("reward", "infer") in self.job.plan:
-            names.append("reward-infer")
-        return names + ["actor-train"] + (["critic-train"] if CRITIC_TRAIN in self.job.plan else [])
-
-    def _choice(self, plan: ExecutionPlan, name: str) -> StageChoice:
-        sp = plan[_PRICED[name]]
-        job = self.job
-        if name == "actor-gen":
-            per_replica = -(-job.rows // sp.dp)
-            return StageChoice(sp.layout.tp, sp.layout.pp, sp.dp,
-                               max(1, min(per_replica, job.cfg.rollout.max_concurrent_decodes)))
-        rows = job.mini_rows if name.endswith("-train") else job.rows  # an update trains on a mini-batch
-        accum = steps.accumulation_steps(rows, sp.dp, job.P + job.R, job.cfg.trainer.micro_batch_tokens)
-        return StageChoice(sp.layout.tp, sp.layout.pp, sp.dp, rows // sp.dp // accum)
-
     def _latency(self, plan: ExecutionPlan, obs: Observation | None = None) -> float | None:
-        """Predicted step latency of a job plan: its stages one after another (the job runs them in turn)."""
+        """Predicted step latency of a job plan as the job runs it (``elastic.pricing``); None before the
+        first measured workload or for a plan the job's batch cannot be split over."""
         if self._workload is None:
             return None
         try:
-            seconds = {name: self.cost.stage_latency(self.job.cfg.model, name, self._choice(plan, name),
-                                                     self._workload).total for name in self._stages()}
+            return self.pricing.latency(plan, self.pricing.choices(plan, self._workload), self._workload)
         except (ValueError, KeyError):
             return None
-        if self.async_mode:  # generation overlaps scoring and training (disjoint devices)
-            gen = seconds.pop("actor-gen")
-            return max(gen, sum(seconds.values()))
-        return sum(seconds.values())
 
     @property
     def memory_cap_bytes(self) -> float:
         """Usable bytes per device: the cap (cluster.device_memory_bytes or the hardware's) less the headroom."""
-        cap = self.job.cfg.cluster.device_memory_bytes or self.cost.hardware.memory_bytes
-        return cap * (1 - self.job.cfg.controller.memory_headroom)
+        return self.pricing.usable_bytes
 
     def peak_bytes(self, plan: ExecutionPlan) -> float | None:
         """Predicted peak bytes per device of a job plan on the observed workload: on each device, the
         resident state of every model-stage there plus the largest working set (they run in turn)."""
         if self._workload is None:
             return None
-        per_device: dict[int, list] = collections.defaultdict(list)
-        for name in self._stages():
-            ms = _PRICED[name]
-            m = self.cost.stage_memory(self.job.cfg.model, name, self._choice(plan, name), self._workload)
-            if name in ("actor-infer", "critic-infer"):  # they run on the training units: no state of their own
-                m = m._replace(resident=0.0)
-            for d in plan[ms].devices:
-                per_device[d].append(m)
-        return max(device_peak_bytes(ms) for ms in per_device.values())
+        return self.pricing.peak_bytes(plan, self.pricing.choices(plan, self._workload), self._workload)
 
     def _candidates(self, obs: Observation) -> list[Candidate]:
-        """The planner's plans (best and runners-up) mapped onto the job's model-stages, plus the configured
-        layouts on the pool, that fit the job-level memory check, fastest first. The job runs actor- and
-        critic-infer on the training units, so a plan the planner thought fits may not: when none fits, the
-        planner is asked again for more runners-up, then with a little more headroom, and last every
-        uniform layout (one tp x pp for all training and scoring stages, one for generation) is tried."""
+        """The planner's plans for the job's topology (best and runners-up; async: actor-gen on its own
+        devices) and the configured layouts on the pool, fastest first. The planner prices and checks
+        memory as the job does (``elastic.pricing``), so its plans fit; a plan the job cannot run across
+        processes, or a configured one that does not fit, is left out."""
+        workload = self._workload or Workload.from_config(self.job.cfg)
+        plans = [r.plan for r in self._planned(obs, workload)]
+        with contextlib.suppress(ConfigError):  # the configured layouts on the devices present: a candidate
+            plans.append(plan_from_config(self.job.cfg, device_ids=list(obs.devices)))
         out: dict[ExecutionPlan, float] = {}
-        headroom = self.planner.headroom
-        for attempt, (extra, runners_up) in enumerate(((0.0, None), (0.0, 16), (0.05, 16), (0.1, 16))):
-            self._add_candidates(obs, out, min(0.9, headroom + extra), runners_up, configured=attempt == 0)
-            if out:
-                break
-        if not out:
-            self._keep_fitting(self._uniform_plans(obs.devices), out)
+        for plan in plans:
+            if plan in out or not self._runnable(plan):
+                continue
+            try:
+                choices = self.pricing.choices(plan, workload)
+            except ValueError:  # dp does not split the batch (a configured plan on another pool)
+                continue
+            if self.pricing.peak_bytes(plan, choices, workload) <= self.memory_cap_bytes:
+                out[plan] = self.pricing.latency(plan, choices, workload)
         return [Candidate(p, lat) for p, lat in sorted(out.items(), key=lambda kv: kv[1])]
 
-    def _add_candidates(self, obs: Observation, out: dict, headroom: float, runners_up: int | None,
-                        configured: bool) -> None:
-        workload = self._workload or Workload.from_config(self.job.cfg)
-        skip = [s for s in ("reward-infer",) if ModelStage("reward", "infer") not in self.job.plan]
-        planner = self.planner if runners_up is None else Planner(self.cost, headroom=headroom, runners_up=runners_up)
+    def _planned(self, obs: Observation, workload: Workload) -> list[PlanResult]:
+        cfg, models = self.job.cfg, self.pricing.models
         try:
-            result = planner.plan(self.job.cfg.model, self.job.cfg.algorithm.name, workload, obs.devices, skip=skip)
+            if self.async_mode:
+                return self.planner.split(models, cfg.algorithm.name, workload, workload, obs.devices, self.topology)
+            result = self.planner.plan(models, cfg.algorithm.name, workload, obs.devices, topology=self.topology)
         except InfeasiblePlanError as e:
             self.log(f"step {obs.step}: the planner found no plan for {len(obs.devices)} devices: {e}")
-            result = None
-        plans = [ExecutionPlan({ms: r.plan[ms] for ms in self.job.plan})
-                 for r in ((result, *result.runners_up) if result is not None else ())]
-        if configured:
-            with contextlib.suppress(ConfigError):  # the configured layouts on the devices present: a candidate
-                plans.append(plan_from_config(self.job.cfg, device_ids=list(obs.devices)))
-        self._keep_fitting(plans, out)
+            return []
+        return [result, *result.runners_up]
 
-    def _uniform_plans(self, devices: tuple[int, ...]) -> list[ExecutionPlan]:
-        """Every plan of the config's shape (colocated or split) with one tp x pp for the non-generation
-        stages and one for actor-gen, on ``devices``: a small exhaustive set, the last resort."""
-        n, plans = len(devices), []
-        divisors = [d for d in range(1, n + 1) if n % d == 0]
-        sizes = sorted((tp, size // tp) for size in divisors for tp in divisors if size % tp == 0)  # tp x pp divides n
-        for tp, pp in sizes:
-            for gtp in sorted({tp for tp, _ in sizes}):
-                layouts = dataclasses.replace(self.job.cfg.plan, default=StageLayoutConfig(tp=tp, pp=pp),
-                                              stages={"actor-gen": StageLayoutConfig(tp=gtp)})
-                with contextlib.suppress(ConfigError, ValueError):
-                    plans.append(plan_from_config(dataclasses.replace(self.job.cfg, plan=layouts), list(devices)))
-        return plans
-
-    def _keep_fitting(self, plans: list[ExecutionPlan], out: dict) -> None:
-        for plan in plans:
-            if any((self.job.mini_rows if ms.kind == "train" else self.job.rows) % plan[ms].dp
-                   for ms in plan if ms.kind != "gen"):
-                continue
-            if engine_replicas_across_processes(plan):
-                continue  # an engine's decode loop runs in one process
-            gen = set(plan[ACTOR_GEN].devices)
-            if self.async_mode and any(gen & set(sp.devices) for ms, sp in plan.items() if ms != ACTOR_GEN):
-                continue  # async generation needs its own devices
-            try:
-                peak = self.peak_bytes(plan)
-            except (ValueError, KeyError):  # a layout the model cannot take (e.g. tp not dividing the heads)
-                continue
-            if peak is not None and peak > self.memory_cap_bytes:
-                continue  # the job runs actor/critic-infer on the training units: the planner's plan differs
-            latency = self._latency(plan)
-            if latency is not None and plan not in out:
-                out[plan] = latency
+    def _runnable(self, plan: ExecutionPlan) -> bool:
+        """What the job needs beyond time and memory: an engine's replicas each in one process, and async
+        generation on devices of its own."""
+        if engine_replicas_across_processes(plan):
+            return False
+        gen = set(plan[ACTOR_GEN].devices)
+        return not (self.async_mode and any(gen & set(sp.devices) for ms, sp in plan.items() if ms != ACTOR_GEN))
 
     def _transition_seconds(self, old: ExecutionPlan, new: ExecutionPlan) -> float | None:
         try:
@@ -440,10 +376,8 @@ class Adapter:
         return self._movement_s(graph) + (compile_s if self.cost.hardware.shared_compute else 0.0)
 
     def _movement_s(self, graph: TransitionGraph) -> float:
-        """The graph's predicted data movement: its critical path priced by the calibrated cost model's
-        link times (the simulator prices its moves with the same function)."""
-        return transition_seconds(graph, lambda link, n: self.cost.transfer_seconds(n, link),
-                                  self.cost.hardware.devices_per_node)
+        """The graph's predicted data movement (the simulator prices its moves with the same object)."""
+        return self.pricing.movement_seconds(graph)
 
     # ------------------------------------------------------------------------------------ log
     def _log_decision(self, d: Decision) -> None:
@@ -468,7 +402,7 @@ class Adapter:
         self.controller.load_state_dict(d)
         self.pool = tuple(d["pool"])
         self.cost = CostModel(self.cost.hardware, d["efficiency"])
-        self.planner.cost_model = self.cost
+        self.planner.cost_model = self.pricing.cost = self.cost
         self._compile_s, self.transitions = d["compile_s"], d["transitions"]
 
 

@@ -9,8 +9,9 @@ reward runs on the host.
 
 from __future__ import annotations
 
-from nereus_jax.config import Config, ConfigError
+from nereus_jax.config import Config, ConfigError, ModelConfig
 from nereus_jax.elastic.plan import ExecutionPlan, ModelStage, StagePlan
+from nereus_jax.elastic.topology import Batching, Topology
 from nereus_jax.rl.algorithms import algorithm_spec
 from nereus_jax.sharding import Layout
 
@@ -19,6 +20,20 @@ ACTOR_TRAIN = ModelStage("actor", "train")
 REF_INFER = ModelStage("ref", "infer")
 CRITIC_TRAIN = ModelStage("critic", "train")
 REWARD_INFER = ModelStage("reward", "infer")
+
+
+def job_topology(cfg: Config) -> Topology:
+    """What this config's job runs, for the planner and the pricing: scoring on the training units,
+    stages in turn (async: generation beside the rest), calls cut by the token budget."""
+    batching = Batching(cfg.rollout.max_prompt_length + cfg.rollout.max_response_length, cfg.trainer.micro_batch_tokens,
+                        cfg.rollout.max_concurrent_decodes, cfg.model.remat)
+    return Topology.of_job(cfg.algorithm.name, reward_model=bool(cfg.task.reward_model_path),
+                           asynchronous=cfg.trainer.mode == "async", batching=batching)
+
+
+def job_models(cfg: Config) -> dict[str, ModelConfig]:
+    """Role -> network: every role of the job shares the policy's architecture."""
+    return {role: cfg.model for role in ("actor", "ref", "critic", "reward")}
 
 
 def job_stages(cfg: Config) -> list[ModelStage]:

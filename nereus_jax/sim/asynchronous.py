@@ -53,25 +53,14 @@ from collections.abc import Mapping, Sequence
 
 from nereus_jax.config import ModelConfig
 from nereus_jax.elastic.costs import CostModel, counts
-from nereus_jax.elastic.plan import ExecutionPlan
-from nereus_jax.elastic.planner import GAP, MAX_NODES, InfeasiblePlanError, Planner
 from nereus_jax.elastic.workload import Workload
-from nereus_jax.sim.model import PlanningModel, _pinned, plan_peak_memory
+from nereus_jax.sim.model import PlanningModel, _pinned
 from nereus_jax.sim.plans import SimPlan
 
 GEN = "actor-gen"
 TRAIN = "actor-train"
-SPLITS = 8  # actor-gen gets k/8 of the pool, k = 1..7 (rounded to whole devices)
 ASYNC_POLICIES = ("async_fixed", "async_nereus")  # async_oracle: see async_oracle()
 IN_FLIGHT_AHEAD = 2  # the batch generated in an interval is two past the last observed (that interval trains one)
-
-
-def gen_sizes(n: int, node: int) -> list[int]:
-    """Candidate device counts for actor-gen on a pool of ``n``: eighths of the pool, at least 1 each side;
-    whole nodes of ``node`` devices once the pool has two (tp groups stay inside nodes on both sides)."""
-    unit = node if n >= 2 * node else 1
-    return sorted({min(n - unit, max(unit, unit * round(n * k / SPLITS / unit))) for k in range(1, SPLITS)}
-                  ) if n > unit else []
 
 
 def sync_transfer(plan: SimPlan, actor: ModelConfig, devices_per_node: int) -> tuple[str, float]:
@@ -124,23 +113,10 @@ class AsyncPlanningModel(PlanningModel):
         return super().plans(self.batches(wl), pool)
 
     def _solve(self, cm: CostModel, wl: Batches, pool: tuple[int, ...]) -> tuple[SimPlan, ...] | None:
-        s = self.planner_settings
-        planner = Planner(cm, headroom=float(s.get("headroom", 0.1)), gap=float(s.get("gap", GAP)),
-                          max_nodes=int(s.get("max_nodes", MAX_NODES)))
-        try:
-            rest_problem = planner.problem(self.models, self.algorithm, wl.train, pool)
-            gen_problem = planner.problem(self.models, self.algorithm, wl.gen, pool)
-        except InfeasiblePlanError:
-            return None
-        found = []
-        for k in gen_sizes(len(pool), self.hw.devices_per_node):
-            gen = _solve_side(planner, dataclasses.replace(gen_problem, phases=gen_problem.phases[:1], pool=pool[:k]),
-                              self.layouts)
-            rest = gen and _solve_side(planner, dataclasses.replace(rest_problem, phases=rest_problem.phases[1:],
-                                                                    pool=pool[k:]), self.layouts)
-            if gen and rest:
-                plan = ExecutionPlan({**gen.plan, **rest.plan})
-                found.append(SimPlan.build({**gen.choices, **rest.choices}, plan, self.phases, overlapped=True))
+        planner = self.planner(cm)
+        results = planner.split(self.models, self.algorithm, wl.gen, wl.train, pool, self.topology,
+                                options=lambda problem: _pinned(problem.options(), self.layouts))
+        found = [SimPlan.of(r, self.topology, overlapped=True) for r in results]
         found.sort(key=lambda p: self.predict_with(cm, p, wl))
         return tuple(found[:4]) or self._colocated(cm, wl.train, pool)
 
@@ -155,7 +131,7 @@ class AsyncPlanningModel(PlanningModel):
 
     def predict_with(self, cm: CostModel, plan: SimPlan, wl: Workload | Batches) -> float:
         b = self.batches(wl)
-        seconds = {s: cm.stage_latency(self.models[s.split("-")[0]], s, c, _batch_of(s, plan, b)).total
+        seconds = {s: cm.stage_latency(self.pricing.model_for(s), s, c, _batch_of(s, plan, b)).total
                    for s, c in plan.choices}
         if not plan.overlapped:
             return plan.latency(seconds)
@@ -168,20 +144,11 @@ class AsyncPlanningModel(PlanningModel):
     def peak_memory(self, plan: SimPlan, wl: Workload | Batches) -> float:
         """Predicted peak bytes on the busiest device; an overlapped plan's actor-gen holds the batch in flight."""
         b = self.batches(wl)
-        return plan_peak_memory(plan, b.train, lambda s, c: self.cost_model.stage_memory(
-            self.models[s.split("-")[0]], s, c, _batch_of(s, plan, b)))
+        return self.pricing.peak_bytes(plan.plan, dict(plan.choices), b.train, {GEN: _batch_of(GEN, plan, b)})
 
 
 def _batch_of(stage: str, plan: SimPlan, b: Batches) -> Workload:
     return b.gen if plan.overlapped and stage == GEN else b.train
-
-
-def _solve_side(planner: Planner, problem, layouts):
-    opts = _pinned(problem.options(), layouts)
-    result = planner.solve(problem, opts)
-    if result is None and problem.concurrent:
-        result = planner.solve(dataclasses.replace(problem, allow_concurrency=False), opts)
-    return result
 
 
 def interval_seconds(truth, cfg_of, plan: SimPlan, workloads: Mapping[str, Workload | None],

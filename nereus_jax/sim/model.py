@@ -16,16 +16,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections import deque
 from collections.abc import Mapping, MutableMapping
 
 from nereus_jax.config import ModelConfig
 from nereus_jax.elastic.controller import Candidate, Observation
-from nereus_jax.elastic.costs import CostModel, Measurement
+from nereus_jax.elastic.costs import CostModel
 from nereus_jax.elastic.costs.candidates import StageOptions
-from nereus_jax.elastic.graph import transition_seconds
 from nereus_jax.elastic.hardware import Hardware
-from nereus_jax.elastic.planner import GAP, MAX_NODES, InfeasiblePlanError, Planner, device_memory
+from nereus_jax.elastic.planner import GAP, MAX_NODES, InfeasiblePlanError, Planner
+from nereus_jax.elastic.pricing import CALIBRATION_WINDOW, Pricing
+from nereus_jax.elastic.topology import Topology
 from nereus_jax.elastic.workload import Workload
 from nereus_jax.sim.plans import SimPlan, build_graph
 
@@ -33,7 +33,6 @@ from nereus_jax.sim.plans import SimPlan, build_graph
 # a transition has been measured, then an EMA of measured minus predicted data-movement seconds.
 SETUP_PRIOR_S = 10.0
 SETUP_EMA = 0.5
-CALIBRATION_WINDOW = 8  # steps of measurements each refit uses (as runtime.adapt)
 SKIP_ERROR = 0.05  # no refit while every stage of a settled plan is predicted within 5% (noise level)
 EFFICIENCY_GRID = 0.02  # the planner sees efficiencies rounded to 2% steps (log scale): a cacheable snapshot
 
@@ -53,18 +52,26 @@ class SharedCaches:
 class PlanningModel:
     """Planner + calibrated cost model + transition pricing for one policy's run."""
 
-    def __init__(self, models: Mapping[str, ModelConfig], algorithm: str, hw: Hardware, phases, specs,
+    def __init__(self, models: Mapping[str, ModelConfig], algorithm: str, hw: Hardware, topology: Topology, specs,
                  caches: SharedCaches, *, layouts: Layouts | None = None, planner: Mapping[str, float] | None = None,
                  cost_model: CostModel | None = None):
-        self.models, self.algorithm, self.hw, self.phases, self.specs = dict(models), algorithm, hw, phases, specs
+        self.models, self.algorithm, self.hw, self.topology, self.specs = dict(models), algorithm, hw, topology, specs
         self.caches, self.layouts = caches, layouts
-        self.cost_model = cost_model or CostModel(hw)
         self.planner_settings = dict(planner or {})
+        self.pricing = Pricing(cost_model or CostModel(hw), topology, self.models, self.usable_bytes(),
+                               window=CALIBRATION_WINDOW)
         self.observed: Workload | None = None
         self.setup_s, self.setups_seen = SETUP_PRIOR_S, 0
         self.planner_ms = 0.0  # planner time charged to this policy (cached solves included)
         self.since_change = 0
-        self._window: deque[list[Measurement]] = deque(maxlen=CALIBRATION_WINDOW)
+
+    @property
+    def cost_model(self) -> CostModel:
+        return self.pricing.cost
+
+    @property
+    def phases(self) -> tuple[tuple[str, ...], ...]:
+        return self.topology.phases
 
     # ------------------------------------------------------------------------------------ planning
     def snapshot(self) -> CostModel:
@@ -89,11 +96,9 @@ class PlanningModel:
         return found or ()
 
     def _solve(self, cm: CostModel, wl: Workload, pool: tuple[int, ...]) -> tuple[SimPlan, ...] | None:
-        s = self.planner_settings
-        planner = Planner(cm, headroom=float(s.get("headroom", 0.1)), gap=float(s.get("gap", GAP)),
-                          max_nodes=int(s.get("max_nodes", MAX_NODES)))
+        planner = self.planner(cm)
         try:
-            problem = planner.problem(self.models, self.algorithm, wl, pool)
+            problem = planner.problem(self.models, self.algorithm, wl, pool, topology=self.topology)
         except InfeasiblePlanError:
             return None
         opts = _pinned(problem.options(), self.layouts)
@@ -102,7 +107,12 @@ class PlanningModel:
             result = planner.solve(dataclasses.replace(problem, allow_concurrency=False), opts)
         if result is None:
             return None
-        return tuple(SimPlan.of(r, self.phases) for r in (result, *result.runners_up))
+        return tuple(SimPlan.of(r, self.topology) for r in (result, *result.runners_up))
+
+    def planner(self, cm: CostModel) -> Planner:
+        s = self.planner_settings
+        return Planner(cm, headroom=float(s.get("headroom", 0.1)), gap=float(s.get("gap", GAP)),
+                       max_nodes=int(s.get("max_nodes", MAX_NODES)))
 
     def best(self, wl: Workload, pool: tuple[int, ...]) -> SimPlan | None:
         found = self.plans(wl, pool)
@@ -124,23 +134,16 @@ class PlanningModel:
         graph = self.graph(old, new)
         if graph is None:
             return None
-        node = self.hw.devices_per_node
-        return transition_seconds(graph, self._link_seconds, node) + (self.setup_s if old != new else 0.0)
-
-    def _link_seconds(self, link: str, nbytes: float) -> float:
-        return self.cost_model.transfer_seconds(nbytes, link)
+        return self.pricing.movement_seconds(graph) + (self.setup_s if old != new else 0.0)
 
     # ---------------------------------------------------------------------------------- predictions
     def predict(self, plan: SimPlan, wl: Workload) -> float:
         """Predicted step latency of ``plan`` on ``wl`` with the current (calibrated) cost model."""
-        cm = self.cost_model
-        seconds = {s: cm.stage_latency(self.models[s.split("-")[0]], s, c, wl).total for s, c in plan.choices}
-        return plan.latency(seconds)
+        return plan.latency(self.pricing.stage_seconds(dict(plan.choices), wl))
 
     def peak_memory(self, plan: SimPlan, wl: Workload) -> float:
         """Predicted peak bytes on the busiest device of ``plan`` on ``wl``."""
-        return plan_peak_memory(plan, wl, lambda s, c: self.cost_model.stage_memory(self.models[s.split("-")[0]], s,
-                                                                                      c, wl))
+        return self.pricing.peak_bytes(plan.plan, dict(plan.choices), wl)
 
     def usable_bytes(self) -> float:
         return (1 - float(self.planner_settings.get("headroom", 0.1))) * self.hw.memory_bytes
@@ -159,16 +162,17 @@ class PlanningModel:
         ``SKIP_ERROR``: the refit would barely move (a saving for 1,000-step simulations). ``workloads``:
         per stage, the batch it ran when not ``wl`` (async actor-gen: the next one; None: it did not run)."""
         per = {s: (workloads or {}).get(s, wl) for s, _ in plan.choices}
-        self._window.append([Measurement(self.models[s.split("-")[0]], s, c, per[s], seconds[s])
-                             for s, c in plan.choices if per[s] is not None and seconds[s] > 0])
+        ran = {s: c for s, c in plan.choices if per[s] is not None}
+        ms = [m for s in ran for m in self.pricing.measurements({s: ran[s]}, per[s], seconds)]
         self.since_change = 0 if changed else self.since_change + 1
-        if self.since_change >= CALIBRATION_WINDOW:
+        if self.since_change >= CALIBRATION_WINDOW and self.pricing.window and ms:
             cm = self.cost_model
             worst = max(abs(cm.stage_latency(m.model, m.stage, m.choice, m.workload).total / m.seconds - 1)
-                        for m in self._window[-1])
+                        for m in ms)
             if worst < SKIP_ERROR:
+                self.pricing.window.append(ms)
                 return False
-        self.cost_model.observe([m for ms in self._window for m in ms])
+        self.pricing.calibrate(ms)
         return True
 
     def record_transition(self, old: SimPlan, new: SimPlan, measured_s: float) -> None:
@@ -176,20 +180,17 @@ class PlanningModel:
         graph = self.graph(old, new)
         if graph is None:
             return
-        data = transition_seconds(graph, self._link_seconds, self.hw.devices_per_node)
+        data = self.pricing.movement_seconds(graph)
         setup = max(0.0, measured_s - data)
         self.setup_s = setup if self.setups_seen == 0 else SETUP_EMA * setup + (1 - SETUP_EMA) * self.setup_s
         self.setups_seen += 1
 
 
 def plan_peak_memory(plan: SimPlan, wl: Workload, stage_bytes) -> float:
-    """Peak bytes over the plan's devices: every model-stage's resident state + the largest working set."""
-    placed = {str(ms): sp for ms, sp in plan.plan.items()}
-    resident, working = {}, {}
-    for s, c in plan.choices:
-        r, w = stage_bytes(s, c)
-        resident[s], working[s] = r, w
-    return max(device_memory(placed, resident, working).values())
+    """Peak bytes over the plan's devices (``Topology.device_bytes``); ``stage_bytes(stage, choice) ->
+    (resident, working)``."""
+    choices = dict(plan.choices)
+    return max(plan.topology.device_bytes(plan.plan, lambda s: tuple(stage_bytes(s, choices[s]))).values())
 
 
 def _pinned(opts: Mapping[str, StageOptions], layouts: Layouts | None) -> dict[str, StageOptions]:
@@ -201,5 +202,5 @@ def _pinned(opts: Mapping[str, StageOptions], layouts: Layouts | None) -> dict[s
     for s, o in opts.items():
         tp, pp = keep[s]
         m = (o.raw[:, 0] == tp) & (o.raw[:, 1] == pp)
-        out[s] = StageOptions(s, o.latency[m], o.devices[m], o.resident[m], o.working[m], o.raw[m])
+        out[s] = o.masked(m)
     return out

@@ -16,36 +16,41 @@ from nereus_jax.elastic.compile import align_ranks
 from nereus_jax.elastic.costs import StageChoice, resident_bytes
 from nereus_jax.elastic.graph import TransitionError, TransitionGraph
 from nereus_jax.elastic.plan import ExecutionPlan, ModelStage
-from nereus_jax.elastic.planner import PlanResult, critical_path, overlap_edges
+from nereus_jax.elastic.planner import PlanResult
 from nereus_jax.elastic.schedule import Infeasible
 from nereus_jax.elastic.spec import ByteSpec
+from nereus_jax.elastic.topology import Topology, critical_path
 
 
 @dataclass(frozen=True)
 class SimPlan:
-    """An execution plan with each model-stage's choice; hashable, compared by choices and devices."""
+    """An execution plan with every priced model-stage's choice (riders too); hashable, compared by choices
+    and devices."""
 
     choices: tuple[tuple[str, StageChoice], ...]  # run order
     plan: ExecutionPlan
-    phases: tuple[tuple[str, ...], ...] = field(compare=False)
+    topology: Topology = field(compare=False)
     edges: frozenset[tuple[str, str]] = field(compare=False, repr=False)
     device_set: frozenset[int] = field(compare=False, repr=False, default=frozenset())
     overlapped: bool = False  # async: actor-gen on its own devices, beside scoring + training (no edge to them)
 
     @classmethod
-    def of(cls, result: PlanResult, phases: Sequence[Sequence[str]]) -> SimPlan:
-        return cls.build(dict(result.choices), result.plan, phases)
+    def of(cls, result: PlanResult, topology: Topology, overlapped: bool = False) -> SimPlan:
+        return cls.build(dict(result.choices), result.plan, topology, overlapped)
 
     @classmethod
-    def build(cls, choices: Mapping[str, StageChoice], plan: ExecutionPlan, phases,
+    def build(cls, choices: Mapping[str, StageChoice], plan: ExecutionPlan, topology: Topology,
               overlapped: bool = False) -> SimPlan:
-        """``overlapped``: the first phase (actor-gen) gets no edge to the others, so the critical path is
-        max(actor-gen, scoring + training): one-step-off async on disjoint devices (``sim.asynchronous``)."""
-        order = [s for p in phases for s in p]
-        placed = {str(ms): sp for ms, sp in plan.items()}
-        edges = frozenset(overlap_edges(phases[1:] if overlapped else phases, placed, order))
-        return cls(tuple((s, choices[s]) for s in order), plan, tuple(tuple(p) for p in phases), edges,
+        """``overlapped``: actor-gen gets no edge to the others, so the critical path is max(actor-gen,
+        scoring + training): one-step-off async on disjoint devices (``sim.asynchronous``)."""
+        placed = topology.placed(plan)
+        edges = frozenset(topology.edges(placed, overlapped))
+        return cls(tuple((s, choices[s]) for s in topology.stages), plan, topology, edges,
                    frozenset(plan.devices), overlapped)
+
+    @property
+    def phases(self) -> tuple[tuple[str, ...], ...]:
+        return self.topology.phases
 
     @property
     def devices(self) -> frozenset[int]:
@@ -61,8 +66,8 @@ class SimPlan:
     def aligned_to(self, current: SimPlan) -> SimPlan:
         """This plan with its replicas' ranks ordered to match ``current`` (less data moves)."""
         plan = align_ranks(current.plan, self.plan)
-        return self if plan == self.plan else SimPlan(self.choices, plan, self.phases, self.edges, self.device_set,
-                                                      self.overlapped)
+        return self if plan == self.plan else SimPlan(self.choices, plan, self.topology, self.edges,
+                                                      self.device_set, self.overlapped)
 
     def latency(self, stage_seconds: Mapping[str, float], sync_s: float = 0.0) -> float:
         """Step latency: the critical path through this plan's overlap graph (+ ``sync_s``, the weight sync

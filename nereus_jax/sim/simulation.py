@@ -44,7 +44,7 @@ from nereus_jax.elastic.controller import Controller, Decision, Observation
 from nereus_jax.elastic.costs import CostModel
 from nereus_jax.elastic.graph import TransitionGraph, transition_seconds
 from nereus_jax.elastic.hardware import get_hardware
-from nereus_jax.elastic.planner import phases_for
+from nereus_jax.elastic.topology import Topology
 from nereus_jax.elastic.workload import LengthStats, Workload
 from nereus_jax.sim.asynchronous import ASYNC_POLICIES, AsyncPlanningModel, async_oracle, interval_seconds
 from nereus_jax.sim.model import Layouts, PlanningModel, SharedCaches, plan_peak_memory
@@ -122,14 +122,15 @@ class Simulation:
     def __init__(self, trace: Trace):
         self.trace = trace
         self.hw = get_hardware(trace.hardware)
-        self.phases = phases_for(trace.algorithm)
-        self.stages = [s for p in self.phases for s in p]
+        self.topology = Topology.of_job(trace.algorithm, reward_model=True)  # the job with a reward model
+        self.phases = self.topology.phases
+        self.stages = list(self.topology.stages)
         roles = sorted({s.split("-")[0] for s in self.stages})
         missing = [r for r in roles if r not in trace.models]
         if missing:
             raise ValueError(f"trace '{trace.name}': models needs a preset for role(s) {missing}")
         self.models = {r: resolve_model(trace.models[r]) for r in roles}
-        self.specs = state_specs(self.models, self.stages)
+        self.specs = state_specs(self.models, self.topology.units)
         self.truth = GroundTruth(self.hw, trace.seed, TruthSettings.from_mapping(trace.truth))
         self.caches = SharedCaches()
 
@@ -144,7 +145,7 @@ class Simulation:
     def model(self, layouts: Layouts | None = None, cost_model: CostModel | None = None,
               asynchronous: bool = False) -> PlanningModel:
         kind = AsyncPlanningModel if asynchronous else PlanningModel
-        return kind(self.models, self.trace.algorithm, self.hw, self.phases, self.specs, self.caches,
+        return kind(self.models, self.trace.algorithm, self.hw, self.topology, self.specs, self.caches,
                     layouts=layouts, planner=self.trace.planner, cost_model=cost_model)
 
     def cfg(self, stage: str):
@@ -265,7 +266,8 @@ class Simulation:
             if prev is not None:
                 model.observed = prev[0]
                 obs = Observation(step, plan, pool, prev[0].response_length.mean, prev[1],
-                                  model.peak_memory(plan, prev[0]), model.usable_bytes(), self.trace.steps - step)
+                                  model.peak_memory(plan, prev[0]), model.pricing.trigger_bytes(self.hw.memory_bytes),
+                                  self.trace.steps - step)
                 start, charged, fresh = time.perf_counter(), model.planner_ms, len(self.caches.plan_ms)
                 decision = controller.observe(obs)
                 wall = (time.perf_counter() - start) * 1e3

@@ -106,23 +106,19 @@ def test_an_announced_leave_is_compiled_ahead_and_the_move_is_data_movement_only
 
 
 def test_a_predicted_memory_violation_is_an_urgent_trigger_toward_a_plan_that_fits():
-    """cluster.device_memory_bytes below the current plan's predicted peak: the controller admits, without
-    the profitability test, a plan whose predicted peak per device fits the cap less the headroom, and the
-    move runs at the next boundary (it does not wait for a compile to finish in the background)."""
-    from nereus_jax.elastic.planner import Planner
-
-    job = _job(["cluster.device_memory_bytes=80000000"])
+    """cluster.device_memory_bytes below the current plan's predicted peak (past the memory trigger, halfway
+    between the cap less the headroom and the cap): the controller admits, without the profitability test,
+    a plan whose predicted peak per device fits the cap less the headroom, and the move runs at the next
+    boundary (it does not wait for a compile to finish in the background)."""
+    job = _job(["cluster.device_memory_bytes=72000000", "controller.memory_headroom=0.0"])
     adapter = Adapter(job, log=lambda _: None)
-    # a planner without headroom: none of its plans fits once actor/critic-infer run on the training units
-    # (measured), so the adapter must look further (more runners-up, more headroom, uniform layouts)
-    adapter.planner = Planner(adapter.cost, headroom=0.0)
     try:
         metrics = None
         for s in range(3):
             adapter.boundary(s, metrics)
             if s < 2:
                 metrics = job.step(s).metrics
-        assert adapter.peak_bytes(job.plan) > adapter.memory_cap_bytes
+        assert adapter.peak_bytes(job.plan) > adapter.pricing.trigger_bytes(72e6) == adapter.memory_cap_bytes
         decision = next(e for e in adapter.events if e["event"] == "decision")
         assert decision["trigger"] == "memory" and decision["urgent"] and decision["admitted"], \
             (decision["reason"], decision["rejected"])

@@ -12,11 +12,11 @@ import yaml
 from nereus_jax import simulate
 from nereus_jax.elastic.costs import counts
 from nereus_jax.elastic.planner import critical_path
+from nereus_jax.elastic.topology import gen_sizes
 from nereus_jax.sim import ASYNC_POLICIES, SimPlan, Simulation, build_trace, load_trace
 from nereus_jax.sim.asynchronous import (
     Batches,
     async_oracle,
-    gen_sizes,
     oracle_candidates,
     oracle_models,
     oracle_record,
@@ -41,7 +41,7 @@ def async_runs(short_data):
 
 def _as_sync(plan: SimPlan) -> SimPlan:
     """The same choices on the same devices, run synchronously (generation, then scoring and training)."""
-    return SimPlan.build(dict(plan.choices), plan.plan, plan.phases)
+    return SimPlan.build(dict(plan.choices), plan.plan, plan.topology)
 
 
 def _sync_by_hand(sim: Simulation, plan: SimPlan) -> float:
@@ -68,13 +68,19 @@ def test_async_step_is_max_of_next_generation_and_this_steps_training_plus_the_w
 
 
 def test_async_plans_keep_actor_gen_off_every_other_stages_devices(async_runs):
+    """Every overlapped plan keeps actor-gen on devices of its own; async_nereus always finds one. The pinned
+    baseline may fall back to a synchronous plan when its layouts stop fitting (scoring runs on the
+    training units' layout, so pinning training pins scoring too): counted in ``sync_fallback_steps``."""
     sim, runs = async_runs
     for name, run in runs.items():
+        fallbacks = 0
         for r in run.records:
             gen = set(r.plan.plan[next(ms for ms in r.plan.plan if str(ms) == GEN)].devices)
             others = {d for ms, sp in r.plan.plan.items() if str(ms) != GEN for d in sp.devices}
-            assert r.plan.overlapped and not gen & others, (name, r.step)
+            assert (r.plan.overlapped and not gen & others) or name != "async_nereus", (name, r.step)
+            fallbacks += not r.plan.overlapped
             assert set(r.plan.devices) <= set(sim.trace.pool(r.step)), (name, r.step)
+        assert run.summary()["sync_fallback_steps"] == fallbacks
 
 
 def test_async_is_never_slower_than_sync_for_the_same_fixed_disjoint_plan(short_data):

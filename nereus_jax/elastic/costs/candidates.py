@@ -60,8 +60,23 @@ Block = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # the
 
 
 @dataclass(frozen=True)
+class RiderCalls:
+    """A rider's call at each of its host's options (parallel to the host's arrays): it runs on the host's
+    replicas, so its tp, pp and dp are the host's; its micro-batch, seconds and working set are its own."""
+
+    stage: str
+    raw: np.ndarray  # n x 5 ints, as StageOptions.raw
+    latency: np.ndarray
+    working: np.ndarray
+
+    def choice(self, i: int) -> StageChoice:
+        return _choice(self.raw[i])
+
+
+@dataclass(frozen=True)
 class StageOptions:
-    """A model-stage's candidates as parallel arrays, sorted by (devices, latency)."""
+    """A model-stage's candidates as parallel arrays, sorted by (devices, latency). A host's options carry
+    its riders' calls (``riders``): ``latency`` then includes them and ``working`` is the largest of all."""
 
     stage: str
     latency: np.ndarray  # seconds per step
@@ -69,13 +84,23 @@ class StageOptions:
     resident: np.ndarray  # bytes per device kept between runs
     working: np.ndarray  # extra bytes per device while running
     raw: np.ndarray  # n x 5 ints: tp, pp, dp, micro_batch, remat
+    riders: tuple[RiderCalls, ...] = ()
 
     def __len__(self) -> int:
         return len(self.latency)
 
     def choice(self, i: int) -> StageChoice:
-        tp, pp, dp, mb, remat = (int(v) for v in self.raw[i])
-        return StageChoice(tp, pp, dp, mb, bool(remat))
+        return _choice(self.raw[i])
+
+    def own_latency(self, i: int) -> float:
+        """Seconds of the model-stage's own calls (its riders' excluded)."""
+        return float(self.latency[i]) - sum(float(r.latency[i]) for r in self.riders)
+
+    def masked(self, keep: np.ndarray) -> StageOptions:
+        """The options where ``keep`` is True (riders kept in step)."""
+        riders = tuple(RiderCalls(r.stage, r.raw[keep], r.latency[keep], r.working[keep]) for r in self.riders)
+        return StageOptions(self.stage, self.latency[keep], self.devices[keep], self.resident[keep],
+                            self.working[keep], self.raw[keep], riders)
 
     @classmethod
     def build(cls, stage: str, rows: Iterable[Row]) -> StageOptions:
@@ -90,6 +115,64 @@ class StageOptions:
         lat, dev, res, work, raw = (np.concatenate(parts) for parts in zip(*blocks, strict=True))
         order = np.lexsort((work, lat, dev))
         return cls(stage, lat[order], dev[order].astype(np.int64), res[order], work[order], raw[order])
+
+
+
+def _choice(raw) -> StageChoice:
+    tp, pp, dp, mb, remat = (int(v) for v in raw)
+    return StageChoice(tp, pp, dp, mb, bool(remat))
+
+
+def fold_riders(host: StageOptions, riders: list[StageOptions], usable: float, exact: bool) -> StageOptions:
+    """The host's options with its riders' calls at the same (tp, pp, dp) added: latency summed, working
+    set the largest (they run in turn on the same devices), resident state the host's alone. A host option
+    is repeated for every rider call worth having there (the fastest that adds no working set, and each
+    faster one that adds some, while it fits beside the host's resident state), so the search trades a
+    rider's speed against memory like any other choice. ``exact``: a rider has one call per layout (the
+    job's batching). Host options a rider cannot run at are dropped."""
+    out = host
+    for r in riders:
+        if exact and len({tuple(int(v) for v in row[:3]) for row in r.raw}) != len(r):
+            raise ValueError(f"{r.stage}: more than one call per layout under a batching rule")
+        out = _fold_one(out, r, usable)
+    return out.masked(np.lexsort((out.working, out.latency, out.devices)))
+
+
+def _fold_one(host: StageOptions, rider: StageOptions, usable: float) -> StageOptions:
+    frontiers = _frontiers(rider)
+    rows, calls = [], []
+    for i, row in enumerate(host.raw):
+        front = frontiers.get((int(row[0]), int(row[1]), int(row[2])))
+        if front is None:
+            continue
+        room = usable - host.resident[i]
+        work = rider.working[front]
+        free = np.nonzero(work <= host.working[i])[0]  # calls that add no working set: the last is fastest
+        start = free[-1] if len(free) else 0
+        for j in front[start:][work[start:] <= room]:
+            rows.append(i)
+            calls.append(j)
+    i, j = np.array(rows, dtype=np.int64), np.array(calls, dtype=np.int64)
+    riders = tuple(RiderCalls(c.stage, c.raw[i], c.latency[i], c.working[i]) for c in host.riders)
+    riders += (RiderCalls(rider.stage, rider.raw[j], rider.latency[j], rider.working[j]),)
+    return StageOptions(host.stage, host.latency[i] + rider.latency[j], host.devices[i], host.resident[i],
+                        np.maximum(host.working[i], rider.working[j]), host.raw[i], riders)
+
+
+def _frontiers(rider: StageOptions) -> dict[tuple[int, int, int], np.ndarray]:
+    """Per (tp, pp, dp): the rider's calls by working set ascending whose latency improves on every call
+    with a smaller working set (the memory/speed Pareto frontier)."""
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for j, row in enumerate(rider.raw):
+        groups.setdefault((int(row[0]), int(row[1]), int(row[2])), []).append(j)
+    out = {}
+    for key, idx in groups.items():
+        idx = np.array(idx, dtype=np.int64)
+        idx = idx[np.lexsort((rider.latency[idx], rider.working[idx]))]
+        lat = rider.latency[idx]
+        best_before = np.minimum.accumulate(np.concatenate(([np.inf], lat)))[:-1]
+        out[key] = idx[lat < best_before]
+    return out
 
 
 def _block(rows: list[Row]) -> Block:
@@ -129,25 +212,50 @@ class Pricer:
         self._calls: dict[tuple, np.ndarray] = {}  # keys use id(config): the configs outlive the pricer
         self._grids: dict[tuple, tuple] = {}
 
-    def options(self, cfg: ModelConfig, stage: str, tp_capacity: Callable[[int], int], usable: float) -> StageOptions:
-        """Every legal candidate of ``stage`` that fits ``usable`` bytes per device on its own."""
+    def options(self, cfg: ModelConfig, stage: str, tp_capacity: Callable[[int], int], usable: float,
+                rider: bool = False) -> StageOptions:
+        """Every legal candidate of ``stage`` that fits ``usable`` bytes per device on its own (a ``rider``
+        keeps no resident state: it runs on its host's)."""
         hw = self.cost_model.hardware
         train = split_stage(stage)[1] == "train"
         blocks = []
         for tp, pp in shapes(cfg, stage, hw.devices_per_node, tp_capacity):
-            least = resident_bytes(cfg, stage, tp, pp) + hw.workspace_bytes  # every call also holds its gradients
+            resident = 0.0 if rider else resident_bytes(cfg, stage, tp, pp)
+            least = resident + hw.workspace_bytes  # every call also holds its gradients
             if least + (accumulation_bytes(cfg, stage, tp, pp) if train else 0.0) > usable:
                 continue
             block = self._shape_block(cfg, stage, tp, pp, tp_capacity(tp))
             if block is not None:
+                if rider:
+                    block = (block[0], block[1], np.zeros_like(block[2]), block[3], block[4])
                 keep = block[2] + block[3] <= usable
                 blocks.append(tuple(a[keep] for a in block))
         return StageOptions.from_blocks(stage, blocks)
 
+    def rule_options(self, cfg: ModelConfig, stage: str, tp_capacity: Callable[[int], int], usable: float,
+                     batching, rider: bool = False) -> StageOptions:
+        """The candidates of ``stage`` whose calls are the ones the job makes (``batching``: a
+        ``topology.Batching``): one call size per (tp, pp, dp), priced one by one."""
+        hw, wl = self.cost_model.hardware, self.workload
+        kind = split_stage(stage)[1]
+        total = wl.rows_for(kind)
+        rows = []
+        for tp, pp in shapes(cfg, stage, hw.devices_per_node, tp_capacity):
+            for dp in divisors(total):
+                mb = batching.micro_batch(kind, total, dp)
+                if tp * pp * dp > tp_capacity(tp) or mb is None:
+                    continue
+                choice = StageChoice(tp, pp, dp, mb, batching.remat and kind == "train")
+                lat, devices, resident, working, raw = price(cfg, stage, choice, wl, self.cost_model)
+                resident = 0.0 if rider else resident
+                if resident + working <= usable:
+                    rows.append((lat, devices, resident, working, raw))
+        return StageOptions.build(stage, rows)
+
     def _shape_block(self, cfg: ModelConfig, stage: str, tp: int, pp: int, limit: int) -> Block | None:
         wl = self.workload
         kind = split_stage(stage)[1]
-        total = {"gen": wl.generated_sequences, "train": wl.train_sequences}.get(kind, wl.sequences)
+        total = wl.rows_for(kind)
         dps = [dp for dp in divisors(total) if tp * pp * dp <= limit]
         if not dps:
             return None

@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -48,6 +48,7 @@ from nereus_jax.config import ModelConfig
 from nereus_jax.elastic.costs.candidates import StageOptions
 from nereus_jax.elastic.costs.model import CostModel
 from nereus_jax.elastic.costs.stage import StageChoice, split_stage
+from nereus_jax.elastic.plan import ExecutionPlan
 from nereus_jax.elastic.planner.problem import (
     SKIPPABLE,
     InfeasiblePlanError,
@@ -75,6 +76,7 @@ from nereus_jax.elastic.planner.search import (
     set_partitions,
     solve_relaxation,
 )
+from nereus_jax.elastic.topology import Topology, gen_sizes
 from nereus_jax.elastic.workload import Workload
 
 __all__ = [
@@ -85,6 +87,7 @@ __all__ = [
     "PlanResult",
     "Planner",
     "Problem",
+    "Topology",
     "branch_and_bound",
     "critical_path",
     "device_memory",
@@ -109,15 +112,16 @@ class Planner:
 
     def problem(self, models: ModelConfig | Mapping[str, ModelConfig], algorithm: str, workload: Workload,
                 devices: int | Sequence[int], *, fixed: Mapping[str, StageChoice] | None = None,
-                skip: Sequence[str] = ()) -> Problem:
+                skip: Sequence[str] = (), topology: Topology | None = None) -> Problem:
         """The search problem: ``models`` is one config for every role or role -> config (actor, critic,
-        ref, reward); ``devices`` a pool size (ids 0..n-1) or the live device ids; ``skip`` model-stages
-        the job does not run (reward-infer with a verifiable reward, ref-infer without a KL term)."""
-        phases = phases_for(algorithm)
-        if any(s not in SKIPPABLE for s in skip):
-            raise ValueError(f"skip: only {', '.join(SKIPPABLE)} can be left out, got {list(skip)}")
-        phases = tuple(tuple(s for s in p if s not in skip) for p in phases)
-        names = [s for p in phases for s in p]
+        ref, reward); ``devices`` a pool size (ids 0..n-1) or the live device ids; ``topology`` what the
+        job runs (default: every model-stage of ``algorithm`` its own units, ``skip`` left out: reward-infer
+        with a verifiable reward, ref-infer without a KL term)."""
+        if topology is None:
+            topology = Topology.separate(algorithm, skip)
+        elif skip:
+            raise ValueError("skip: give either a topology or the model-stages to skip, not both")
+        names = list(topology.stages)
         roles = sorted({split_stage(s)[0] for s in names})
         if isinstance(models, ModelConfig):
             models = {r: models for r in roles}
@@ -128,21 +132,23 @@ class Planner:
         if not pool:
             raise InfeasiblePlanError("the device pool is empty: no model-stage can run")
         for name in fixed or {}:
-            if name not in names:
-                raise ValueError(f"fixed: '{name}' is not a model-stage of {algorithm}: {names}")
+            if name not in topology.units:
+                raise ValueError(f"fixed: '{name}' is not a model-stage of {algorithm} with its own units: "
+                                 f"{list(topology.units)}")
         usable = (1 - self.headroom) * self.cost_model.hardware.memory_bytes
-        problem = Problem(dict(models), phases, workload, pool, self.cost_model, usable, dict(fixed or {}))
+        problem = Problem(dict(models), topology.unit_phases, workload, pool, self.cost_model, usable,
+                          dict(fixed or {}), allow_concurrency=topology.concurrent, topology=topology)
         for name, choice in problem.fixed.items():
             check_fixed(problem, name, choice)
         return problem
 
     def plan(self, models: ModelConfig | Mapping[str, ModelConfig], algorithm: str, workload: Workload,
              devices: int | Sequence[int], *, fixed: Mapping[str, StageChoice] | None = None,
-             skip: Sequence[str] = ()) -> PlanResult:
+             skip: Sequence[str] = (), topology: Topology | None = None) -> PlanResult:
         """The fastest plan (Eq. 1) and runners-up; InfeasiblePlanError names the model-stage and bytes short.
         ``fixed`` pins model-stages to a choice (e.g. keep their current layout: a cheaper transition)."""
         start = time.perf_counter()
-        problem = self.problem(models, algorithm, workload, devices, fixed=fixed, skip=skip)
+        problem = self.problem(models, algorithm, workload, devices, fixed=fixed, skip=skip, topology=topology)
         opts = problem.options()
         result = self.solve(problem, opts)
         if result is None and problem.concurrent:  # a pool with holes may not place side-by-side groups
@@ -151,6 +157,32 @@ class Planner:
             raise InfeasiblePlanError(diagnose(problem))
         ms = (time.perf_counter() - start) * 1e3
         return dataclasses.replace(result, decision_ms=ms)
+
+    def split(self, models: ModelConfig | Mapping[str, ModelConfig], algorithm: str, gen_workload: Workload,
+              workload: Workload, devices: Sequence[int], topology: Topology,
+              options: Callable[[Problem], Mapping[str, StageOptions]] | None = None) -> list[PlanResult]:
+        """Plans with actor-gen on its own devices beside everything else (asynchronous training): for each
+        split of the pool (``topology.gen_sizes``), actor-gen planned for ``gen_workload`` on the first
+        devices and the rest of the step for ``workload`` on the others; one merged result per split that
+        fits, in split order. ``options(problem)``: the options to search (default ``problem.options()``)."""
+        gen_topo = dataclasses.replace(topology, phases=topology.phases[:1], rides_on=(), overlapped=False)
+        rest_topo = dataclasses.replace(topology, phases=topology.phases[1:], overlapped=False)
+        pool = tuple(sorted(devices))
+        out = []
+        for k in gen_sizes(len(pool), self.cost_model.hardware.devices_per_node):
+            sides = []
+            for topo, wl, part in ((gen_topo, gen_workload, pool[:k]), (rest_topo, workload, pool[k:])):
+                try:
+                    problem = self.problem(models, algorithm, wl, part, topology=topo)
+                except InfeasiblePlanError:
+                    break
+                result = self.solve(problem, options(problem) if options else problem.options())
+                if result is None:
+                    break
+                sides.append(result)
+            if len(sides) == 2:
+                out.append(merge_sides(*sides))
+        return out
 
     def solve(self, problem: Problem, opts: Mapping[str, StageOptions]) -> PlanResult | None:
         """Branch and bound on prepared options; None if nothing feasible can be placed."""
@@ -171,6 +203,17 @@ class Planner:
             return [r for r in (make_result(problem, opts, sols) for sols in others) if r is not None]
 
         return dataclasses.replace(result, pending=place_others)
+
+
+def merge_sides(gen: PlanResult, rest: PlanResult) -> PlanResult:
+    """One result of two planned on disjoint devices (actor-gen's and the rest's); the step latency is the
+    larger of the two (they run side by side), memory per device the union."""
+    return dataclasses.replace(
+        rest, plan=ExecutionPlan({**gen.plan, **rest.plan}), choices={**gen.choices, **rest.choices},
+        stage_latency_s={**gen.stage_latency_s, **rest.stage_latency_s},
+        step_latency_s=max(gen.step_latency_s, rest.step_latency_s), groups=gen.groups + rest.groups,
+        memory_per_device_bytes={**gen.memory_per_device_bytes, **rest.memory_per_device_bytes},
+        memory_bound_bytes=max(gen.memory_bound_bytes, rest.memory_bound_bytes), pending=None)
 
 
 def _alternatives(problem: Problem, opts, best: list[PhaseSolution]) -> list[tuple[float, list[PhaseSolution]]]:

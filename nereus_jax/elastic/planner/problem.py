@@ -1,6 +1,7 @@
-"""The planning problem: which model-stages a step runs (phase by phase), the models, the workload, the
-device pool with its nodes, the cost model and the usable bytes per device; and every model-stage's
-priced candidates (``Problem.options``)."""
+"""The planning problem: the job's topology (which model-stages a step runs, phase by phase, and which
+ride on another's units), the models, the workload, the device pool with its nodes, the cost model and
+the usable bytes per device; and every unit model-stage's priced candidates (``Problem.options``), its
+riders' calls folded in."""
 
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from nereus_jax.config import ModelConfig
-from nereus_jax.elastic.costs.candidates import Pricer, StageOptions, price
+from nereus_jax.elastic.costs.candidates import Pricer, StageOptions, fold_riders, price
 from nereus_jax.elastic.costs.counts import layout_problem
 from nereus_jax.elastic.costs.model import CostModel
 from nereus_jax.elastic.costs.stage import StageChoice, split_stage
+from nereus_jax.elastic.topology import SKIPPABLE, Topology
 from nereus_jax.elastic.workload import Workload
-from nereus_jax.rl.algorithms import algorithm_spec
 
-SKIPPABLE = ("ref-infer", "reward-infer")  # a KL-free loss needs no reference; a verifiable reward no model
+__all__ = ["SKIPPABLE", "InfeasiblePlanError", "Problem", "check_fixed", "phases_for"]
 
 
 def check_fixed(problem: Problem, stage: str, c: StageChoice) -> None:
@@ -41,16 +42,15 @@ class InfeasiblePlanError(ValueError):
 
 
 def phases_for(algorithm: str) -> tuple[tuple[str, ...], ...]:
-    """The model-stages of one step, phase by phase; algorithms without a critic drop its stages."""
-    critic = algorithm_spec(algorithm).uses_critic
-    score = ("actor-infer", "ref-infer", "reward-infer") + (("critic-infer",) if critic else ())
-    train = ("actor-train",) + (("critic-train",) if critic else ())
-    return (("actor-gen",), score, train)
+    """The model-stages of one step, phase by phase (every model-stage its own units)."""
+    return Topology.separate(algorithm).phases
 
 
 @dataclass(frozen=True)
 class Problem:
-    """Everything a search needs: models per role, phases, workload, pool, cost model, usable bytes."""
+    """Everything a search needs: models per role, the topology, workload, pool, cost model, usable bytes.
+    ``phases`` and ``stages`` are the unit model-stages the search places (riders are priced inside their
+    host's options)."""
 
     models: Mapping[str, ModelConfig]
     phases: tuple[tuple[str, ...], ...]
@@ -60,6 +60,7 @@ class Problem:
     usable_bytes: float
     fixed: Mapping[str, StageChoice] = field(default_factory=dict)
     allow_concurrency: bool = True
+    topology: Topology | None = None  # None: every model-stage of ``phases`` its own units
 
     @property
     def stages(self) -> tuple[str, ...]:
@@ -90,13 +91,25 @@ class Problem:
         return self._tp_capacity[tp]
 
     def options(self, pricer: Pricer | None = None) -> dict[str, StageOptions]:
-        """Every model-stage's candidates that fit on their own (a fixed stage: just its choice)."""
+        """Every unit model-stage's candidates that fit on their own (a fixed stage: just its choice), with
+        its riders' calls at the same layout folded in; with the topology's ``batching``, only the calls the
+        job makes."""
         pricer = pricer or Pricer(self.cost_model, self.workload)
+        topo = self.topology
+        batching = topo.batching if topo is not None else None
         out = {}
         for s in self.stages:
-            cfg = self.model_for(s)
-            if s in self.fixed:
-                out[s] = StageOptions.build(s, [price(cfg, s, self.fixed[s], self.workload, self.cost_model)])
-            else:
-                out[s] = pricer.options(cfg, s, self.tp_capacity, self.usable_bytes)
+            out[s] = self._stage_options(pricer, s, batching)
+            riders = topo.riders_of(s) if topo is not None else ()
+            if riders:
+                out[s] = fold_riders(out[s], [self._stage_options(pricer, r, batching, rider=True) for r in riders],
+                                     self.usable_bytes, exact=batching is not None)
         return out
+
+    def _stage_options(self, pricer: Pricer, s: str, batching, rider: bool = False) -> StageOptions:
+        cfg = self.model_for(s)
+        if s in self.fixed:
+            return StageOptions.build(s, [price(cfg, s, self.fixed[s], self.workload, self.cost_model)])
+        if batching is not None:
+            return pricer.rule_options(cfg, s, self.tp_capacity, self.usable_bytes, batching, rider=rider)
+        return pricer.options(cfg, s, self.tp_capacity, self.usable_bytes, rider=rider)

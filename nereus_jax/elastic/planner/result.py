@@ -14,6 +14,7 @@ from nereus_jax.elastic.costs.stage import StageChoice
 from nereus_jax.elastic.plan import ExecutionPlan, ModelStage, StagePlan
 from nereus_jax.elastic.planner.problem import Problem
 from nereus_jax.elastic.planner.search import PhaseSolution, memory_need, picked
+from nereus_jax.elastic.topology import critical_path
 from nereus_jax.sharding import Layout
 
 
@@ -78,21 +79,6 @@ def overlap_edges(phases: Sequence[Sequence[str]], placed: Mapping[str, StagePla
     return edges
 
 
-def critical_path(latency: Mapping[str, float], edges: set[tuple[str, str]]) -> float:
-    """Longest path through the overlap graph (model-stages weighted by their latency)."""
-    preds: dict[str, list[str]] = {s: [] for s in latency}
-    for a, b in edges:
-        preds[b].append(a)
-    finish: dict[str, float] = {}
-
-    def end(s: str) -> float:
-        if s not in finish:
-            finish[s] = latency[s] + max((end(p) for p in preds[s]), default=0.0)
-        return finish[s]
-
-    return max(end(s) for s in latency)
-
-
 def device_memory(placed: Mapping[str, StagePlan], resident: Mapping[str, float],
                   working: Mapping[str, float]) -> dict[int, float]:
     """Exact peak bytes per device: the resident state of every model-stage on it + its largest working set."""
@@ -122,6 +108,7 @@ class PlanResult:
     hardware: str
     gap: float = 0.0  # proven bound on (this plan's latency - optimum) / this plan's latency
     decision_ms: float = 0.0
+    hosts: Mapping[str, str] = field(default_factory=dict)  # rider -> the model-stage whose units run it
     pending: Callable[[], Sequence[PlanResult]] | None = field(default=None, compare=False, repr=False)
 
     @functools.cached_property
@@ -137,14 +124,17 @@ class PlanResult:
     def table(self) -> str:
         """The plan as a table: per model-stage its choice, devices and predicted seconds."""
         rows = [("model-stage", "tp", "pp", "dp", "micro-batch", "remat", "devices", "latency s")]
-        for stage in (s for phase in self.groups for group in phase for s in group):
-            c, devs = self.choices[stage], self.plan[ModelStage.parse(stage)].devices
+        riders = {h: [r for r, hh in self.hosts.items() if hh == h] for h in set(self.hosts.values())}
+        for stage in (r for phase in self.groups for group in phase for s in group for r in [*riders.get(s, []), s]):
+            c, devs = self.choices[stage], self.plan[ModelStage.parse(self.hosts.get(stage, stage))].devices
             span = f"{min(devs)}-{max(devs)}" if len(devs) > 1 else str(devs[0])
             rows.append((stage, str(c.tp), str(c.pp), str(c.dp), str(c.micro_batch), "yes" if c.remat else "no",
                          f"{len(devs)} [{span}]", f"{self.stage_latency_s[stage]:.3f}"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
         order = " -> ".join(" | ".join("+".join(g) for g in phase) for phase in self.groups)
+        if self.hosts:
+            order += "; " + ", ".join(f"{r} runs on {h}'s units" for r, h in self.hosts.items())
         gib = 2**30
         return "\n".join(lines + [
             f"run order: {order}  ('|': disjoint devices, at the same time; '+': one after another)",
@@ -182,11 +172,18 @@ def make_result(problem: Problem, opts, sols: Sequence[PhaseSolution], gap: floa
     if placed is None:
         return None
     picks = picked(sols)
-    latency = {s: float(opts[s].latency[picks[s]]) for s in problem.stages}
+    latency = {s: float(opts[s].latency[picks[s]]) for s in problem.stages}  # riders folded in
     resident = {s: float(opts[s].resident[picks[s]]) for s in problem.stages}
     working = {s: float(opts[s].working[picks[s]]) for s in problem.stages}
     step = critical_path(latency, overlap_edges(problem.phases, placed, problem.stages))
     plan = ExecutionPlan({ModelStage.parse(s): sp for s, sp in placed.items()})
-    return PlanResult(plan, {s: opts[s].choice(picks[s]) for s in problem.stages}, latency, step,
+    choices = {s: opts[s].choice(picks[s]) for s in problem.stages}
+    hosts = {}
+    for s in problem.stages:
+        latency[s] = opts[s].own_latency(picks[s])
+        for r in opts[s].riders:
+            choices[r.stage], latency[r.stage], hosts[r.stage] = r.choice(picks[s]), float(r.latency[picks[s]]), s
+    order = problem.topology.stages if problem.topology is not None else problem.stages
+    return PlanResult(plan, {s: choices[s] for s in order}, {s: latency[s] for s in order}, step,
                       tuple(sol.stages for sol in sols), device_memory(placed, resident, working),
-                      memory_need(opts, picks), problem.usable_bytes, problem.hardware.name, gap)
+                      memory_need(opts, picks), problem.usable_bytes, problem.hardware.name, gap, hosts=hosts)

@@ -1,0 +1,138 @@
+"""The job's prices: what a plan costs per step, how much memory it needs per device, what moving to it
+costs, and the calibration that keeps those prices honest; importable without JAX.
+
+One :class:`Pricing` object serves the running job (``runtime.adapt``) and the simulator
+(``sim.model``), so the same plan and workload get the same prediction in both:
+
+- per model-stage seconds and bytes from the (calibrated) :class:`~nereus_jax.elastic.costs.CostModel`,
+  riders priced at their host's layout with no resident state (:mod:`~nereus_jax.elastic.topology`);
+- step latency as the topology composes the stages (critical path of its execution-overlap graph: the
+  job's stages one after another, async actor-gen beside the rest);
+- peak bytes per device: the resident state of every unit on the device plus the largest working set
+  among everything that runs there;
+- a transition graph's data movement priced with the cost model's link times;
+- calibration: measured stage seconds over a window of recent steps refit the efficiencies.
+
+Plans are anything mapping model-stage -> stage plan with ``devices`` (an ``ExecutionPlan``); choices map
+every priced model-stage (riders too) to its :class:`~nereus_jax.elastic.costs.StageChoice`.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Mapping
+
+from nereus_jax.config import ModelConfig
+from nereus_jax.elastic.costs import CostModel, Measurement, StageChoice
+from nereus_jax.elastic.costs.stage import split_stage
+from nereus_jax.elastic.topology import Topology, critical_path
+from nereus_jax.elastic.workload import Workload
+
+CALIBRATION_WINDOW = 8  # steps of measurements the efficiencies are fitted to
+
+
+class Pricing:
+    """A topology's prices under one cost model; ``usable_bytes`` is the memory a plan may fill per device
+    (capacity less the planning headroom)."""
+
+    def __init__(self, cost: CostModel, topology: Topology, models: Mapping[str, ModelConfig], usable_bytes: float,
+                 window: int = CALIBRATION_WINDOW):
+        self.cost, self.topology, self.models, self.usable_bytes = cost, topology, dict(models), usable_bytes
+        self.window: collections.deque[list[Measurement]] = collections.deque(maxlen=window)
+
+    @property
+    def hardware(self):
+        return self.cost.hardware
+
+    def model_for(self, stage: str) -> ModelConfig:
+        return self.models[split_stage(stage)[0]]
+
+    # ------------------------------------------------------------------------------------ choices
+    def choices(self, plan, workload: Workload) -> dict[str, StageChoice]:
+        """Every priced model-stage's call under the topology's batching rule, from the plan's layouts
+        (a rider: its host's). ValueError when the plan's dp cannot split a stage's batch."""
+        batching = self.topology.batching
+        if batching is None:
+            raise ValueError("choices from a plan need the topology's batching rule (the job's call sizes)")
+        out = {}
+        for stage in self.topology.stages:
+            sp = _stage_plan(plan, self.topology.host(stage))
+            kind = split_stage(stage)[1]
+            rows = workload.rows_for(kind)
+            mb = batching.micro_batch(kind, rows, sp.dp)
+            if mb is None:
+                raise ValueError(f"{stage}: dp={sp.dp} does not split its {rows} sequences")
+            out[stage] = StageChoice(sp.layout.tp, sp.layout.pp, sp.dp, mb, batching.remat and kind == "train")
+        return out
+
+    # ------------------------------------------------------------------------------------ latency
+    def stage_seconds(self, choices: Mapping[str, StageChoice], workload: Workload,
+                      workloads: Mapping[str, Workload] | None = None) -> dict[str, float]:
+        """Predicted seconds per step of each model-stage (``workloads``: a stage's own batch, else ``workload``)."""
+        per = workloads or {}
+        return {s: self.cost.stage_latency(self.model_for(s), s, c, per.get(s, workload)).total
+                for s, c in choices.items()}
+
+    def step_seconds(self, seconds: Mapping[str, float], plan, overlapped: bool | None = None,
+                     sync_s: float = 0.0) -> float:
+        """Step latency from per-stage seconds: the critical path of the topology's overlap graph."""
+        return critical_path(seconds, self.topology.edges(self.placed(plan), overlapped)) + sync_s
+
+    def latency(self, plan, choices: Mapping[str, StageChoice], workload: Workload,
+                overlapped: bool | None = None) -> float:
+        """Predicted step latency of ``plan`` running ``choices`` on ``workload``."""
+        return self.step_seconds(self.stage_seconds(choices, workload), plan, overlapped)
+
+    # ------------------------------------------------------------------------------------- memory
+    def placed(self, plan) -> dict[str, tuple[int, ...]]:
+        """Every priced model-stage -> the device ids it runs on (a rider: its host's)."""
+        return self.topology.placed(plan)
+
+    def device_bytes(self, plan, choices: Mapping[str, StageChoice], workload: Workload,
+                     workloads: Mapping[str, Workload] | None = None) -> dict[int, float]:
+        """Predicted peak bytes per device (``Topology.device_bytes`` of the cost model's stage memory)."""
+        per = workloads or {}
+        return self.topology.device_bytes(plan, lambda s: tuple(self.cost.stage_memory(
+            self.model_for(s), s, choices[s], per.get(s, workload))))
+
+    def peak_bytes(self, plan, choices: Mapping[str, StageChoice], workload: Workload,
+                   workloads: Mapping[str, Workload] | None = None) -> float:
+        """The busiest device's predicted peak bytes."""
+        return max(self.device_bytes(plan, choices, workload, workloads).values())
+
+    def trigger_bytes(self, capacity: float) -> float:
+        """Predicted peak per device above which the current plan must move (the memory trigger): halfway
+        between what a new plan may fill and the device's ``capacity``. Plans are made to fill at most
+        ``usable_bytes``; growing lengths use the other half of the headroom before a move is forced, and
+        the last half stays for prediction error."""
+        return (self.usable_bytes + capacity) / 2
+
+    def fits(self, plan, choices: Mapping[str, StageChoice], workload: Workload) -> bool:
+        return self.peak_bytes(plan, choices, workload) <= self.usable_bytes
+
+    # --------------------------------------------------------------------------------- transitions
+    def movement_seconds(self, graph) -> float:
+        """A transition graph's predicted data movement: its critical path at the cost model's link times."""
+        from nereus_jax.elastic.graph import transition_seconds  # graphs hold device arrays' specs: JAX
+
+        return transition_seconds(graph, lambda link, n: self.cost.transfer_seconds(n, link),
+                                  self.hardware.devices_per_node)
+
+    # --------------------------------------------------------------------------------- calibration
+    def calibrate(self, measurements: Iterable[Measurement]) -> None:
+        """Adds one step's measured stage seconds to the window and refits the efficiencies to the window."""
+        self.window.append(list(measurements))
+        self.cost.observe([m for step in self.window for m in step])
+
+    def measurements(self, choices: Mapping[str, StageChoice], workload: Workload,
+                     seconds: Mapping[str, float]) -> list[Measurement]:
+        """One step's measured seconds as calibration data (stages that did not run are left out)."""
+        return [Measurement(self.model_for(s), s, c, workload, seconds[s])
+                for s, c in choices.items() if seconds.get(s, 0) > 0]
+
+
+def _stage_plan(plan, stage: str):
+    for ms, sp in plan.items():
+        if str(ms) == stage:
+            return sp
+    raise KeyError(f"the plan has no model-stage {stage}")
