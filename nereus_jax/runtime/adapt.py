@@ -49,14 +49,13 @@ from nereus_jax.elastic.controller import Candidate, Controller, Decision, Obser
 from nereus_jax.elastic.costs import CostModel, link_bandwidth
 from nereus_jax.elastic.executor import TransitionExecutor
 from nereus_jax.elastic.graph import TransitionGraph
-from nereus_jax.elastic.hardware import get_hardware
 from nereus_jax.elastic.plan import ExecutionPlan
 from nereus_jax.elastic.planner import InfeasiblePlanError, Planner, PlanResult
-from nereus_jax.elastic.pricing import CALIBRATION_WINDOW, Pricing
+from nereus_jax.elastic.pricing import CALIBRATION_WINDOW
 from nereus_jax.elastic.workload import LengthStats, Workload
 from nereus_jax.runtime.distributed import agree, all_processes
 from nereus_jax.runtime.job import Job, Prepared, engine_replicas_across_processes
-from nereus_jax.runtime.plans import ACTOR_GEN, job_models, job_topology, plan_from_config
+from nereus_jax.runtime.plans import ACTOR_GEN, job_pricing, plan_from_config
 
 _MEASURED = ("step_seconds", "stage_seconds", "response_length_mean", "response_length_p95")  # clock/length reads
 _MISMATCH = ("mismatch_kl", "mismatch_ratio_max", "mismatch_outside_fraction")  # logged before/after a move
@@ -85,14 +84,9 @@ class Adapter:
         self.job, self.log = job, log
         cfg = job.cfg
         self.enabled = cfg.controller.enabled
-        hardware = get_hardware(cfg.controller.hardware or cfg.cluster.hardware)
-        if cfg.cluster.device_memory_bytes:  # plan against the cap the cluster sets, not the datasheet's
-            hardware = dataclasses.replace(hardware, memory_bytes=cfg.cluster.device_memory_bytes)
-        self.cost = CostModel(hardware)
+        self.pricing = job_pricing(cfg)
+        self.cost, self.topology = self.pricing.cost, self.pricing.topology
         self.planner = Planner(self.cost, headroom=cfg.controller.memory_headroom)
-        self.topology = job_topology(cfg)
-        self.pricing = Pricing(self.cost, self.topology, job_models(cfg), hardware.memory_bytes * (
-            1 - cfg.controller.memory_headroom), window=CALIBRATION_WINDOW)
         self.pool = tuple(range(cfg.cluster.num_devices))
         self.controller = Controller(self._candidates, self._latency, self._transition_seconds,
                                      gamma=cfg.controller.gamma, length_drift=cfg.controller.length_drift,

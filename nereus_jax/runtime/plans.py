@@ -9,8 +9,13 @@ reward runs on the host.
 
 from __future__ import annotations
 
+import dataclasses
+
 from nereus_jax.config import Config, ConfigError, ModelConfig
+from nereus_jax.elastic.costs import CostModel
+from nereus_jax.elastic.hardware import get_hardware
 from nereus_jax.elastic.plan import ExecutionPlan, ModelStage, StagePlan
+from nereus_jax.elastic.pricing import Pricing
 from nereus_jax.elastic.topology import Batching, Topology
 from nereus_jax.rl.algorithms import algorithm_spec
 from nereus_jax.sharding import Layout
@@ -29,6 +34,16 @@ def job_topology(cfg: Config) -> Topology:
                         cfg.rollout.max_concurrent_decodes, cfg.model.remat)
     return Topology.of_job(cfg.algorithm.name, reward_model=bool(cfg.task.reward_model_path),
                            asynchronous=cfg.trainer.mode == "async", batching=batching)
+
+
+def job_pricing(cfg: Config) -> Pricing:
+    """The job's prices: its topology under a cost model of its hardware (``controller.hardware`` or
+    ``cluster.hardware``, capped at ``cluster.device_memory_bytes``), usable bytes = cap less the headroom."""
+    hardware = get_hardware(cfg.controller.hardware or cfg.cluster.hardware)
+    if cfg.cluster.device_memory_bytes:  # plan against the cap the cluster sets, not the datasheet's
+        hardware = dataclasses.replace(hardware, memory_bytes=cfg.cluster.device_memory_bytes)
+    usable = hardware.memory_bytes * (1 - cfg.controller.memory_headroom)
+    return Pricing(CostModel(hardware), job_topology(cfg), job_models(cfg), usable)
 
 
 def job_models(cfg: Config) -> dict[str, ModelConfig]:
