@@ -466,7 +466,8 @@ class ControllerConfig(_Node):
     enabled: bool = True
     gamma: float = _field(0.5, "admit a transition when its cost / per-step saving <= gamma * H (Eq. 2)")
     length_drift: float = _field(0.3, "relative sequence-length change that triggers a re-plan")
-    memory_headroom: float = _field(0.1, "fraction of device memory the planner keeps free")
+    memory_headroom: float = _field(0.1, "fraction of device memory a new plan leaves free; the memory trigger fires "
+                                    "when the current plan's predicted peak leaves less than half of it")
     error_margin: bool = _field(True, "admit a move only if its predicted gain exceeds the cost model's mean "
                                       "error on past moves (false: Eq. 2 as the paper has it)")
     hardware: str | None = _field(None, "cost-model hardware; null = cluster.hardware")
