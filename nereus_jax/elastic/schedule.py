@@ -155,12 +155,13 @@ class Scheduler:
     def _resolve_deadlock(self, ready) -> None:
         blocked = [p & _SID for p in sorted(ready)]
         first_key = self.waiting[blocked[0]]
+        live = self._live_units() if self.allow_offload else []  # unchanged until an offload happens
         for sid in blocked:
             k = self.waiting[sid]
             if k < 0 or not self.allow_offload:
                 continue
             step = self.b.steps[sid]
-            victim = self._victim(k, step)
+            victim = self._victim(k, step, live)
             if victim is not None:
                 self._offload(victim, step)
                 return
@@ -187,11 +188,11 @@ class Scheduler:
                           f"{step.stage} -> {units}: {why}. Raise the cap, or plan an intermediate step.",
                           ~k if k < 0 else k, int(short))
 
-    def _victim(self, k: int, step: Step) -> Unit | None:
-        """A live device unit on device ``k`` that can be parked in host memory to unblock ``step``."""
+    def _victim(self, k: int, step: Step, live: list[Unit]) -> Unit | None:
+        """A unit of ``live`` on device ``k`` that can be parked in host memory to unblock ``step``."""
         host_room = None if self.ledger.host_cap is None else self.ledger.host_cap - self.ledger.host_total
         best = None
-        for u in self._live_units():
+        for u in live:
             if u.memory != DEVICE or k not in u.devices or u.uid in self.offloaded or u.onloaded:
                 continue
             if u.uid in step.inputs and step.op not in COPIES:
