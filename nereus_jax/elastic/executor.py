@@ -218,7 +218,9 @@ class _Run:
         input is deleted where XLA did not consume it: XLA takes a donated buffer only when an output can
         alias it (same size on the same device), and JAX leaves the others alive; one still referenced
         elsewhere (the caller's EMUs, the whole-state arrays replicas are views of) would outlive its
-        release in the ledger. Buffers an output of the step aliases are never deleted."""
+        release in the ledger. XLA may take some devices' buffers of an array and decline others' (one it
+        cannot reuse, e.g. one with an external reference). Buffers an output of the step aliases are never
+        deleted."""
         emu = self.live.pop(uid, None)
         if emu is None:
             return
@@ -231,7 +233,7 @@ class _Run:
                 made = {(s.device, s.data.unsafe_buffer_pointer()) for u in outputs.values() for y in u.leaves
                         for s in y.addressable_shards}
             for shard in x.addressable_shards:
-                if device_index(shard.device) in keep:
+                if device_index(shard.device) in keep or shard.data.is_deleted():  # handed on, or consumed
                     continue
                 if made and (shard.device, shard.data.unsafe_buffer_pointer()) in made:
                     continue
