@@ -14,7 +14,9 @@ At each boundary, in order:
    A leave is graceful (the device stays readable until its step, as with a preemption notice); an
    abrupt loss in the middle of a step is the fault path of checkpoint/restart.
 3. A pending transition whose programs are compiled is executed now: the executor's data movement and
-   the switch to the new engines are the whole pause. If a device the plan uses leaves at this step,
+   the switch to the new engines are the whole pause. The move is the graph the decision was priced
+   with, run by :func:`nereus_jax.runtime.move.move` (the job holds none of the moved units meanwhile);
+   one that fails leaves the job on its plan with its state. If a device the plan uses leaves at this step,
    the boundary waits for the compile (an urgent move cannot be deferred).
 4. Otherwise the controller observes the step (response length, step time, pool) and may re-plan. An
    admitted target is compiled ahead on a background thread (``Job.prepare``) while the current plan
@@ -45,9 +47,9 @@ from typing import Any
 
 from nereus_jax.config import ConfigError, StageLayoutConfig
 from nereus_jax.elastic.compile import align_ranks
-from nereus_jax.elastic.controller import Candidate, Controller, Decision, Observation
+from nereus_jax.elastic.controller import Candidate, Controller, Decision, Observation, Priced
 from nereus_jax.elastic.costs import CostModel, Measurement, StageChoice, device_peak_bytes, link_bandwidth
-from nereus_jax.elastic.executor import TransitionExecutor
+from nereus_jax.elastic.executor import TransitionFailed
 from nereus_jax.elastic.graph import TransitionGraph, transition_seconds
 from nereus_jax.elastic.hardware import get_hardware
 from nereus_jax.elastic.plan import ExecutionPlan, ModelStage
@@ -56,6 +58,7 @@ from nereus_jax.elastic.workload import LengthStats, Workload
 from nereus_jax.runtime import steps
 from nereus_jax.runtime.distributed import agree, all_processes
 from nereus_jax.runtime.job import Job, Prepared, engine_replicas_across_processes
+from nereus_jax.runtime.move import move
 from nereus_jax.runtime.plans import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, plan_from_config
 
 # The cost model's name of each timed part of a job step -> the job's model-stage whose layout runs it.
@@ -74,7 +77,8 @@ class LiveTransitionError(RuntimeError):
 @dataclasses.dataclass
 class _Pending:
     decision: Decision
-    target: ExecutionPlan
+    target: ExecutionPlan  # ranks aligned to the job's plan
+    graph: TransitionGraph  # job.plan -> target: the graph the move was priced with, run as it is
     future: concurrent.futures.Future
     started: float
     step: int
@@ -161,11 +165,11 @@ class Adapter:
         if decision is None:
             return
         if decision.admitted:
-            target = align_ranks(self.job.plan, decision.target)
+            target, graph = self._priced_move(decision)
             steady = statistics.median(self._steady_s) if self._steady_s else None
             # an urgent move (memory, devices) runs at the next boundary even if it must wait for the compile:
             # stepping on while the plan is predicted not to fit would risk an out-of-memory error
-            pending = _Pending(decision, target, self._pool_ex.submit(self.job.prepare, target),
+            pending = _Pending(decision, target, graph, self._pool_ex.submit(self.job.prepare, target),
                                time.perf_counter(), step, steady, wait=decision.urgent)
             self.pending = pending
             if gone & set(self.job.plan.devices):  # the device is gone now: no time to compile ahead
@@ -174,14 +178,18 @@ class Adapter:
     def request(self, plan: ExecutionPlan, *, wait: bool = True, reason: str = "requested") -> None:
         """Moves the job to ``plan`` (an operator's or a test's choice, not the controller's): compiled
         ahead from now on, executed at the next boundary (``wait``: even if that waits for the compile)
-        or at the first boundary after the compile finishes. Replaces a pending move."""
+        or at the first boundary after the compile finishes. Replaces a pending move. A plan no transition
+        reaches (a layout the model cannot take, caps it cannot fit) raises here, naming it, with nothing
+        changed."""
         target = align_ranks(self.job.plan, plan)
-        decision = Decision(-1, "request", True, target, True, reason, None, None, None, None, 1.0)
+        graph = self._graph(self.job.plan, target)
+        self.job.check_plan(target)
+        decision = Decision(-1, "request", True, target, True, reason, None, None, None, None, 1.0, move=graph)
         if self.pending is not None:
             self.pending.future.cancel()
         self.controller.forget_move()  # the next plan change is this request, not the controller's last move
         steady = statistics.median(self._steady_s) if self._steady_s else None
-        self.pending = _Pending(decision, target, self._pool_ex.submit(self.job.prepare, target),
+        self.pending = _Pending(decision, target, graph, self._pool_ex.submit(self.job.prepare, target),
                                 time.perf_counter(), -1, steady, wait=wait)
         self.log(f"transition requested ({reason}) -> {_short(target)}")
 
@@ -230,23 +238,31 @@ class Adapter:
         if self.before_move is not None:
             self.before_move()
         t1 = time.perf_counter()
-        graph = self._graph(self.job.plan, pending.target)
-        units = TransitionExecutor().run(graph, self.job.units)
-        for us in units.values():
-            for u in us:
-                for leaf in u.leaves:
-                    leaf.block_until_ready()
-        t2 = time.perf_counter()
-        self.job.adopt(pending.target, units, prepared)
+        self.pending = None
+        try:  # the job holds none of the moved units meanwhile: what the executor frees is free
+            moved = move(self.job, pending.graph, prepared=prepared)
+        except TransitionFailed as failed:  # the job has its state back, on its plan
+            self.controller.forget_move()
+            self.events.append({"event": "transition_failed", "step": step, "trigger": pending.decision.trigger,
+                                "plan": _short(pending.target), "error": str(failed)})
+            self.log(f"step {step}: transition -> {_short(pending.target)} failed; the job stays on its plan: {failed}")
+            leaving = set(self.job.plan.devices) - set(self.pool)
+            if leaving:
+                raise LiveTransitionError(
+                    f"step {step}: devices {sorted(leaving)} left and the live transition off them failed "
+                    f"({failed}); restart from the last checkpoint on the remaining devices "
+                    "(checkpoint.resume_from=...)") from failed
+            return
         t3 = time.perf_counter()
+        graph = pending.graph
         self._priced_s.clear()
-        self.pending, self.transitions = None, self.transitions + 1
+        self.transitions += 1
         self._compiled_last_step = True
         overlapped = pending.step_seconds
         slowdown = statistics.median(overlapped) / pending.steady_s if overlapped and pending.steady_s else None
         event = {"event": "transition", "step": step, "trigger": pending.decision.trigger,
                  "admitted_at_step": pending.step, "pause_s": t3 - t0, "wait_for_compile_s": t1 - t0,
-                 "movement_s": t2 - t1, "switch_s": t3 - t2, "compile_s": prepared.seconds,
+                 "movement_s": moved.movement_s, "switch_s": moved.switch_s, "compile_s": prepared.seconds,
                  "compile_hidden": not waited, "steps_during_compile": len(overlapped),
                  "step_slowdown_during_compile": slowdown,
                  "predicted_transition_s": pending.decision.transition_s,
@@ -278,6 +294,15 @@ class Adapter:
         bw, lat = link_bandwidth("intra", self.cost.hardware)
         return TransitionGraph.build(old, new, self.job.specs, caps=self.job.cfg.cluster.device_memory_bytes,
                                      bandwidth=bw, latency=lat)
+
+    def _priced_move(self, decision: Decision) -> tuple[ExecutionPlan, TransitionGraph]:
+        """The admitted target (ranks aligned) and the graph it was priced with; built here only when the
+        controller priced it without one (a transition function that answers in seconds)."""
+        graph = decision.move
+        if isinstance(graph, TransitionGraph) and graph.old_plan == self.job.plan:
+            return decision.target, graph
+        target = align_ranks(self.job.plan, decision.target)
+        return target, self._graph(self.job.plan, target)
 
     # --------------------------------------------------------------------------- calibration
     def _learn(self, metrics: dict[str, Any]) -> None:
@@ -431,13 +456,17 @@ class Adapter:
             if latency is not None and plan not in out:
                 out[plan] = latency
 
-    def _transition_seconds(self, old: ExecutionPlan, new: ExecutionPlan) -> float | None:
+    def _transition_seconds(self, old: ExecutionPlan, new: ExecutionPlan) -> Priced | None:
+        """The predicted seconds of the move to ``new`` (ranks aligned to where it starts), with that target
+        and its graph, which an admitted decision carries to the move; None when no transition reaches it."""
+        target = align_ranks(old, new)
         try:
-            graph = self._graph(old, align_ranks(old, new))
+            graph = self._graph(old, target)
         except ValueError:
             return None
         compile_s = self._compile_s or 0.0
-        return self._movement_s(graph) + (compile_s if self.cost.hardware.shared_compute else 0.0)
+        return Priced(self._movement_s(graph) + (compile_s if self.cost.hardware.shared_compute else 0.0),
+                      target, graph)
 
     def _movement_s(self, graph: TransitionGraph) -> float:
         """The graph's predicted data movement: its critical path priced by the calibrated cost model's
