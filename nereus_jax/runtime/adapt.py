@@ -12,7 +12,8 @@ At each boundary, in order:
 2. The device pool: ``cluster.schedule`` changes take effect at their step; a leave with ``notice`` > 0
    is announced ``notice`` steps early, and the controller plans without those devices from then on.
    A leave is graceful (the device stays readable until its step, as with a preemption notice); an
-   abrupt loss in the middle of a step is the fault path of checkpoint/restart.
+   abrupt loss in the middle of a step (:meth:`Adapter.lose`) takes the same urgent path, with the move
+   starting from the units that survived, and restores the last checkpoint only when no live move exists.
 3. A pending transition whose programs are compiled is executed now: the executor's data movement and
    the switch to the new engines are the whole pause. The move is the graph the decision was priced
    with, run by :func:`nereus_jax.runtime.move.move` (the job holds none of the moved units meanwhile);
@@ -56,9 +57,15 @@ from nereus_jax.elastic.plan import ExecutionPlan, ModelStage
 from nereus_jax.elastic.planner import InfeasiblePlanError, Planner
 from nereus_jax.elastic.workload import LengthStats, Workload
 from nereus_jax.runtime import steps
+from nereus_jax.runtime.checkpoint import (
+    Recovery,
+    recover_from_device_loss,
+    restore_after_loss,
+    surviving_state,
+)
 from nereus_jax.runtime.distributed import agree, all_processes
 from nereus_jax.runtime.job import Job, Prepared, engine_replicas_across_processes
-from nereus_jax.runtime.move import move
+from nereus_jax.runtime.move import MoveError, move
 from nereus_jax.runtime.plans import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, plan_from_config
 
 # The cost model's name of each timed part of a job step -> the job's model-stage whose layout runs it.
@@ -120,6 +127,10 @@ class Adapter:
         self.before_move: Callable[[], None] | None = None  # async: pauses generation before state moves
         self._mismatch: dict[str, float] = {}  # the last step's rollout/train mismatch
         self._after_move: dict[str, Any] | None = None  # a transition event awaiting the mismatch after it
+        self._length: float | None = None  # the last measured mean response length (for a recovery's observation)
+        # during a device-loss recovery: (the job's plan, the plan of its surviving units or None when they are
+        # not one consistent state); moves out of that plan start from the survivors
+        self._failed: tuple[ExecutionPlan, ExecutionPlan | None] | None = None
 
     # ------------------------------------------------------------------------------ the boundary
     def boundary(self, step: int, metrics: dict[str, Any] | None) -> None:
@@ -127,6 +138,7 @@ class Adapter:
         compiled = self._compiled_last_step  # the previous step compiled programs: its time is not a step's
         if metrics is not None:
             metrics = {**metrics, **agree({k: metrics[k] for k in _MEASURED if k in metrics})}
+            self._length = metrics["response_length_mean"]
             self._learn(metrics)
             self._note_mismatch(step, metrics)
         gone = self._apply_schedule(step)
@@ -193,19 +205,69 @@ class Adapter:
                                 time.perf_counter(), -1, steady, wait=wait)
         self.log(f"transition requested ({reason}) -> {_short(target)}")
 
-    def lose(self, devices, job: Job) -> None:
-        """After a device loss the job recovered from (``job``: the same one moved onto the survivors, or
-        one restored from a checkpoint): the devices leave the pool for good, a pending move is dropped
-        (it may target them), and the next step's programs compile (its time is not a step's)."""
+    def lose(self, devices, step: int, before: dict[str, int], checkpoint_dir: str | None) -> Recovery:
+        """Recovers from ``devices`` failing during ``step`` (``before``: ``training_snapshot`` at its start)
+        and returns how (the job to run from now on is ``self.job`` = the recovery's job). The devices leave
+        the pool for good and a pending move is dropped (it may target them). With the controller on, the
+        recovery takes the path of a device leaving with notice: the controller observes the pool without
+        the failed devices (an urgent trigger) and picks its target among the same candidates, priced from
+        the units that survived; the admitted move runs like any other (``move``). The last checkpoint is
+        restored, onto the controller's target (or its best candidate), only when no live move exists:
+        no consistent copy of every model-stage survived, or no transition reaches a candidate, or the move
+        failed. With the controller off, or not yet calibrated (no candidate), the config's plan on the
+        survivors is the target. The next step's programs compile (its time is not a step's)."""
+        lost = {int(d) for d in devices}
         if self.pending is not None:
             self.pending.future.cancel()
             self.pending = None
             self.controller.forget_move()
-        self.job = job
-        self.pool = tuple(d for d in self.pool if d not in set(devices))
-        self.controller.devices = self.pool  # the recovery already re-planned for this pool
+        job = self.job
+        self.pool = tuple(d for d in self.pool if d not in lost)
+        rec = self._recover(job, lost, step, before, checkpoint_dir) if self.enabled else None
+        if rec is None:
+            rec = recover_from_device_loss(job, lost, step, before, checkpoint_dir)
+            self.controller.devices = self._planning_pool(step)  # re-planned for this pool already
+        self.events.append({"event": "recovery", "step": step, "lost": sorted(lost), "how": rec.how,
+                            "reason": rec.reason, "plan": _short(rec.job.plan)})
+        self.job = rec.job
         self._compiled_last_step = True
         self._priced_s.clear()
+        return rec
+
+    def _recover(self, job: Job, lost: set[int], step: int, before: dict[str, int],
+                 checkpoint_dir: str | None) -> Recovery | None:
+        """The controller's urgent path after a failure (see :meth:`lose`); None: it has no candidate."""
+        left, reason = surviving_state(job, lost, step, before)
+        obs = Observation(step, job.plan, self._planning_pool(step), self._length or self._ref_length() or 1.0,
+                          None, self.peak_bytes(job.plan), self.memory_cap_bytes,
+                          steps_left=max(1, job.cfg.trainer.steps - step))
+        self._failed = (job.plan, left)
+        try:
+            decision = self.controller.observe(obs)
+        finally:
+            self._failed = None
+        if decision is not None:
+            self._log_decision(decision)
+        if decision is not None and decision.admitted and left is not None:
+            try:
+                graph = decision.move
+                if not (isinstance(graph, TransitionGraph) and graph.old_plan == left):  # priced without a graph
+                    graph = self._graph(left, align_ranks(left, decision.target))
+                moved = move(job, graph)
+            except (TransitionFailed, MoveError, ValueError) as e:  # ValueError: Infeasible, a plan it cannot run
+                self.controller.forget_move()
+                reason = f"{reason}, but the live move failed ({type(e).__name__}: {e})"
+                return restore_after_loss(job, decision.target, step, reason, checkpoint_dir)
+            self.transitions += 1
+            self.log(f"step {step}: recovery move -> {_short(moved.plan)}: data movement {moved.movement_s:.3g} s, "
+                     f"switch {moved.switch_s:.3g} s")
+            return Recovery(job, "survivors", step, f"{reason}; moved to the controller's urgent target")
+        if left == job.plan:  # the failed devices held none of the job's units: nothing needs to move
+            return Recovery(job, "survivors", step, f"{reason}; none of them held the job's state")
+        if decision is None or not decision.rejected:
+            return None  # no candidate (e.g. not calibrated yet): the config's plan on the survivors
+        reason = reason if left is None else f"{reason}, but no live transition reaches a candidate"
+        return restore_after_loss(job, decision.rejected[0][0], step, reason, checkpoint_dir)
 
     def close(self) -> None:
         """Stops taking work; a compile still running finishes in the background (its result is unused)."""
@@ -303,6 +365,13 @@ class Adapter:
             return decision.target, graph
         target = align_ranks(self.job.plan, decision.target)
         return target, self._graph(self.job.plan, target)
+
+    def _live_source(self, plan: ExecutionPlan) -> ExecutionPlan | None:
+        """The plan a move out of ``plan`` starts from: ``plan`` itself, or during a device-loss recovery
+        the job's surviving units (None: they are not one consistent state, so no live move exists)."""
+        if self._failed is not None and plan == self._failed[0]:
+            return self._failed[1]
+        return plan
 
     # --------------------------------------------------------------------------- calibration
     def _learn(self, metrics: dict[str, Any]) -> None:
@@ -459,9 +528,12 @@ class Adapter:
     def _transition_seconds(self, old: ExecutionPlan, new: ExecutionPlan) -> Priced | None:
         """The predicted seconds of the move to ``new`` (ranks aligned to where it starts), with that target
         and its graph, which an admitted decision carries to the move; None when no transition reaches it."""
-        target = align_ranks(old, new)
+        source = self._live_source(old)
+        if source is None:
+            return None
+        target = align_ranks(source, new)
         try:
-            graph = self._graph(old, target)
+            graph = self._graph(source, target)
         except ValueError:
             return None
         compile_s = self._compile_s or 0.0

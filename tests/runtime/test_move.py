@@ -1,5 +1,6 @@
 """One move path (nereus_jax.runtime.move): the ledger is the truth about a moving job's memory, a failed
-move gives the job its state back, bad input changes nothing.
+move gives the job its state back, bad input changes nothing, and a device failing mid-step lands on the
+plan a device leaving with notice gets.
 
 Memory is measured as the allocator sees it on CPU: every live buffer (``jax.live_arrays()``, each
 buffer once, by device and pointer, under the ledger's key for its memory kind), after every dispatch
@@ -33,6 +34,7 @@ from nereus_jax.elastic.schedule import Infeasible
 from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
 from nereus_jax.runtime.adapt import Adapter
+from nereus_jax.runtime.checkpoint import training_snapshot
 from nereus_jax.runtime.job import Job, JobError, Prepared
 from nereus_jax.runtime.move import InMove, move
 from nereus_jax.runtime.plans import ACTOR_GEN, REF_INFER
@@ -240,3 +242,32 @@ def test_a_planned_move_that_fails_leaves_the_job_on_its_plan(job, monkeypatch):
     assert [e["event"] for e in adapter.events] == ["transition_failed"] and "s2" in adapter.events[0]["error"]
     assert adapter.pending is None and adapter.transitions == 0 and job.plan == plan
     _assert_same_state(_host_state(job), want)
+
+
+def test_a_device_failing_mid_step_gets_the_plan_a_device_leaving_with_notice_gets():
+    """Two adapters fed the same measured steps: one told at step 2 that devices 6 and 7 leave at step 3
+    (notice), one whose job loses them during step 2. Both ask the controller's urgent path for the same
+    pool, so both land on the same plan (ranks aligned); the failed one is moved there from its surviving
+    units, live."""
+    noticed_job = _job(["cluster.schedule=[{step: 3, leave: [6, 7], notice: 1}]"])
+    failed_job = _job()
+    metrics = [noticed_job.step(s).metrics for s in range(2)]
+    noticed_job.prepare = lambda plan: Prepared(plan, {}, [], 0.0)  # only its decision is compared
+    noticed, failed = Adapter(noticed_job, log=lambda _: None), Adapter(failed_job, log=lambda _: None)
+    try:
+        for adapter in (noticed, failed):
+            for s, m in enumerate([None, *metrics]):
+                adapter.boundary(s, m)
+        assert noticed.pending is not None, noticed.events
+        decision = noticed.pending.decision
+        assert decision.trigger == "pool" and decision.urgent
+        assert noticed.pending.graph is decision.move  # the move that runs is the graph it was priced with
+        rec = failed.lose([6, 7], 2, training_snapshot(failed_job), None)
+    finally:
+        noticed.close()
+        failed.close()
+    assert rec.how == "survivors" and rec.job is failed_job and rec.next_step == 2
+    urgent = [e for e in failed.events if e["event"] == "decision"][-1]
+    assert urgent["trigger"] == "pool" and urgent["urgent"] and urgent["admitted"]
+    assert not {6, 7} & set(failed_job.plan.devices)
+    assert failed_job.plan == noticed.pending.target
