@@ -3,6 +3,9 @@
 It consumes one :class:`Observation` per step boundary and returns a :class:`Decision` when it asked
 the planner for a new plan, or None. It never touches arrays: planning, latency prediction and
 transition pricing come in as callables, so the same controller drives the real job and the simulator.
+The transition callable may answer with a :class:`Priced` (the seconds, the target as the move reaches
+it, the move itself): an admitted decision then carries that target and move, so the runtime runs
+exactly the move it priced, built once.
 
 Triggers:
   - hard: the device pool changed (urgent when a device in use left), or the predicted peak memory of
@@ -73,7 +76,8 @@ class Candidate:
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """The outcome of one re-plan: the chosen target (None when nothing is admitted) and why."""
+    """The outcome of one re-plan: the chosen target (None when nothing is admitted; the Priced target
+    when the transition callable gave one) and why."""
 
     step: int
     trigger: str                      # "pool", "memory", "length", "efficiency", "schedule"
@@ -88,6 +92,7 @@ class Decision:
     horizon: float                    # H
     rejected: tuple[tuple[Plan, str], ...] = ()  # candidates turned down, with the reason
     margin_s: float = 0.0             # the cost model's demonstrated error (s/step): dL must exceed it
+    move: Any = None                  # what the transition was priced with (Priced.move), to run it as priced
 
     def log_line(self) -> str:
         fmt = lambda x: "n/a" if x is None else f"{x:.3g}"  # noqa: E731
@@ -97,9 +102,21 @@ class Decision:
                 f"{self.reason}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Priced:
+    """A transition function's answer with what the runtime needs to run the move it priced: ``target``,
+    the candidate as the move reaches it (e.g. ranks aligned to the current plan), and ``move`` (e.g. the
+    transition graph). An admitted decision carries both, so the move that runs is the one priced and
+    is built once."""
+
+    seconds: float
+    target: Plan
+    move: Any = None
+
+
 PlanFn = Callable[[Observation], Sequence[Candidate]]        # best first, then runners-up
 LatencyFn = Callable[[Plan, Observation], float | None]       # predicted step latency; None = infeasible
-TransitionFn = Callable[[Plan, Plan], float | None]            # predicted seconds; None = no live transition
+TransitionFn = Callable[[Plan, Plan], float | Priced | None]   # predicted seconds; None = no live transition
 
 
 class Controller:
@@ -254,13 +271,15 @@ class Controller:
         candidates = [c for c in self.plan_fn(obs) if c.plan != obs.plan]
         rejected: list[tuple[Plan, str]] = []
         for c in candidates:
-            cost = self.transition_fn(obs.plan, c.plan)
-            if cost is None:
+            priced = self.transition_fn(obs.plan, c.plan)
+            if priced is None:
                 rejected.append((c.plan, "no live transition reaches it"))
                 continue
+            cost, target, move = ((priced.seconds, priced.target, priced.move) if isinstance(priced, Priced)
+                                  else (priced, c.plan, None))
             if urgent:
-                return Decision(obs.step, trigger, True, c.plan, True, "urgent: profitability waived", current,
-                                c.step_latency_s, None, cost, H, tuple(rejected))
+                return Decision(obs.step, trigger, True, target, True, "urgent: profitability waived", current,
+                                c.step_latency_s, None, cost, H, tuple(rejected), move=move)
             gain = None if current is None else current - c.step_latency_s
             if gain is None or gain <= 0:
                 rejected.append((c.plan, "no gain" if gain is None else
@@ -271,10 +290,10 @@ class Controller:
                                          f"({margin:.3g} s/step = {self.transfer_error:.1%} of the step)"))
                 continue
             if cost / gain <= self.gamma * H:
-                return Decision(obs.step, trigger, False, c.plan, True,
+                return Decision(obs.step, trigger, False, target, True,
                                 f"pays back in {cost / gain:.2f} steps <= gamma*H={self.gamma * H:.2f}"
                                 + (f" (gain above the model's error, {margin:.3g} s/step)" if margin else ""),
-                                current, c.step_latency_s, gain, cost, H, tuple(rejected), margin)
+                                current, c.step_latency_s, gain, cost, H, tuple(rejected), margin, move=move)
             rejected.append((c.plan, f"gain {gain:.3g} s/step, transition {cost:.3g} s: pays back in "
                                      f"{cost / gain:.2f} steps > gamma*H={self.gamma * H:.2f}"))
         reason = ("urgent, but no feasible live transition exists: checkpoint/restart is the last resort"

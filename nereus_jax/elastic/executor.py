@@ -8,8 +8,9 @@ Primitives map to JAX as DESIGN.md measured them:
   Pieces are read out of, and put together into, the big array zero-copy.
 * Extend / Offload / Onload: one ``jax.device_put`` of the whole unit to the same layout on other
   devices or another memory kind: the per-shard fast path, shards already in place reused.
-* Destroy: the unit's own buffers are deleted at once (not those handed zero-copy to another unit,
-  and never a donated input, which XLA frees), so memory goes even if the caller still holds old EMUs.
+* Destroy: the unit's own buffers are deleted at once (not those handed zero-copy to another unit), so
+  memory goes even if the caller still holds old EMUs. The same holds for every unit a step frees; a
+  donated input is deleted where XLA declined it (XLA consumes only the buffers an output can alias).
 
 Steps are dispatched in the graph's order as soon as the steps they depend on have finished and the
 ledger has room under the caps (and under ``extra_budget``, the bytes above the larger of the old and
@@ -75,15 +76,18 @@ class TransitionExecutor:
     ``verify_ledger``: compare the ledger with the arrays' shardings whenever nothing is in flight;
     ``fail_at``: step id (or predicate) at which to raise InjectedFailure, for tests; ``tamper``: called
     with each finished step and its new units ({uid: EMU}, which it may change) before they are checked and
-    the step's inputs freed, for fault-injection tests."""
+    the step's inputs freed, for fault-injection tests; ``monitor``: called as ``monitor(event, step, ledger)``
+    right after a step is dispatched (event "dispatched", its bytes acquired) and after it completed
+    (event "completed", its inputs freed and its bytes released), e.g. to compare memory with the ledger."""
 
     def __init__(self, *, checksums: bool = False, extra_budget: int | str | None = "unit",
                  max_in_flight: int | None = None, verify_ledger: bool = False,
                  fail_at: int | Callable[[Step], bool] | None = None,
-                 tamper: Callable[[Step, dict[int, EMU]], None] | None = None):
+                 tamper: Callable[[Step, dict[int, EMU]], None] | None = None,
+                 monitor: Callable[[str, Step, Ledger], None] | None = None):
         self.checksums, self.extra_budget = checksums, extra_budget
         self.max_in_flight, self.verify_ledger, self.fail_at = max_in_flight, verify_ledger, fail_at
-        self.tamper = tamper
+        self.tamper, self.monitor = tamper, monitor
         self.ledger: Ledger | None = None
         self.trace: list[tuple[int, str, float, float]] = []  # (step id, op, dispatched, finished) seconds
         self.peak_extra_bytes = 0
@@ -135,7 +139,7 @@ class _Run:
         self.budget = graph.largest_unit_bytes if budget == "unit" else budget
         self.inflight: collections.deque[tuple[Step, dict[int, EMU], float]] = collections.deque()
         self.done: set[int] = set()
-        self.donated: set[int] = set()  # steps whose inputs went to XLA: never touch those arrays again
+        self.donated: set[int] = set()  # steps that donated their inputs to XLA
         self.trace: list[tuple[int, str, float, float]] = []
         self.t0 = time.perf_counter()
         self.current: Step | None = None  # the step being dispatched
@@ -163,6 +167,8 @@ class _Run:
             self.ledger.acquire(step.acquire, f"s{step.sid} {step.op}", check=False)
             self.live.update(outputs)
             self.inflight.append((step, outputs, time.perf_counter() - self.t0))
+            if self.ex.monitor is not None:
+                self.ex.monitor("dispatched", step, self.ledger)
         self.drain()
         if self.ex.checksums:
             self._verify_checksums()
@@ -197,24 +203,41 @@ class _Run:
                 self.live.pop(uid, None)
             raise
         for uid in step.frees:
-            self._free(uid, donated=step.sid in self.donated)
+            self._free(uid, step, outputs)
         self.ledger.release(step.release)
         self.done.add(step.sid)
         self.trace.append((step.sid, step.op, dispatched, time.perf_counter() - self.t0))
         if self.ex.verify_ledger and not self.inflight:
             self.check_ledger()
+        if self.ex.monitor is not None:
+            self.ex.monitor("completed", step, self.ledger)
 
-    def _free(self, uid: int, donated: bool) -> None:
-        """Drops a unit; unless its step donated it, deletes the buffers it owns now, so the memory goes
-        even while the caller still holds the old EMUs (shards handed zero-copy to another unit stay)."""
+    def _free(self, uid: int, step: Step, outputs: Mapping[int, EMU]) -> None:
+        """Drops a unit ``step`` frees and deletes the buffers it owns now, so the memory goes even while
+        the caller still holds the old EMUs (shards handed zero-copy to another unit stay). A donated
+        input is deleted where XLA did not consume it: XLA takes a donated buffer only when an output can
+        alias it (same size on the same device), and JAX leaves the others alive; one still referenced
+        elsewhere (the caller's EMUs, the whole-state arrays replicas are views of) would outlive its
+        release in the ledger. XLA may take some devices' buffers of an array and decline others' (one it
+        cannot reuse, e.g. one with an external reference). Buffers an output of the step aliases are never
+        deleted."""
         emu = self.live.pop(uid, None)
-        if emu is None or donated:
+        if emu is None:
             return
         keep = set(self.graph.units[uid].handed)
+        made: set[tuple[jax.Device, int]] | None = None
         for x in emu.leaves:
+            if x.is_deleted():  # donated and consumed
+                continue
+            if made is None and step.sid in self.donated:
+                made = {(s.device, s.data.unsafe_buffer_pointer()) for u in outputs.values() for y in u.leaves
+                        for s in y.addressable_shards}
             for shard in x.addressable_shards:
-                if device_index(shard.device) not in keep:
-                    shard.data.delete()
+                if device_index(shard.device) in keep or shard.data.is_deleted():  # handed on, or consumed
+                    continue
+                if made and (shard.device, shard.data.unsafe_buffer_pointer()) in made:
+                    continue
+                shard.data.delete()
 
     def drain(self) -> None:
         while self.inflight:

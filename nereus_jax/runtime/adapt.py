@@ -12,9 +12,12 @@ At each boundary, in order:
 2. The device pool: ``cluster.schedule`` changes take effect at their step; a leave with ``notice`` > 0
    is announced ``notice`` steps early, and the controller plans without those devices from then on.
    A leave is graceful (the device stays readable until its step, as with a preemption notice); an
-   abrupt loss in the middle of a step is the fault path of checkpoint/restart.
+   abrupt loss in the middle of a step (:meth:`Adapter.lose`) takes the same urgent path, with the move
+   starting from the units that survived, and restores the last checkpoint only when no live move exists.
 3. A pending transition whose programs are compiled is executed now: the executor's data movement and
-   the switch to the new engines are the whole pause. If a device the plan uses leaves at this step,
+   the switch to the new engines are the whole pause. The move is the graph the decision was priced
+   with, run by :func:`nereus_jax.runtime.move.move` (the job holds none of the moved units meanwhile);
+   one that fails leaves the job on its plan with its state. If a device the plan uses leaves at this step,
    the boundary waits for the compile (an urgent move cannot be deferred).
 4. Otherwise the controller observes the step (response length, step time, pool) and may re-plan. An
    admitted target is compiled ahead on a background thread (``Job.prepare``) while the current plan
@@ -45,16 +48,23 @@ from typing import Any
 
 from nereus_jax.config import ConfigError
 from nereus_jax.elastic.compile import align_ranks
-from nereus_jax.elastic.controller import Candidate, Controller, Decision, Observation
+from nereus_jax.elastic.controller import Candidate, Controller, Decision, Observation, Priced
 from nereus_jax.elastic.costs import CostModel, link_bandwidth
-from nereus_jax.elastic.executor import TransitionExecutor
+from nereus_jax.elastic.executor import TransitionFailed
 from nereus_jax.elastic.graph import TransitionGraph
 from nereus_jax.elastic.plan import ExecutionPlan
 from nereus_jax.elastic.planner import InfeasiblePlanError, Planner, PlanResult
 from nereus_jax.elastic.pricing import CALIBRATION_WINDOW
 from nereus_jax.elastic.workload import LengthStats, Workload
+from nereus_jax.runtime.checkpoint import (
+    Recovery,
+    recover_from_device_loss,
+    restore_after_loss,
+    surviving_state,
+)
 from nereus_jax.runtime.distributed import agree, all_processes
 from nereus_jax.runtime.job import Job, Prepared, engine_replicas_across_processes
+from nereus_jax.runtime.move import MoveError, move
 from nereus_jax.runtime.plans import ACTOR_GEN, job_pricing, plan_from_config
 
 _MEASURED = ("step_seconds", "stage_seconds", "response_length_mean", "response_length_p95")  # clock/length reads
@@ -68,7 +78,8 @@ class LiveTransitionError(RuntimeError):
 @dataclasses.dataclass
 class _Pending:
     decision: Decision
-    target: ExecutionPlan
+    target: ExecutionPlan  # ranks aligned to the job's plan
+    graph: TransitionGraph  # job.plan -> target: the graph the move was priced with, run as it is
     future: concurrent.futures.Future
     started: float
     step: int
@@ -107,6 +118,10 @@ class Adapter:
         self.before_move: Callable[[], None] | None = None  # async: pauses generation before state moves
         self._mismatch: dict[str, float] = {}  # the last step's rollout/train mismatch
         self._after_move: dict[str, Any] | None = None  # a transition event awaiting the mismatch after it
+        self._length: float | None = None  # the last measured mean response length (for a recovery's observation)
+        # during a device-loss recovery: (the job's plan, the plan of its surviving units or None when they are
+        # not one consistent state); moves out of that plan start from the survivors
+        self._failed: tuple[ExecutionPlan, ExecutionPlan | None] | None = None
 
     # ------------------------------------------------------------------------------ the boundary
     def boundary(self, step: int, metrics: dict[str, Any] | None) -> None:
@@ -114,6 +129,7 @@ class Adapter:
         compiled = self._compiled_last_step  # the previous step compiled programs: its time is not a step's
         if metrics is not None:
             metrics = {**metrics, **agree({k: metrics[k] for k in _MEASURED if k in metrics})}
+            self._length = metrics["response_length_mean"]
             self._learn(metrics)
             self._note_mismatch(step, metrics)
         gone = self._apply_schedule(step)
@@ -152,11 +168,11 @@ class Adapter:
         if decision is None:
             return
         if decision.admitted:
-            target = align_ranks(self.job.plan, decision.target)
+            target, graph = self._priced_move(decision)
             steady = statistics.median(self._steady_s) if self._steady_s else None
             # an urgent move (memory, devices) runs at the next boundary even if it must wait for the compile:
             # stepping on while the plan is predicted not to fit would risk an out-of-memory error
-            pending = _Pending(decision, target, self._pool_ex.submit(self.job.prepare, target),
+            pending = _Pending(decision, target, graph, self._pool_ex.submit(self.job.prepare, target),
                                time.perf_counter(), step, steady, wait=decision.urgent)
             self.pending = pending
             if gone & set(self.job.plan.devices):  # the device is gone now: no time to compile ahead
@@ -165,30 +181,84 @@ class Adapter:
     def request(self, plan: ExecutionPlan, *, wait: bool = True, reason: str = "requested") -> None:
         """Moves the job to ``plan`` (an operator's or a test's choice, not the controller's): compiled
         ahead from now on, executed at the next boundary (``wait``: even if that waits for the compile)
-        or at the first boundary after the compile finishes. Replaces a pending move."""
+        or at the first boundary after the compile finishes. Replaces a pending move. A plan no transition
+        reaches (a layout the model cannot take, caps it cannot fit) raises here, naming it, with nothing
+        changed."""
         target = align_ranks(self.job.plan, plan)
-        decision = Decision(-1, "request", True, target, True, reason, None, None, None, None, 1.0)
+        graph = self._graph(self.job.plan, target)
+        self.job.check_plan(target)
+        decision = Decision(-1, "request", True, target, True, reason, None, None, None, None, 1.0, move=graph)
         if self.pending is not None:
             self.pending.future.cancel()
         self.controller.forget_move()  # the next plan change is this request, not the controller's last move
         steady = statistics.median(self._steady_s) if self._steady_s else None
-        self.pending = _Pending(decision, target, self._pool_ex.submit(self.job.prepare, target),
+        self.pending = _Pending(decision, target, graph, self._pool_ex.submit(self.job.prepare, target),
                                 time.perf_counter(), -1, steady, wait=wait)
         self.log(f"transition requested ({reason}) -> {_short(target)}")
 
-    def lose(self, devices, job: Job) -> None:
-        """After a device loss the job recovered from (``job``: the same one moved onto the survivors, or
-        one restored from a checkpoint): the devices leave the pool for good, a pending move is dropped
-        (it may target them), and the next step's programs compile (its time is not a step's)."""
+    def lose(self, devices, step: int, before: dict[str, int], checkpoint_dir: str | None) -> Recovery:
+        """Recovers from ``devices`` failing during ``step`` (``before``: ``training_snapshot`` at its start)
+        and returns how (the job to run from now on is ``self.job`` = the recovery's job). The devices leave
+        the pool for good and a pending move is dropped (it may target them). With the controller on, the
+        recovery takes the path of a device leaving with notice: the controller observes the pool without
+        the failed devices (an urgent trigger) and picks its target among the same candidates, priced from
+        the units that survived; the admitted move runs like any other (``move``). The last checkpoint is
+        restored, onto the controller's target (or its best candidate), only when no live move exists:
+        no consistent copy of every model-stage survived, or no transition reaches a candidate, or the move
+        failed. With the controller off, or not yet calibrated (no candidate), the config's plan on the
+        survivors is the target. The next step's programs compile (its time is not a step's)."""
+        lost = {int(d) for d in devices}
         if self.pending is not None:
             self.pending.future.cancel()
             self.pending = None
             self.controller.forget_move()
-        self.job = job
-        self.pool = tuple(d for d in self.pool if d not in set(devices))
-        self.controller.devices = self.pool  # the recovery already re-planned for this pool
+        job = self.job
+        self.pool = tuple(d for d in self.pool if d not in lost)
+        rec = self._recover(job, lost, step, before, checkpoint_dir) if self.enabled else None
+        if rec is None:
+            rec = recover_from_device_loss(job, lost, step, before, checkpoint_dir)
+            self.controller.devices = self._planning_pool(step)  # re-planned for this pool already
+        self.events.append({"event": "recovery", "step": step, "lost": sorted(lost), "how": rec.how,
+                            "reason": rec.reason, "plan": _short(rec.job.plan)})
+        self.job = rec.job
         self._compiled_last_step = True
         self._priced_s.clear()
+        return rec
+
+    def _recover(self, job: Job, lost: set[int], step: int, before: dict[str, int],
+                 checkpoint_dir: str | None) -> Recovery | None:
+        """The controller's urgent path after a failure (see :meth:`lose`); None: it has no candidate."""
+        left, reason = surviving_state(job, lost, step, before)
+        obs = Observation(step, job.plan, self._planning_pool(step), self._length or self._ref_length() or 1.0,
+                          None, self.peak_bytes(job.plan), self.pricing.trigger_bytes(self.cost.hardware.memory_bytes),
+                          steps_left=max(1, job.cfg.trainer.steps - step))
+        self._failed = (job.plan, left)
+        try:
+            decision = self.controller.observe(obs)
+        finally:
+            self._failed = None
+        if decision is not None:
+            self._log_decision(decision)
+        if decision is not None and decision.admitted and left is not None:
+            try:
+                graph = decision.move
+                if not (isinstance(graph, TransitionGraph) and graph.old_plan == left):  # priced without a graph
+                    graph = self._graph(left, align_ranks(left, decision.target))
+                moved = move(job, graph)
+            except (TransitionFailed, MoveError, ValueError) as e:  # ValueError: Infeasible, a plan it cannot run
+                self.controller.forget_move()
+                reason = f"{reason}, but the live move failed ({type(e).__name__}: {e})"
+                return restore_after_loss(job, decision.target, step, reason, checkpoint_dir)
+            self.transitions += 1
+            self.log(f"step {step}: recovery move -> {_short(moved.plan)}: data movement {moved.movement_s:.3g} s, "
+                     f"switch {moved.switch_s:.3g} s")
+            return Recovery(job, "survivors", step, f"{reason}; moved to the controller's urgent target")
+        if left == job.plan:  # the failed devices held none of the job's units: nothing needs to move
+            return Recovery(job, "survivors", step, f"{reason}; none of them held the job's state")
+        if decision is None or not decision.rejected:
+            return None  # no candidate (e.g. not calibrated yet): the config's plan on the survivors
+        reason = reason if left is None else f"{reason}, but no live transition reaches a candidate"
+        return restore_after_loss(job, decision.rejected[0][0], step, reason, checkpoint_dir)
 
     def close(self) -> None:
         """Stops taking work; a compile still running finishes in the background (its result is unused)."""
@@ -221,23 +291,31 @@ class Adapter:
         if self.before_move is not None:
             self.before_move()
         t1 = time.perf_counter()
-        graph = self._graph(self.job.plan, pending.target)
-        units = TransitionExecutor().run(graph, self.job.units)
-        for us in units.values():
-            for u in us:
-                for leaf in u.leaves:
-                    leaf.block_until_ready()
-        t2 = time.perf_counter()
-        self.job.adopt(pending.target, units, prepared)
+        self.pending = None
+        try:  # the job holds none of the moved units meanwhile: what the executor frees is free
+            moved = move(self.job, pending.graph, prepared=prepared)
+        except TransitionFailed as failed:  # the job has its state back, on its plan
+            self.controller.forget_move()
+            self.events.append({"event": "transition_failed", "step": step, "trigger": pending.decision.trigger,
+                                "plan": _short(pending.target), "error": str(failed)})
+            self.log(f"step {step}: transition -> {_short(pending.target)} failed; the job stays on its plan: {failed}")
+            leaving = set(self.job.plan.devices) - set(self.pool)
+            if leaving:
+                raise LiveTransitionError(
+                    f"step {step}: devices {sorted(leaving)} left and the live transition off them failed "
+                    f"({failed}); restart from the last checkpoint on the remaining devices "
+                    "(checkpoint.resume_from=...)") from failed
+            return
         t3 = time.perf_counter()
+        graph = pending.graph
         self._priced_s.clear()
-        self.pending, self.transitions = None, self.transitions + 1
+        self.transitions += 1
         self._compiled_last_step = True
         overlapped = pending.step_seconds
         slowdown = statistics.median(overlapped) / pending.steady_s if overlapped and pending.steady_s else None
         event = {"event": "transition", "step": step, "trigger": pending.decision.trigger,
                  "admitted_at_step": pending.step, "pause_s": t3 - t0, "wait_for_compile_s": t1 - t0,
-                 "movement_s": t2 - t1, "switch_s": t3 - t2, "compile_s": prepared.seconds,
+                 "movement_s": moved.movement_s, "switch_s": moved.switch_s, "compile_s": prepared.seconds,
                  "compile_hidden": not waited, "steps_during_compile": len(overlapped),
                  "step_slowdown_during_compile": slowdown,
                  "predicted_transition_s": pending.decision.transition_s,
@@ -269,6 +347,22 @@ class Adapter:
         bw, lat = link_bandwidth("intra", self.cost.hardware)
         return TransitionGraph.build(old, new, self.job.specs, caps=self.job.cfg.cluster.device_memory_bytes,
                                      bandwidth=bw, latency=lat)
+
+    def _priced_move(self, decision: Decision) -> tuple[ExecutionPlan, TransitionGraph]:
+        """The admitted target (ranks aligned) and the graph it was priced with; built here only when the
+        controller priced it without one (a transition function that answers in seconds)."""
+        graph = decision.move
+        if isinstance(graph, TransitionGraph) and graph.old_plan == self.job.plan:
+            return decision.target, graph
+        target = align_ranks(self.job.plan, decision.target)
+        return target, self._graph(self.job.plan, target)
+
+    def _live_source(self, plan: ExecutionPlan) -> ExecutionPlan | None:
+        """The plan a move out of ``plan`` starts from: ``plan`` itself, or during a device-loss recovery
+        the job's surviving units (None: they are not one consistent state, so no live move exists)."""
+        if self._failed is not None and plan == self._failed[0]:
+            return self._failed[1]
+        return plan
 
     # --------------------------------------------------------------------------- calibration
     def _learn(self, metrics: dict[str, Any]) -> None:
@@ -361,13 +455,20 @@ class Adapter:
         gen = set(plan[ACTOR_GEN].devices)
         return not (self.async_mode and any(gen & set(sp.devices) for ms, sp in plan.items() if ms != ACTOR_GEN))
 
-    def _transition_seconds(self, old: ExecutionPlan, new: ExecutionPlan) -> float | None:
+    def _transition_seconds(self, old: ExecutionPlan, new: ExecutionPlan) -> Priced | None:
+        """The predicted seconds of the move to ``new`` (ranks aligned to where it starts), with that target
+        and its graph, which an admitted decision carries to the move; None when no transition reaches it."""
+        source = self._live_source(old)
+        if source is None:
+            return None
+        target = align_ranks(source, new)
         try:
-            graph = self._graph(old, align_ranks(old, new))
+            graph = self._graph(source, target)
         except ValueError:
             return None
         compile_s = self._compile_s or 0.0
-        return self._movement_s(graph) + (compile_s if self.cost.hardware.shared_compute else 0.0)
+        return Priced(self._movement_s(graph) + (compile_s if self.cost.hardware.shared_compute else 0.0),
+                      target, graph)
 
     def _movement_s(self, graph: TransitionGraph) -> float:
         """The graph's predicted data movement (the simulator prices its moves with the same object)."""

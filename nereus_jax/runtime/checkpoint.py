@@ -14,8 +14,11 @@ functions; a checkpoint written by N processes resumes in M.
 
 Stops and faults: :class:`GracefulStop` turns SIGTERM / SIGINT into "finish the step, save, exit 0"
 (run_job); :func:`recover_from_device_loss` survives devices lost during a step, by a transition from
-the surviving units when every model-stage kept a full replica of its state as of the step's start, else
-by restoring the last checkpoint onto the surviving devices, and says which (:class:`Recovery`).
+the surviving units when every model-stage kept a full replica of its state as of the step's start (run by
+:func:`nereus_jax.runtime.move.move`, like every other move), else by restoring the last checkpoint onto
+the surviving devices, and says which (:class:`Recovery`). With the controller on, the run loop recovers
+through ``Adapter.lose``: the target is then the controller's urgent choice for the surviving pool (the
+same as for a device leaving with notice), and these functions do the rest.
 
     ckpt = Checkpointer(cfg.checkpoint.dir, every_steps=10, keep=2)
     ckpt.maybe_save(job, steps_done=10)               # async; ckpt.close() waits for the last one
@@ -42,14 +45,16 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nereus_jax.config import Config, ConfigError
+from nereus_jax.elastic.compile import align_ranks
 from nereus_jax.elastic.emu import EMU, split_replicas
-from nereus_jax.elastic.executor import TransitionExecutor
+from nereus_jax.elastic.executor import TransitionFailed
 from nereus_jax.elastic.graph import TransitionGraph
 from nereus_jax.elastic.plan import DEVICE, ExecutionPlan, ModelStage, StagePlan
 from nereus_jax.elastic.sources import ZeroSource
 from nereus_jax.models import abstract_params
 from nereus_jax.runtime.export import export_dtype, tokenizer_dir
 from nereus_jax.runtime.job import DeviceLost, Job, JobError  # noqa: F401 - DeviceLost re-exported
+from nereus_jax.runtime.move import MoveError, move
 from nereus_jax.runtime.orbax_errors import cause_line, quiet_failed_restore
 from nereus_jax.runtime.plans import job_stages, plan_from_config
 from nereus_jax.sharding import Layout, device_index, make_mesh
@@ -610,28 +615,56 @@ def training_snapshot(job: Job) -> dict[str, int]:
     return {str(ms): job.updates.get(ms, 0) for ms in job.units if ms.kind == "train"}
 
 
-def recover_from_device_loss(job: Job, lost: Sequence[int], step: int, before: Mapping[str, int],
-                             checkpoint_dir: str | None) -> Recovery:
-    """After ``DeviceLost(lost)`` during ``step`` (``before`` = :func:`training_snapshot` at the step's start):
-    when every model-stage still has a complete replica holding its state as of the step's start, ``job``
-    itself moves onto the surviving devices (a transition graph from the surviving units, run by the
-    executor: no checkpoint read); otherwise a new Job there restores the last checkpoint."""
+def surviving_state(job: Job, lost: Sequence[int], step: int, before: Mapping[str, int]
+                    ) -> tuple[ExecutionPlan | None, str]:
+    """After ``lost`` devices failed during ``step`` (``before`` = :func:`training_snapshot` at its start): the
+    plan of the job's units on the surviving devices when they are one complete state as of the step's start
+    (every model-stage kept a replica and no training stage had updated), else None; and why, for the log."""
     lost = {int(d) for d in lost}
-    alive = [i for i, d in enumerate(job.devices) if device_index(d) not in lost]
-    plan = plan_for_devices(job.cfg, alive, job.rows)
     survivors = {ms: [u for u in units if not lost & set(u.device_ids)] for ms, units in job.units.items()}
     gone = sorted(str(ms) for ms, us in survivors.items() if not us)
-    moved = [] if gone else [str(ms) for ms, us in survivors.items()
-                             if ms.kind == "train" and (job.updates.get(ms, 0) != before.get(str(ms), 0)
-                                                        or any(x.is_deleted() for u in us for x in u.leaves))]
-    if not gone and not moved:  # the urgent path: a transition from what survived, device to device
-        left = ExecutionPlan({ms: StagePlan(us[0].layout, tuple(u.device_ids for u in us), us[0].memory)
-                              for ms, us in survivors.items()})
-        graph = TransitionGraph.build(left, plan, job.specs, caps=job.cfg.cluster.device_memory_bytes)
-        job.adopt(plan, TransitionExecutor().run(graph, survivors))
-        return Recovery(job, "survivors", step, f"devices {sorted(lost)} lost; every model-stage kept a replica")
-    reason = (f"devices {sorted(lost)} lost; no replica of {', '.join(gone)} survived" if gone else
-              f"devices {sorted(lost)} lost after {', '.join(moved)} had updated in step {step}")
+    if gone:
+        return None, f"devices {sorted(lost)} lost; no replica of {', '.join(gone)} survived"
+    moved = [str(ms) for ms, us in survivors.items()
+             if ms.kind == "train" and (job.updates.get(ms, 0) != before.get(str(ms), 0)
+                                        or any(x.is_deleted() for u in us for x in u.leaves))]
+    if moved:
+        return None, f"devices {sorted(lost)} lost after {', '.join(moved)} had updated in step {step}"
+    left = ExecutionPlan({ms: StagePlan(us[0].layout, tuple(u.device_ids for u in us), us[0].memory)
+                          for ms, us in survivors.items()})
+    return left, f"devices {sorted(lost)} lost; every model-stage kept a replica"
+
+
+def recover_from_device_loss(job: Job, lost: Sequence[int], step: int, before: Mapping[str, int],
+                             checkpoint_dir: str | None, *, plan: ExecutionPlan | None = None) -> Recovery:
+    """After ``DeviceLost(lost)`` during ``step`` (``before`` = :func:`training_snapshot` at the step's start):
+    when every model-stage still has a complete replica holding its state as of the step's start, ``job``
+    itself moves onto ``plan`` (a transition graph from the surviving units, run by
+    :func:`nereus_jax.runtime.move.move`: no checkpoint read); otherwise, or when no transition reaches
+    ``plan`` or it fails, a new Job on ``plan`` restores the last checkpoint. ``plan`` defaults to the
+    config's plan on the survivors (:func:`plan_for_devices`): the run loop with the controller on recovers
+    through ``Adapter.lose`` instead, which passes the controller's urgent choice, so a device failing and
+    one leaving with notice land on the same plan."""
+    lost = {int(d) for d in lost}
+    if plan is None:
+        plan = plan_for_devices(job.cfg, [i for i, d in enumerate(job.devices) if device_index(d) not in lost],
+                                job.rows)
+    left, reason = surviving_state(job, lost, step, before)
+    if left is not None:  # the urgent path: a transition from what survived, device to device
+        plan = align_ranks(left, plan)
+        try:
+            graph = TransitionGraph.build(left, plan, job.specs, caps=job.cfg.cluster.device_memory_bytes)
+            move(job, graph)
+            return Recovery(job, "survivors", step, reason)
+        except (TransitionFailed, MoveError, ValueError) as e:  # ValueError: Infeasible, a plan the job cannot run
+            reason = f"{reason}, but no live transition onto the survivors succeeded ({type(e).__name__}: {e})"
+    return restore_after_loss(job, plan, step, reason, checkpoint_dir)
+
+
+def restore_after_loss(job: Job, plan: ExecutionPlan, step: int, reason: str, checkpoint_dir: str | None
+                       ) -> Recovery:
+    """A new Job on ``plan`` restored from the last checkpoint under ``checkpoint_dir`` (``reason``: why the
+    surviving units could not be used). Raises CheckpointError, naming the fix, when there is none."""
     if checkpoint_dir is None or latest_step(checkpoint_dir) is None:
         raise CheckpointError(f"{reason}, and there is no checkpoint to restore (checkpoint.dir={checkpoint_dir!r}): "
                               "set checkpoint.every_steps so that a loss costs at most that many steps")

@@ -43,7 +43,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from nereus_jax.config import Config, ConfigError, stage_at
 from nereus_jax.elastic.costs import pipeline_microbatches
 from nereus_jax.elastic.emu import EMU, assemble_replicas, split_replicas
-from nereus_jax.elastic.executor import TransitionExecutor
 from nereus_jax.elastic.graph import TransitionGraph
 from nereus_jax.elastic.plan import DEVICE, HOST, ExecutionPlan, ModelStage
 from nereus_jax.elastic.sources import HostSource, ParamSource, ValueHeadSource, units_from_source
@@ -57,6 +56,7 @@ from nereus_jax.rl.batch import RolloutBatch, left_pad, right_pad
 from nereus_jax.rl.tasks import Problem, make_task
 from nereus_jax.runtime import steps
 from nereus_jax.runtime.distributed import share_from
+from nereus_jax.runtime.move import move
 from nereus_jax.runtime.plans import (
     ACTOR_GEN,
     ACTOR_TRAIN,
@@ -244,13 +244,30 @@ class Job:
             engines.append(gen)
         return Prepared(plan, programs, engines, time.perf_counter() - t)
 
-    def adopt(self, plan: ExecutionPlan, units: dict[ModelStage, list[EMU]], prepared: Prepared | None = None):
-        """Switch to ``plan`` whose state is ``units`` (the executor's output): the weight sync, the engines
-        (``prepared``'s warmed ones, or new) and the compiled programs follow the plan."""
+    def check_plan(self, plan: ExecutionPlan) -> WeightSync:
+        """Raises (JobError naming the fix, or the weight sync's Infeasible) unless the job can run ``plan``:
+        it places the job's model-stages on devices that exist, an engine's replica stays in one process and
+        has pp=1, every scoring and training stage's dp divides the rollouts of a step (a training stage's, a
+        mini-batch's), the weight sync fits the caps.
+        Returns that weight sync. Nothing changes, so a move checks its target before any state moves."""
         _check_plan_devices(plan, len(self.devices))
         _check_rows(plan, self.rows, self.mini_rows)
-        sync = WeightSync(plan, self.specs[ACTOR_TRAIN], self.specs[ACTOR_GEN],
+        if set(plan) != set(self.plan):
+            raise JobError(f"the plan holds model-stages {sorted(map(str, plan))}, the job runs "
+                           f"{sorted(map(str, self.plan))}: a plan for this job places exactly its model-stages")
+        if plan[ACTOR_GEN].layout.pp != 1:
+            raise JobError(f"actor-gen's layout {plan[ACTOR_GEN].layout} has pp={plan[ACTOR_GEN].layout.pp}: the "
+                           "engines generate with pp=1; use tp for a larger actor-gen replica")
+        return WeightSync(plan, self.specs[ACTOR_TRAIN], self.specs[ACTOR_GEN],
                           caps=self.cfg.cluster.device_memory_bytes)
+
+    def adopt(self, plan: ExecutionPlan, units: dict[ModelStage, list[EMU]], prepared: Prepared | None = None, *,
+              sync: WeightSync | None = None):
+        """Switch to ``plan`` whose state is ``units`` (the executor's output): the weight sync (``sync``, from
+        :meth:`check_plan`, or built here), the engines (``prepared``'s warmed ones, or new) and the compiled
+        programs follow the plan. State moves go through :func:`nereus_jax.runtime.move.move`, which checks
+        the plan before moving and adopts after."""
+        sync = sync or self.check_plan(plan)
         self.plan, self.units, self.sync = plan, dict(units), sync
         if prepared is not None and prepared.plan == plan:
             self._programs.update(prepared.programs)
@@ -495,7 +512,7 @@ class Job:
         graph = self._program(("park", ms, src, dst), lambda: TransitionGraph.build(
             ExecutionPlan({ms: dataclasses.replace(sp, memory=src)}),
             ExecutionPlan({ms: dataclasses.replace(sp, memory=dst)}), {ms: self.specs[ms]}))
-        self.units[ms] = TransitionExecutor().run(graph, {ms: self.units[ms]})[ms]
+        move(self, graph)
 
     def _stage_inputs(self, ms: ModelStage, data: dict, program: tuple, mini: int | None = None):
         """The stage's replicas as one SPMD state, and ``data`` ([rows, ...] host arrays) as token-budget

@@ -28,7 +28,6 @@ from nereus_jax.runtime.checkpoint import (
     GracefulStop,
     checkpoint_dir,
     load_controller,
-    recover_from_device_loss,
     restore_job,
     stop_agreed,
     training_snapshot,
@@ -313,11 +312,11 @@ def rl_steps(job: Job, adapter: Adapter, steps: int, first: int = 0,
     ``trainer.mode=async``) the asynchronous runner, which asks it at weight syncs.
 
     Sync mode survives devices lost during a step (:class:`DeviceLost`; ``cluster.schedule`` ``fail``
-    injects one): the job moves onto the surviving units when every model-stage kept a complete copy of
-    its state as of the step's start, otherwise it is restored from ``checkpointer``'s last checkpoint
+    injects one) through ``Adapter.lose``: the job moves onto the surviving units when every model-stage
+    kept a complete copy of its state as of the step's start (to the controller's urgent target, the plan
+    a device leaving with notice gets), otherwise it is restored from ``checkpointer``'s last checkpoint
     (a save still being written is waited for: it holds the state as of this step's start); the step (or
-    the steps since the checkpoint) is redone. ``adapter.job`` is the job
-    that runs from then on."""
+    the steps since the checkpoint) is redone. ``adapter.job`` is the job that runs from then on."""
     if job.cfg.trainer.mode == "async":
         yield from AsyncRunner(job, adapter, log=adapter.log).run(steps, first=first)
         return
@@ -336,10 +335,9 @@ def rl_steps(job: Job, adapter: Adapter, steps: int, first: int = 0,
             adapter.log(f"step {step}: {lost}")
             if checkpointer is not None:
                 checkpointer.wait()
-            rec = recover_from_device_loss(job, lost.device_ids, step, before,
-                                           checkpointer.directory if checkpointer is not None else None)
+            rec = adapter.lose(lost.device_ids, step, before,
+                               checkpointer.directory if checkpointer is not None else None)
             adapter.log(f"step {step}: {rec.describe()}")
-            adapter.lose(lost.device_ids, rec.job)
             job, metrics, step = rec.job, None, rec.next_step
             continue
         result.metrics["boundary_seconds"] = boundary_s
