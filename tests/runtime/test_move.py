@@ -34,7 +34,7 @@ from nereus_jax.elastic.schedule import Infeasible
 from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
 from nereus_jax.runtime.adapt import Adapter
-from nereus_jax.runtime.checkpoint import training_snapshot
+from nereus_jax.runtime.checkpoint import CheckpointError, training_snapshot
 from nereus_jax.runtime.job import Job, JobError, Prepared
 from nereus_jax.runtime.move import InMove, move
 from nereus_jax.runtime.plans import ACTOR_GEN, REF_INFER
@@ -248,14 +248,15 @@ def test_a_device_failing_mid_step_gets_the_plan_a_device_leaving_with_notice_ge
     """Two adapters fed the same measured steps: one told at step 2 that devices 6 and 7 leave at step 3
     (notice), one whose job loses them during step 2. Both ask the controller's urgent path for the same
     pool, so both land on the same plan (ranks aligned); the failed one is moved there from its surviving
-    units, live."""
+    units, live. A third loses devices 0 and 1, every actor-gen replica: no live move exists, so it falls
+    back to the checkpoint (none here: the error names the fix)."""
     noticed_job = _job(["cluster.schedule=[{step: 3, leave: [6, 7], notice: 1}]"])
-    failed_job = _job()
+    failed_job, no_copy_job = _job(), _job()
     metrics = [noticed_job.step(s).metrics for s in range(2)]
     noticed_job.prepare = lambda plan: Prepared(plan, {}, [], 0.0)  # only its decision is compared
-    noticed, failed = Adapter(noticed_job, log=lambda _: None), Adapter(failed_job, log=lambda _: None)
+    noticed, failed, no_copy = (Adapter(j, log=lambda _: None) for j in (noticed_job, failed_job, no_copy_job))
     try:
-        for adapter in (noticed, failed):
+        for adapter in (noticed, failed, no_copy):
             for s, m in enumerate([None, *metrics]):
                 adapter.boundary(s, m)
         assert noticed.pending is not None, noticed.events
@@ -263,11 +264,17 @@ def test_a_device_failing_mid_step_gets_the_plan_a_device_leaving_with_notice_ge
         assert decision.trigger == "pool" and decision.urgent
         assert noticed.pending.graph is decision.move  # the move that runs is the graph it was priced with
         rec = failed.lose([6, 7], 2, training_snapshot(failed_job), None)
+        with pytest.raises(CheckpointError, match=r"no replica of actor-gen survived.*no checkpoint to restore.*"
+                                                  r"set checkpoint.every_steps"):
+            no_copy.lose([0, 1], 2, training_snapshot(no_copy_job), None)
     finally:
-        noticed.close()
-        failed.close()
+        for adapter in (noticed, failed, no_copy):
+            adapter.close()
     assert rec.how == "survivors" and rec.job is failed_job and rec.next_step == 2
     urgent = [e for e in failed.events if e["event"] == "decision"][-1]
     assert urgent["trigger"] == "pool" and urgent["urgent"] and urgent["admitted"]
     assert not {6, 7} & set(failed_job.plan.devices)
     assert failed_job.plan == noticed.pending.target
+    urgent = [e for e in no_copy.events if e["event"] == "decision"][-1]
+    assert urgent["urgent"] and not urgent["admitted"] and "no feasible live transition" in urgent["reason"]
+    assert all(why == "no live transition reaches it" for _, why in urgent["rejected"])
