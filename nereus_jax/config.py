@@ -54,6 +54,7 @@ STAGE_NAMES = (
     "reward-infer",
 )
 _PRESET_KEYS = ("model", "model.preset")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")  # trainer.pipeline_schedule; the cost model prices the one that runs
 
 
 def _field(default: Any, help: str) -> Any:
@@ -367,6 +368,11 @@ class TrainerConfig(_Node):
     packing: bool = _field(
         False, "pack sequences end to end (segment ids, positions restart) in rows of prompt + response length for "
                "every scoring and training forward, instead of padding each (verl: use_remove_padding)")
+    pipeline_schedule: Literal["1f1b", "gpipe"] = _field(
+        "1f1b", "training schedule of a model-stage whose layout has pp > 1: '1f1b' (one forward, one backward per "
+                "tick: at most 2 pp - 1 micro-batches' stage inputs and one micro-batch's activations held, one extra "
+                "forward per micro-batch) or 'gpipe' (the pipelined forward differentiated: every micro-batch's "
+                "activations held); scoring runs the GPipe forward either way, generation stays pp = 1")
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = _field(1, "async: how many policy versions a rollout may lag (1 = one-step-off)")
     sync_every: int = _field(1, "async: learner updates between weight syncs to actor-gen (<= max_staleness + 1)")

@@ -17,6 +17,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from nereus_jax.config import PIPELINE_SCHEDULES
+
 
 class WorkloadError(ValueError):
     """A workload that cannot describe a step (non-positive sizes, mean > p95 > max ordering broken)."""
@@ -63,7 +65,9 @@ class Workload:
     and training stages see; ``generated_sequences`` what actor-gen produces. ``packed``: see above.
     Training makes ``mini_batches`` x ``epochs`` optimizer updates a step (trainer.mini_batches,
     trainer.ppo_epochs), each on ``train_sequences``: the cost model prices each update's calls, optimizer
-    step and gradient all-reduce, and a micro-batch divides one mini-batch.
+    step and gradient all-reduce, and a micro-batch divides one mini-batch. ``pipeline_schedule``
+    (trainer.pipeline_schedule): how a training stage with pp > 1 runs, 1F1B or GPipe, which sets its
+    activation memory and work per micro-batch.
     """
 
     prompts_per_step: int
@@ -74,8 +78,12 @@ class Workload:
     packed: bool = False
     mini_batches: int = 1
     epochs: int = 1
+    pipeline_schedule: str = "1f1b"
 
     def __post_init__(self) -> None:
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise WorkloadError(f"workload.pipeline_schedule={self.pipeline_schedule!r}; valid: "
+                                f"{', '.join(PIPELINE_SCHEDULES)}")
         for name in ("prompts_per_step", "samples_per_prompt", "mini_batches", "epochs"):
             if getattr(self, name) < 1:
                 raise WorkloadError(f"workload.{name} must be >= 1, got {getattr(self, name)}")
@@ -124,10 +132,10 @@ class Workload:
     @classmethod
     def fixed(cls, prompts: int, prompt_length: int, response_length: int, samples_per_prompt: int = 1,
               greedy_baseline: bool = False, packed: bool = False, mini_batches: int = 1,
-              epochs: int = 1) -> Workload:
+              epochs: int = 1, pipeline_schedule: str = "1f1b") -> Workload:
         """Every prompt and every response of one length."""
         return cls(prompts, LengthStats.fixed(prompt_length), LengthStats.fixed(response_length),
-                   samples_per_prompt, greedy_baseline, packed, mini_batches, epochs)
+                   samples_per_prompt, greedy_baseline, packed, mini_batches, epochs, pipeline_schedule)
 
     @classmethod
     def from_lengths(cls, prompt_lengths: Sequence[int], response_lengths: Sequence[int],
@@ -150,4 +158,4 @@ class Workload:
         return cls.fixed(config.trainer.prompts_per_step, config.rollout.max_prompt_length,
                          config.rollout.max_response_length, config.rollout.samples_per_prompt, greedy,
                          packed=config.trainer.packing, mini_batches=config.trainer.mini_batches,
-                         epochs=config.trainer.ppo_epochs)
+                         epochs=config.trainer.ppo_epochs, pipeline_schedule=config.trainer.pipeline_schedule)

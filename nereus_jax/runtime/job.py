@@ -67,7 +67,7 @@ from nereus_jax.runtime.plans import (
     plan_from_config,
 )
 from nereus_jax.sharding import device_index, is_local, make_mesh, to_numpy, tree_to_numpy
-from nereus_jax.sharding.pipeline import pipeline_forward_fn
+from nereus_jax.sharding.pipeline import check_schedule, pipeline_axis, pipeline_forward_fn
 
 # dynamic sampling's extra prompts: a part of the data stream steps never reach, whose sampling keys
 # (position mod 2**31) start at 2**30, away from the steps' own
@@ -648,9 +648,10 @@ class Job:
 
     def _train_program(self, ms: ModelStage, spec: StateSpec, mesh):
         a, m = self.cfg.algorithm, self.cfg.model
-        fwd = stage_forward(mesh, spec.kind)
-        loss = steps.actor_loss(m, a, self.P, fwd) if ms.model == "actor" else steps.critic_loss(m, a, self.P, fwd)
-        step = steps.make_minibatch_train_step(loss, spec.optimizer, m, epochs=self.cfg.trainer.ppo_epochs)
+        make_loss = functools.partial(steps.actor_loss if ms.model == "actor" else steps.critic_loss, m, a, self.P)
+        grad_fn = stage_value_and_grad(mesh, spec.kind, make_loss, self.cfg.trainer.pipeline_schedule)
+        step = steps.make_minibatch_train_step(None, spec.optimizer, m, epochs=self.cfg.trainer.ppo_epochs,
+                                               value_and_grad=grad_fn)
 
         def program(leaves, micro):
             state = spec.unflatten(leaves)
@@ -803,6 +804,17 @@ def stage_forward(mesh, kind: str):
     micro-batch count the cost model prices, :func:`pipeline_microbatches` of the call's rows per replica),
     else the plain forward."""
     return pipeline_forward_fn(mesh, pipeline_microbatches, kind)
+
+
+def stage_value_and_grad(mesh, kind: str, make_loss: steps.MakeLoss, schedule: str = "1f1b") -> steps.GradFn:
+    """What a stage's training program differentiates with on ``mesh`` (``make_loss(forward_fn)``: the loss):
+    the 1F1B schedule over its pp axis when it has one and ``schedule`` is '1f1b'
+    (:func:`~nereus_jax.runtime.steps.pipelined_value_and_grad`), else ``jax.value_and_grad`` through
+    :func:`stage_forward` (GPipe when pp > 1). Both split a call into the micro-batch count the cost model
+    prices; scoring programs keep :func:`stage_forward`."""
+    if check_schedule(schedule) == "1f1b" and pipeline_axis(mesh, kind) is not None:
+        return steps.pipelined_value_and_grad(make_loss, mesh, pipeline_microbatches, kind)
+    return jax.value_and_grad(make_loss(stage_forward(mesh, kind)), has_aux=True)
 
 
 def _infer_program(cfg, prompt_len: int, what: str, forward_fn=forward):

@@ -33,10 +33,13 @@ from nereus_jax.rl.algorithms import (
     token_logprobs,
     value_loss,
 )
+from nereus_jax.sharding import pipeline as pipe
 from nereus_jax.sharding import sync_kv_grads
 
 LossFn = Callable[[dict, dict], tuple[jax.Array, dict]]
 ForwardFn = Callable[..., jax.Array]  # forward()'s signature; a pipelined forward for pp > 1
+GradFn = Callable[[dict, dict], tuple[tuple[jax.Array, dict], dict]]  # jax.value_and_grad(loss, has_aux=True)
+MakeLoss = Callable[[ForwardFn], LossFn]  # e.g. functools.partial(actor_loss, cfg, algo, prompt_len)
 
 
 def response_logits(params, cfg: ModelConfig, tokens_bl, mask_bl, prompt_len: int,
@@ -189,12 +192,16 @@ def canonical_global_norm(grads: dict, cfg: ModelConfig) -> jax.Array:
     return jnp.sqrt(total)
 
 
-def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, cfg: ModelConfig,
-                    max_grad_norm: float = 1.0):
-    """(params, opt_state, micro_batches [accum, rows, ...]) -> (params, opt_state, metrics)."""
+def make_train_step(loss_fn: LossFn | None, optimizer: optax.GradientTransformation, cfg: ModelConfig,
+                    max_grad_norm: float = 1.0, *, value_and_grad: GradFn | None = None):
+    """(params, opt_state, micro_batches [accum, rows, ...]) -> (params, opt_state, metrics). ``value_and_grad``
+    (default ``jax.value_and_grad(loss_fn, has_aux=True)``) gives each micro-batch's loss, metrics and gradients:
+    :func:`pipelined_value_and_grad` for the 1F1B pipeline."""
+    grad_fn = value_and_grad or jax.value_and_grad(loss_fn, has_aux=True)
+
     def step(params, opt_state, batches):
         def micro(acc, mb):
-            (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
+            (loss, metrics), grads = grad_fn(params, mb)
             return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
 
         zeros = jax.tree.map(jnp.zeros_like, params)
@@ -223,13 +230,70 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, cf
 _REDUCE = {"max": jnp.max, "min": jnp.min}  # a micro-batch metric named *_max / *_min; the rest are sums
 
 
-def make_minibatch_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, cfg: ModelConfig,
-                              epochs: int = 1, max_grad_norm: float = 1.0):
+def pipelined_value_and_grad(make_loss: MakeLoss, mesh, microbatches, kind: str = "train") -> GradFn:
+    """A drop-in for ``jax.value_and_grad(make_loss(forward_fn), has_aux=True)`` on a mesh that pipelines: the
+    1F1B schedule (:func:`~nereus_jax.sharding.pipeline.pipeline_value_and_grad`) over the call's micro-batch split
+    into pipeline micro-batches (:func:`pipeline_split`; ``microbatches``: a count, or a function of (rows per
+    replica, pp) as :func:`~nereus_jax.sharding.pipeline.pipeline_forward_fn` takes). The pieces' losses sum and
+    their metrics combine as :func:`make_train_step` combines micro-batches' (sums; ``*_max`` / ``*_min``: the
+    extreme), so, like gradient accumulation, the loss must normalise by the whole batch's counts (``denom``,
+    ``seq_denom``) for the result to equal the unsplit loss."""
+    def fn(params, mb):
+        m = pipe.call_microbatches(make_loss, params, mb, mesh=mesh, microbatches=microbatches, kind=kind)
+        (losses, metrics), grads = pipe.pipeline_value_and_grad(make_loss, params, pipeline_split(mb, m), mesh=mesh,
+                                                                kind=kind)
+        return (jnp.sum(losses), {k: _REDUCE.get(k.rsplit("_", 1)[-1], jnp.sum)(v) for k, v in metrics.items()}), grads
+
+    return fn
+
+
+_PACKED_ROWS = ("packed_tokens", "packed_positions", "segment_ids")
+
+
+def pipeline_split(mb: dict, m: int) -> dict:
+    """A loss's micro-batch (padded or packed) as ``m`` pipeline micro-batches, every leaf ``[m, ...]``, whose
+    losses sum to its loss when it carries the whole batch's normalisers. Padded: piece i holds rows i, i + m,
+    ... (the pipeline's own split, so a dp split of the rows stays one). Packed: piece i holds each replica's
+    packed rows i, i + m, ... and every sequence's fields, those of sequences in other pieces' rows masked out
+    (``response_mask`` 0; their gather offsets point into piece i's rows, as a padding token's do), since the
+    sequences per packed row vary with the data. Scalars are repeated."""
+    if "packed_tokens" not in mb:
+        return {k: _pieces(v, m) for k, v in mb.items()}
+    width = mb["packed_tokens"].shape[-1]
+    member = (mb["unpack_last"] // width) % m == jnp.arange(m)[:, None]  # [m, b]: the piece holding each sequence
+
+    def offsets(index):  # row * L + column in the replica's rows -> (row // m) * L + column in the piece's
+        return jnp.broadcast_to((index // width // m) * width + index % width, (m, *index.shape))
+
+    out = {}
+    for k, v in mb.items():
+        if k in _PACKED_ROWS:
+            out[k] = jnp.moveaxis(v.reshape(v.shape[0], -1, m, width), 2, 0)
+        elif k in ("unpack_index", "unpack_last"):
+            out[k] = offsets(v)
+        elif k == "response_mask":
+            out[k] = v * member[:, :, None].astype(v.dtype)
+        else:
+            out[k] = _pieces(v, m, split=False)
+    return out
+
+
+def _pieces(x, m: int, split: bool = True) -> jax.Array:
+    """[rows, ...] -> [m, rows / m, ...] (piece i: rows i, i + m, ...), or ``x`` repeated ``m`` times (scalars,
+    or ``split`` False)."""
+    x = jnp.asarray(x)
+    if x.ndim == 0 or not split:
+        return jnp.broadcast_to(x, (m, *x.shape))
+    return jnp.moveaxis(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 1, 0)
+
+
+def make_minibatch_train_step(loss_fn: LossFn | None, optimizer: optax.GradientTransformation, cfg: ModelConfig,
+                              epochs: int = 1, max_grad_norm: float = 1.0, *, value_and_grad: GradFn | None = None):
     """(params, opt_state, batches [mini, accum, rows, ...]) -> (params, opt_state, metrics [epochs * mini]):
     ``epochs`` passes over the mini-batches in order, one :func:`make_train_step` update each (a non-finite
     one is skipped, the next starts from the kept state). The caller's ``old_logp`` are the generating
     step's, so the first update's ratio is 1 and the later ones' move away from it."""
-    update = make_train_step(loss_fn, optimizer, cfg, max_grad_norm)
+    update = make_train_step(loss_fn, optimizer, cfg, max_grad_norm, value_and_grad=value_and_grad)
 
     def step(params, opt_state, batches):
         def one(carry, mb):

@@ -1,25 +1,46 @@
-"""Pipeline parallelism: the stacked ``layers`` axis split over ``pp``, run as a GPipe schedule.
+"""Pipeline parallelism: the stacked ``layers`` axis split over ``pp``, run as a GPipe or a 1F1B schedule.
 
 The rules table decides: the mesh axis that a stage kind's rules map ``layers`` to (``pp``) is the
 pipeline axis. With that axis absent or of size 1 every function here is exactly the plain model code
 (:func:`~nereus_jax.models.forward`, :func:`~nereus_jax.models.forward_with_cache`); with pp > 1 the
-layer stack runs inside ``jax.shard_map`` that is manual over ``pp`` only, so tp (and dp) stay with the
+layer stack runs inside ``jax.shard_map`` that is manual over ``pp``, so tp (and, in GPipe, dp) stay with the
 SPMD partitioner and tp-sharded weights inside a stage work unchanged.
 
-Schedule (GPipe): the batch is cut into ``m`` micro-batches (micro-batch i = rows i, i+m, ..., so a dp
-split of the batch stays a dp split of every micro-batch). At tick t stage s runs its layers on
-micro-batch t - s, then hands its output to stage s + 1 with ``ppermute``; m + pp - 1 ticks in all, so
-each stage idles (pp - 1) of them: bubble fraction (pp - 1) / (m + pp - 1). Training differentiates
-through the schedule; the backward is its transpose (reverse ppermute, same tick table reversed), so
-the same bubble applies. In the uncached forward a bubble tick computes on zeros (branch-free, cheap to
-differentiate); in the cached path a bubble tick is skipped (``lax.cond``), since it must not write
-garbage keys/values into the stage's slice of the KV cache.
+GPipe (forward: scoring, generation, and training by ``jax.grad``): the batch is cut into ``m`` micro-batches
+(micro-batch i = rows i, i+m, ..., so a dp split of the batch stays a dp split of every micro-batch). At
+tick t stage s runs its layers on micro-batch t - s, then hands its output to stage s + 1 with
+``ppermute``; m + pp - 1 ticks in all, so each stage idles (pp - 1) of them: bubble fraction
+(pp - 1) / (m + pp - 1). Training differentiates through the schedule; the backward is its transpose
+(reverse ppermute, same tick table reversed), so the same bubble applies, and the backward keeps every
+tick's activations (all m micro-batches, and the bubble ticks') until it runs. In the uncached forward a
+bubble tick computes on zeros (branch-free, cheap to differentiate); in the cached path a bubble tick is
+skipped (``lax.cond``), since it must not write garbage keys/values into the stage's slice of the KV cache.
 
-Embedding and output head run outside the pipelined stack: the rules table stores them replicated over
-pp (they have no ``layers`` axis), so no stage owns them, tied embeddings need nothing special and their
-gradients come out laid out like the parameters. The embedding lookup (no FLOPs) runs replicated; the
-output head (a large matmul for real vocabularies) runs data-parallel over pp, every stage taking
-1/pp of the rows, instead of on the last stage alone.
+1F1B (training: :func:`pipeline_value_and_grad`, an explicit value-and-gradient function the job's train
+step calls instead of ``jax.value_and_grad`` when ``trainer.pipeline_schedule`` is ``1f1b``): the backward
+is written into the schedule. Each tick, stage s runs the forward of micro-batch t - s and stashes its input,
+then the backward of micro-batch t - 2 (pp - 1) + s: ``jax.vjp`` of its layers, recomputing their forward
+from the stashed input, gradients added to the stage's sums; then outputs go to s + 1 and input
+cotangents to s - 1 (``ppermute``). The last stage also runs the output head and the loss on each
+micro-batch as it arrives, and their backward, so a micro-batch's backward starts as soon as its forward
+leaves the stack. A device holds at most min(m, 2 pp - 1) stashed stage inputs (:func:`stash_slots`) and one
+micro-batch's layer activations, instead of GPipe's every micro-batch; the price is one more forward per
+micro-batch (the recompute). Idle halves of ticks are skipped, so the timeline is (pp - 1) forwards,
+m forward+backward ticks and (pp - 1) backwards: bubble (pp - 1) / (m + pp - 1), as GPipe. The loss must be
+a sum over micro-batches and over dp replicas' rows (normalised by the whole batch's counts), since each
+piece's loss is computed on its own; dp is manual inside the 1F1B ``shard_map`` too (each replica runs the
+schedule on its rows; gradients are summed over dp once, after it), which also keeps the loss's gathers
+over a tp-sharded vocabulary out of the partitioner's partially-manual corner cases.
+
+Embedding and output head run outside the pipelined stack in the forward: the rules table stores them
+replicated over pp (they have no ``layers`` axis), so no stage owns them, tied embeddings need nothing
+special and their gradients come out laid out like the parameters. The embedding lookup (no FLOPs) runs
+replicated; in GPipe the output head (a large matmul for real vocabularies) runs data-parallel over pp,
+every stage taking 1/pp of the rows, instead of on the last stage alone; in 1F1B it runs on the last stage,
+one micro-batch at a time.
+
+Generation stays pp = 1: the planner proposes no other layout for actor-gen, and the cached forward here
+(GPipe, no backward) serves tests and tools.
 
 Example::
 
@@ -28,12 +49,15 @@ Example::
     logits = jax.jit(pipeline_forward_fn(mesh, microbatches=4), static_argnums=1)(sharded, cfg, tokens)
     cache = jax.device_put(init_cache(cfg, batch, max_len), cache_sharding(mesh))
     logits, cache = pipeline_forward_with_cache(sharded, cfg, tokens, positions, cache, mesh=mesh)
+    make_loss = functools.partial(actor_loss, cfg, algo, prompt_len)          # forward_fn -> loss(params, mb)
+    (values, metrics), grads = pipeline_value_and_grad(make_loss, sharded, pieces, mesh=mesh)
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +65,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nereus_jax.config import ModelConfig
+from nereus_jax.config import PIPELINE_SCHEDULES, ModelConfig
 from nereus_jax.models.decoder import (
     KVCache,
     apply_layers,
@@ -72,8 +96,15 @@ def pipeline_axis(mesh: Mesh, kind: str = "train") -> str | None:
 
 
 def bubble_fraction(pp: int, microbatches: int) -> float:
-    """Idle fraction of the GPipe schedule: (pp - 1) / (m + pp - 1)."""
+    """Idle fraction of either schedule, GPipe or 1F1B: (pp - 1) / (m + pp - 1)."""
     return (pp - 1) / (microbatches + pp - 1)
+
+
+def check_schedule(name: str) -> str:
+    """``name`` if it is a training schedule this module runs, else a PipelineError naming the valid ones."""
+    if name not in PIPELINE_SCHEDULES:
+        raise PipelineError(f"unknown pipeline schedule {name!r}; valid: {', '.join(PIPELINE_SCHEDULES)}")
+    return name
 
 
 def gpipe_schedule(pp: int, microbatches: int) -> np.ndarray:
@@ -101,14 +132,9 @@ def pipeline_forward(params: dict, cfg: ModelConfig, tokens_bt: jax.Array, posit
     if axis is None:
         return forward(params, cfg, tokens_bt, positions_bt, attention_mask_bt, return_hidden=return_hidden,
                        segment_ids_bt=segment_ids_bt)
-    if attention_mask_bt is None:
-        attention_mask_bt = jnp.ones(tokens_bt.shape, jnp.int32) if segment_ids_bt is None else \
-            (segment_ids_bt > 0).astype(jnp.int32)
-    if positions_bt is None:
-        positions_bt = default_positions(tokens_bt, attention_mask_bt)
-    segments = jnp.ones(tokens_bt.shape, jnp.int32) if segment_ids_bt is None else segment_ids_bt  # one segment
-    hidden, _ = _run_uncached(params["layers"], cfg, embed_tokens(params, tokens_bt), positions_bt,
-                              attention_mask_bt, segments, mesh=mesh, axis=axis, m=microbatches, kind=kind)
+    call = _model_call(tokens_bt, positions_bt, attention_mask_bt, segment_ids_bt)
+    hidden, _ = _run_uncached(params["layers"], cfg, embed_tokens(params, tokens_bt), call.positions, call.mask,
+                              call.segments, mesh=mesh, axis=axis, m=microbatches, kind=kind)
     return _head(params, cfg, hidden, mesh, kind, axis, microbatches, return_hidden)
 
 
@@ -165,6 +191,60 @@ def executed_schedule(params: dict, cfg: ModelConfig, tokens_bt: jax.Array, *, m
     return np.asarray(run(params, tokens_bt))
 
 
+def one_f_one_b_schedule(pp: int, microbatches: int) -> np.ndarray:
+    """[ticks, pp, 2]: the micro-batch each stage runs forward (``[..., 0]``) and backward (``[..., 1]``) at each
+    tick of :func:`pipeline_value_and_grad`, -1 where that half of the tick idles; m + 2 (pp - 1) ticks. Stage s
+    runs the forward of micro-batch i at tick i + s and its backward at tick i + 2 (pp - 1) - s (the last
+    stage both in one tick)."""
+    t, s = np.arange(microbatches + 2 * (pp - 1))[:, None], np.arange(pp)[None, :]
+    forward, backward = t - s, t - 2 * (pp - 1) + s
+    return np.stack([np.where((i >= 0) & (i < microbatches), i, -1) for i in (forward, backward)], axis=-1)
+
+
+def stash_slots(pp: int, microbatches: int) -> int:
+    """Stage inputs a device keeps at once under 1F1B: min(m, 2 pp - 1). Stage s holds micro-batch i from its
+    forward (tick i + s) to its backward (tick i + 2 (pp - 1) - s), and ticks are lock-step (every stage
+    forwards, then every stage runs a backward, then both hand-offs), so stage 0 has 2 pp - 1 in flight, not
+    the pp of an asynchronous 1F1B whose hand-offs take part of a tick."""
+    return min(microbatches, 2 * pp - 1)
+
+
+def call_microbatches(make_loss: MakeLoss, params: dict, mb, *, mesh: Mesh,
+                      microbatches: int | Callable[[int, int], int], kind: str = "train") -> int:
+    """The pipeline micro-batch count for the model call ``make_loss(forward)(params, mb)`` makes:
+    ``microbatches``, or its value at (the call's rows per replica, pp) when it is a function (as
+    :func:`pipeline_forward_fn` evaluates it)."""
+    if not callable(microbatches):
+        return microbatches
+    axis = pipeline_axis(mesh, kind)
+    rows = _Probe().run(make_loss, _head_params(params), mb).tokens.shape[0]
+    return microbatches(rows // _batch_degree(mesh, kind), mesh.shape[axis] if axis else 1)
+
+
+def pipeline_value_and_grad(make_loss: MakeLoss, params: dict, mbs, *, mesh: Mesh,
+                            kind: str = "train") -> tuple[tuple[jax.Array, dict], dict]:
+    """A loss's values and gradients on m micro-batches, the layer stack run as the 1F1B schedule over the
+    mesh's pp axis (module docstring).
+
+    ``make_loss(forward_fn)`` builds ``loss(params, mb) -> (value, metrics)`` on a forward function (as
+    :func:`~nereus_jax.runtime.steps.actor_loss` does); the loss makes exactly one model call through it and
+    reads the parameters only through that call. ``mbs``: the loss's inputs as m micro-batches, every leaf
+    ``[m, ...]``; a leaf of rank >= 2 holds rows on axis 1, split over dp (as the job places micro-batches).
+    Each dp replica runs the loss on its rows of each micro-batch, so the loss must add up over rows (the
+    job's losses do, given the whole batch's normalisers). Returns ``((values [dp * m], metrics {name:
+    [dp * m]}), grads)``: the loss value and metrics of every (replica, micro-batch) piece, replica-major, and
+    the gradient of the values' sum laid out like ``params`` (the layers split over pp)."""
+    out, grads, _ = _one_f_one_b(make_loss, params, mbs, mesh=mesh, kind=kind)
+    return out, grads
+
+
+def executed_1f1b_schedule(make_loss: MakeLoss, params: dict, mbs, *, mesh: Mesh, kind: str = "train") -> np.ndarray:
+    """Runs :func:`pipeline_value_and_grad` once and returns, as recorded by the running program, the
+    micro-batch each stage ran forward and backward at each tick ([ticks, pp, 2], -1 = idle). For benchmarks
+    and tests."""
+    return np.asarray(jax.jit(lambda p, mbs: _one_f_one_b(make_loss, p, mbs, mesh=mesh, kind=kind)[2])(params, mbs))
+
+
 def _checked_axis(params: dict, batch: int, mesh: Mesh, microbatches: int, kind: str) -> str | None:
     if microbatches < 1 or batch % microbatches:
         raise PipelineError(f"microbatches={microbatches} does not divide the batch of {batch} rows; "
@@ -199,10 +279,10 @@ def _merge(x_m: jax.Array, axis: int = 0) -> jax.Array:
     return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2:])
 
 
-def _stage_constraints(mesh: Mesh, kind: str, manual_axis: str):
+def _stage_constraints(mesh: Mesh, kind: str, *manual_axes: str):
     """Activation annotations inside a stage: the rules table over the axes the partitioner still owns
-    (a bare PartitionSpec resolves against the shard_map's mesh, where ``manual_axis`` is manual)."""
-    auto_axes = tuple(a for a in mesh.axis_names if a != manual_axis)
+    (a bare PartitionSpec resolves against the shard_map's mesh, where ``manual_axes`` are manual)."""
+    auto_axes = tuple(a for a in mesh.axis_names if a not in manual_axes)
 
     def fn(x, axes):
         return lax.with_sharding_constraint(x, logical_to_spec(axes, kind, auto_axes))
@@ -298,7 +378,7 @@ def _gpipe(stage_fn, x_mbtd, state, axis: str, pp: int):
     return out, state, record
 
 
-def _varying(x: jax.Array, axis: str) -> jax.Array:
+def _varying(x: jax.Array, axis: str | tuple[str, ...]) -> jax.Array:
     return lax.pcast(x, axis, to="varying")
 
 
@@ -333,3 +413,182 @@ def _head(params: dict, cfg: ModelConfig, hidden_btd: jax.Array, mesh: Mesh, kin
 
     with activation_constraints(fn):
         return output_head(params, cfg, fn(hidden_btd, ("batch", "length", "embed")), return_hidden=return_hidden)
+
+
+# ------------------------------------------------------------------------------------------ 1F1B
+MakeLoss = Callable[[ForwardFn], Callable[[dict, dict], tuple[jax.Array, dict]]]
+
+
+class _ModelCall(NamedTuple):
+    """One model call's inputs as the pipeline runs them ([rows, length] each; [m, rows, length] per micro-batch)."""
+
+    tokens: jax.Array
+    positions: jax.Array
+    mask: jax.Array
+    segments: jax.Array
+
+
+def _model_call(tokens_bt, positions_bt=None, attention_mask_bt=None, segment_ids_bt=None) -> _ModelCall:
+    """``forward``'s defaults made explicit: every token real (packed: the segments' tokens), positions from the
+    mask, one segment per row."""
+    if attention_mask_bt is None:
+        attention_mask_bt = jnp.ones(tokens_bt.shape, jnp.int32) if segment_ids_bt is None else \
+            (segment_ids_bt > 0).astype(jnp.int32)
+    if positions_bt is None:
+        positions_bt = default_positions(tokens_bt, attention_mask_bt)
+    segments = jnp.ones(tokens_bt.shape, jnp.int32) if segment_ids_bt is None else segment_ids_bt
+    return _ModelCall(tokens_bt, positions_bt, attention_mask_bt, segments)
+
+
+class _Probe:
+    """A forward function that records the model call a loss makes and returns zeros shaped like its output:
+    tracing ``make_loss(probe)(params, mb)`` yields the call's inputs (the loss computed on the zeros is dead
+    code), its ``cfg`` and ``return_hidden``."""
+
+    def __init__(self):
+        self.call, self.cfg, self.return_hidden = None, None, False
+
+    def run(self, make_loss: MakeLoss, params: dict, mb) -> _ModelCall:
+        self.call = None
+        make_loss(self)(params, mb)
+        if self.call is None:
+            raise PipelineError("the loss never called its forward function; 1F1B pipelines the model call it makes")
+        return self.call
+
+    def __call__(self, params, cfg, tokens_bt, positions_bt=None, attention_mask_bt=None, *, return_hidden=False,
+                 segment_ids_bt=None):
+        if self.call is not None:
+            raise PipelineError("the loss called its forward function twice; 1F1B pipelines one model call per loss")
+        self.call = _model_call(tokens_bt, positions_bt, attention_mask_bt, segment_ids_bt)
+        self.cfg, self.return_hidden = cfg, return_hidden
+        hidden = jax.ShapeDtypeStruct((*tokens_bt.shape, cfg.hidden_size), params["final_norm"]["scale"].dtype)
+        out = jax.eval_shape(lambda p, x: output_head(p, cfg, x, return_hidden=return_hidden), params, hidden)
+        return jnp.zeros(out.shape, out.dtype)
+
+
+def _head_params(params: dict) -> dict:
+    """What :func:`~nereus_jax.models.output_head` reads: the final norm and the lm or value head (the
+    embedding when tied)."""
+    keys = ["final_norm"] + [k for k in ("lm_head", "value_head") if k in params]
+    return {k: params[k] for k in (keys if len(keys) > 1 else [*keys, "embed"])}
+
+
+def _one_f_one_b(make_loss: MakeLoss, params: dict, mbs, *, mesh: Mesh, kind: str):
+    """((values [m], metrics), grads, record [ticks, pp, 2]) of the 1F1B schedule. The embedding runs outside
+    the pipelined stack as in :func:`pipeline_forward`; its gradient is one backward over the cotangents the
+    schedule hands back from stage 0."""
+    axis = pipeline_axis(mesh, kind)
+    if axis is None:
+        raise PipelineError(f"the mesh {dict(mesh.shape)} does not pipeline stage kind {kind!r} (no pp axis over 1); "
+                            "differentiate the plain forward instead")
+    probe = _Probe()
+    head = _head_params(params)
+    calls = jax.vmap(lambda mb: probe.run(make_loss, head, mb))(mbs)
+    m, rows = calls.tokens.shape[:2]
+    _checked_axis(params, m * rows, mesh, m, kind)
+    rest = {k: v for k, v in params.items() if k != "layers"}
+    tokens = _merge(calls.tokens)
+    x, embed_vjp = jax.vjp(lambda rest: embed_tokens(rest, tokens), rest)
+    g_layers, g_head, g_x, values, metrics, record = _run_1f1b(
+        make_loss, probe, params["layers"], head, _split(x, m), calls, mbs, mesh=mesh, axis=axis, kind=kind)
+    (grads,) = embed_vjp(_merge(g_x))
+    grads = {k: jax.tree.map(jnp.add, g, g_head[k]) if k in g_head else g for k, g in grads.items()}
+    return (values, metrics), {**grads, "layers": g_layers}, jnp.swapaxes(record, 0, 1)
+
+
+def _run_1f1b(make_loss, probe, layers, head, x_m, calls, mbs, *, mesh, axis, kind):
+    """The schedule inside shard_map (manual over ``axis``). Each tick, on stage s: the forward of micro-batch
+    t - s (the last stage adds the output head and the loss, and their backward), its input stashed; then the
+    backward of micro-batch t - 2 (pp - 1) + s, recomputing the stage's forward from the stashed input under
+    ``jax.vjp``; then the outputs go to stage s + 1 and the input cotangents to stage s - 1. Idle halves are
+    skipped (``lax.cond``). Returns the stage's layer gradients, the head gradients, the cotangents of the
+    stack's inputs, the values and metrics (all summed over pp) and the stage's record."""
+    cfg, pp, m = probe.cfg, mesh.shape[axis], x_m.shape[0]
+    slots = stash_slots(pp, m)
+    dp = rules_for(kind).get("batch")
+    manual = (axis, dp) if dp in mesh.axis_names else (axis,)
+
+    def body(layers, head, x_m, calls, mbs):
+        s = lax.axis_index(axis)
+        first, last = s == 0, s == pp - 1
+        # differentiated as replica-local values: their gradients are summed once after the schedule, not by a
+        # psum inside every backward (which would also sit inside the last stage's branch alone)
+        layers, head = _vary((layers, head), manual)
+
+        def stage(layers, x, i):
+            c = _at(calls, i)
+            return apply_layers(layers, cfg, x, c.positions, causal_mask(x.shape[1], c.mask, c.segments))
+
+        def head_loss(y, i):
+            def loss(head, y):
+                def forward_fn(params, cfg, *args, return_hidden=False, **kwargs):
+                    return output_head(params, cfg, y, return_hidden=return_hidden)
+                return make_loss(forward_fn)(head, _at(mbs, i))
+
+            value, vjp, metrics = jax.vjp(loss, head, y, has_aux=True)
+            return (value, metrics, *vjp(jnp.ones_like(value)))
+
+        def forward(x, i):
+            y = stage(layers, x, i)
+            return (y, *_cond(last, head_loss, (y, i), manual))
+
+        def backward(x, g, i):
+            return jax.vjp(lambda layers, x: stage(layers, x, i), layers, x)[1](g)
+
+        def tick(carry, t):
+            fwd_in, bwd_in, stash, g_layers, g_head, g_x, values, metrics = carry
+            i_f, i_b = t - s, t - 2 * (pp - 1) + s
+            ok_f, ok_b = (i_f >= 0) & (i_f < m), (i_b >= 0) & (i_b < m)
+            i_f, i_b = jnp.clip(i_f, 0, m - 1), jnp.clip(i_b, 0, m - 1)
+            x = jnp.where(first, x_m[i_f], fwd_in)
+            y, value, mets, d_head, d_y = _cond(ok_f, forward, (x, i_f), manual)
+            stash = _put(stash, x, i_f % slots, ok_f)
+            values, metrics = jax.tree.map(lambda buf, v: _put(buf, v, i_f, ok_f & last), (values, metrics),
+                                           (value, mets))
+            d_layers, d_x = _cond(ok_b, backward, (stash[i_b % slots], jnp.where(last, d_y, bwd_in), i_b), manual)
+            g_layers, g_head = jax.tree.map(jnp.add, (g_layers, g_head), (d_layers, d_head))
+            g_x = _put(g_x, d_x, i_b, ok_b & first)
+            fwd_in = lax.ppermute(y, axis, [(j, j + 1) for j in range(pp - 1)])
+            bwd_in = lax.ppermute(d_x, axis, [(j + 1, j) for j in range(pp - 1)])
+            record = jnp.stack([jnp.where(ok_f, i_f, -1), jnp.where(ok_b, i_b, -1)])
+            return (fwd_in, bwd_in, stash, g_layers, g_head, g_x, values, metrics), record
+
+        with _stage_constraints(mesh, kind, *manual):
+            value, metrics = jax.eval_shape(head_loss, x_m[0], 0)[:2]
+            init = (jnp.zeros_like(x_m[0]), jnp.zeros_like(x_m[0]), jnp.zeros((slots, *x_m.shape[1:]), x_m.dtype),
+                    jax.tree.map(jnp.zeros_like, layers), jax.tree.map(jnp.zeros_like, head), jnp.zeros_like(x_m),
+                    *jax.tree.map(lambda a: jnp.zeros((m, *a.shape), a.dtype), (value, metrics)))
+            carry, record = lax.scan(tick, _vary(init, manual), jnp.arange(m + 2 * (pp - 1)))
+        g_layers, g_head, g_x, values, metrics = carry[3:]
+        g_x, values, metrics = lax.psum((g_x, values, metrics), axis)
+        g_layers = lax.psum(g_layers, manual[1:]) if len(manual) > 1 else g_layers
+        return g_layers, lax.psum(g_head, manual), g_x, values, metrics, record[None]
+
+    layer_specs, rows = _layer_specs(layers, axis), PartitionSpec(None, *manual[1:])
+    per_row = lambda tree: jax.tree.map(lambda a: rows if a.ndim > 1 else PartitionSpec(), tree)  # noqa: E731
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(layer_specs, PartitionSpec(), rows, rows, per_row(mbs)),
+                       out_specs=(layer_specs, PartitionSpec(), rows, PartitionSpec(*manual[1:]),
+                                  PartitionSpec(*manual[1:]), PartitionSpec(axis)), axis_names=set(manual))
+    return fn(layers, head, x_m, calls, mbs)
+
+
+def _cond(pred: jax.Array, fn, operands: tuple, axes: tuple[str, ...]):
+    """``fn(*operands)`` where ``pred``, zeros of its output's shapes elsewhere (only the taken branch runs);
+    outputs varying over ``axes``, as ``lax.cond`` needs both branches to agree."""
+    shapes = jax.eval_shape(fn, *operands)
+    return lax.cond(pred, lambda *a: _vary(fn(*a), axes),
+                    lambda *a: _vary(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), axes), *operands)
+
+
+def _vary(tree, axes: tuple[str, ...]):
+    """Every leaf typed as varying over ``axes`` (adding a varying zero leaves values and dtypes as they are)."""
+    return jax.tree.map(lambda x: x + _varying(jnp.zeros((), x.dtype), axes), tree)
+
+
+def _at(tree, i: jax.Array):
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
+
+
+def _put(buf: jax.Array, value: jax.Array, i: jax.Array, pred: jax.Array) -> jax.Array:
+    """``buf`` with entry ``i`` set to ``value`` where ``pred`` (else left as it is)."""
+    return lax.dynamic_update_index_in_dim(buf, jnp.where(pred, value, buf[i]), i, 0)

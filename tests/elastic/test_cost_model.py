@@ -154,6 +154,49 @@ def test_pipeline_bubble_gpipe():
     assert useful == pytest.approx(1 - bubble)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_training_prices_the_schedule_that_runs(schedule):
+    """pp = 2, a call of 8 rows -> m = 8 micro-batches of 1 row, m + pp - 1 ticks either way (bubble
+    (pp - 1) / (m + pp - 1)); 1F1B recomputes each stage's forward in its backward (4 forward passes, not 3) and
+    runs the head on the last stage over all 8 rows, GPipe over 8 / pp rows per stage."""
+    wl = Workload.fixed(8, 24, 40, pipeline_schedule=schedule)
+    s = wl.max_tokens
+    call = call_latency(SMALL, "actor-train", 1, 2, 8, False, wl, COMPUTE_ONLY, ONES, 2)
+    tick = s * layer_flops_per_token(SMALL, 1) * 1  # one layer a stage, one row
+    passes, head_rows = (4, 8) if schedule == "1f1b" else (3, 8 / 2)
+    head = 3 * head_rows * s * 2 * SMALL.hidden_size * SMALL.vocab_size
+    assert call.gemm * COMPUTE_ONLY.peak_flops == pytest.approx(passes * 9 * tick + head)
+
+
+def test_pipeline_training_memory_follows_the_schedule():
+    """At m = 8 micro-batches (pp = 2): GPipe keeps all m + pp - 1 ticks' activations, 1F1B min(m, 2 pp - 1)
+    = 3 stage inputs and one micro-batch's activations, and the last stage's logits of one micro-batch."""
+    hw = get_hardware("h100")
+    choice = StageChoice(1, 2, 1, 8)
+    gpipe, one = (working_bytes(LLAMA8B, "actor-train", choice, Workload.fixed(8, 512, 512, pipeline_schedule=s), hw)
+                  for s in ("gpipe", "1f1b"))
+    s, layers = 1024, LLAMA8B.num_layers / 2
+    per_row = s * layer_activation_bytes_per_token(LLAMA8B, 1, LLAMA8B.compute_dtype)
+    stage_input = s * LLAMA8B.hidden_size * 2  # bfloat16
+    logits = 3 * s * LLAMA8B.vocab_size * 4.0  # float32 logits, log-probs and their gradient
+    assert gpipe - one == pytest.approx(layers * 9 * per_row + logits * 8 / 2 - (3 * stage_input + layers * per_row
+                                                                                   + logits))
+    assert one < gpipe
+    # pp = 1 has no pipeline: the schedule changes nothing
+    flat = [working_bytes(LLAMA8B, "actor-train", StageChoice(1, 1, 1, 8), Workload.fixed(8, 512, 512,
+                          pipeline_schedule=s), hw) for s in ("gpipe", "1f1b")]
+    assert flat[0] == flat[1]
+
+
+def test_workload_takes_the_configured_schedule_and_rejects_others():
+    from nereus_jax.config import load_config
+
+    assert Workload.from_config(load_config(None, [])).pipeline_schedule == "1f1b"
+    assert Workload.from_config(load_config(None, ["trainer.pipeline_schedule=gpipe"])).pipeline_schedule == "gpipe"
+    with pytest.raises(WorkloadError, match="pipeline_schedule='zb'; valid: 1f1b, gpipe"):
+        Workload.fixed(8, 24, 40, pipeline_schedule="zb")
+
+
 def test_decode_is_bandwidth_bound_on_weights_and_kv():
     hw = dataclasses.replace(HARDWARE["cpu"], peak_flops=1e30, launch_overhead_s=0.0, launch_overhead_per_device_s=0.0,
                              layer_overhead_s=0.0, intra_node_bandwidth=1e30, intra_node_latency_s=0.0)

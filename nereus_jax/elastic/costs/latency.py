@@ -14,7 +14,10 @@ memory-bound (decode, small calls) the roofline takes the larger side and charge
   4 per layer (6 with remat), the saved activations written by the forward and read back by the
   backward (memory traffic that scales with tokens), the optimizer update (memory-bound, per replica)
   and the DP gradient all-reduce (hierarchical: inside a node, then across nodes at the node NICs'
-  per-device share).
+  per-device share). With pp > 1 under 1F1B (``Workload.pipeline_schedule``) each stage's backward
+  recomputes its forward from the stashed input: 4 x forward FLOPs (5 with remat), 6 TP all-reduces per
+  layer (8), and the head runs on the last stage over the call's rows, not split over pp; idle halves of
+  its ticks are skipped, so its timeline is the same m + pp - 1 ticks of forward + backward as GPipe's.
 
 TP all-reduces run inside a node; PP hand-offs cross nodes once a replica spans more than one node.
 On shared-compute hardware (cpu) the stage's devices split the host's FLOP/s and memory bandwidth, and
@@ -31,7 +34,7 @@ import numpy as np
 
 from nereus_jax.config import ModelConfig
 from nereus_jax.elastic.costs import counts
-from nereus_jax.elastic.costs.stage import StageChoice, pipeline_microbatches, split_stage, stage_head
+from nereus_jax.elastic.costs.stage import StageChoice, one_f_one_b, pipeline_microbatches, split_stage, stage_head
 from nereus_jax.elastic.hardware import EFFICIENCY_CLASSES, Hardware
 from nereus_jax.elastic.workload import Workload
 
@@ -192,50 +195,55 @@ def _forward_ticks(x: _Ctx, acc: _Acc, rows: float, ticks: float, passes: float,
     acc.add(OVERHEAD, passes * x.layers * x.layer_overhead, ticks)
 
 
-def _head_pass(x: _Ctx, acc: _Acc, rows: float, passes: float) -> None:
-    """The output head on ``rows`` rows, data-parallel over pp, plus its vocab-parallel reductions."""
-    s = x.rows_length()
-    flops = passes * rows * s / x.pp * counts.head_flops_per_token(x.cfg, x.tp, x.head)
+def _head_pass(x: _Ctx, acc: _Acc, rows: float, passes: float, over_pp: bool = True) -> None:
+    """The output head on ``rows`` rows, data-parallel over pp (``over_pp``; else on one stage, as 1F1B's last
+    stage runs it), plus its vocab-parallel reductions."""
+    s = x.rows_length() / (x.pp if over_pp else 1)
+    flops = passes * rows * s * counts.head_flops_per_token(x.cfg, x.tp, x.head)
     weights = x.cfg.hidden_size * x.cfg.vocab_size / x.tp * x.act_bytes if x.head == "lm" else 0.0
     acc.roofline(flops, 0.0, weights, x.rates)
     if x.head == "lm":
-        acc.add(COLL_INTRA, 2 * allreduce_seconds(rows * s / x.pp * 4.0, x.tp, "intra", x.hw))
+        acc.add(COLL_INTRA, 2 * allreduce_seconds(rows * s * 4.0, x.tp, "intra", x.hw))
 
 
-def saved_activation_bytes(x: _Ctx, micro_batch, remat: bool) -> float:
+def saved_activation_bytes(x: _Ctx, micro_batch, remat: bool, stash: bool = False) -> float:
     """Bytes one device of a train call keeps from its forward for its backward: every layer's saved
     tensors (norm, SwiGLU and residual inputs; the [t, s] scores without a fused kernel) and the lm head's
     float32 logits; with remat, the layer inputs, then each layer's tensors again when it is recomputed.
     The forward writes them to device memory and the backward reads them back (2 x this in traffic),
     which scales with the call's tokens, not with parameters or replicas; an inference forward consumes
-    its activations as it makes them."""
+    its activations as it makes them. ``stash`` (1F1B): the stage's inputs are kept instead, its tensors
+    written by the backward's recompute, and the last stage makes all the call's logits."""
     s = x.rows_length()
     per_row = s * counts.layer_activation_bytes_per_token(x.cfg, x.tp, x.cfg.compute_dtype)
     if not x.hw.fused_attention:
         per_row += counts.attention_score_bytes(x.cfg, x.tp, s, x.attention_keys(), x.cfg.compute_dtype)
     if remat:
         per_row += s * x.cfg.hidden_size * x.act_bytes
-    logits = s / x.pp * x.cfg.vocab_size / x.tp * 4.0 if x.head == "lm" else 0.0
-    return micro_batch * (x.layers * per_row + logits)
+    stage_input = s * x.cfg.hidden_size * x.act_bytes if stash else 0.0
+    logits = s / (1 if stash else x.pp) * x.cfg.vocab_size / x.tp * 4.0 if x.head == "lm" else 0.0
+    return micro_batch * (x.layers * per_row + stage_input + logits)
 
 
 def call_latency(cfg: ModelConfig, stage: str, tp: int, pp: int, micro_batch, remat: bool, workload: Workload,
                  hw: Hardware, efficiency: Sequence[float], devices: int) -> Breakdown:
     """One forward (infer) or forward+backward (train) call of ``micro_batch`` sequences on one replica:
-    a GPipe pass of m + pp - 1 ticks, the output head, one launch. ``devices``: the stage's devices.
-    ``micro_batch`` may be an integer array: then every field of the result is an array (one per size)."""
+    a pipeline pass of m + pp - 1 ticks (GPipe, or 1F1B for training when the workload says so), the output
+    head, one launch. ``devices``: the stage's devices. ``micro_batch`` may be an integer array: then every
+    field of the result is an array (one per size)."""
     kind = split_stage(stage)[1]
     assert kind in ("infer", "train"), stage
     x = _context(cfg, stage, tp, pp, devices, workload, hw)
     acc = _Acc(efficiency)
-    passes = 1.0 if kind == "infer" else 3.0 + (1.0 if remat else 0.0)
-    allreduces = 2.0 if kind == "infer" else 4.0 + (2.0 if remat else 0.0)
+    recompute = kind == "train" and one_f_one_b(pp, workload)  # 1F1B: each backward reruns its stage's forward
+    passes = 1.0 if kind == "infer" else 3.0 + (1.0 if remat else 0.0) + (1.0 if recompute else 0.0)
+    allreduces = 2.0 if kind == "infer" else 4.0 + (2.0 if remat else 0.0) + (2.0 if recompute else 0.0)
     m = pipeline_microbatches(micro_batch, pp)
     weight_dtype = cfg.compute_dtype if kind == "infer" else cfg.param_dtype
     _forward_ticks(x, acc, micro_batch / m, m + pp - 1, passes, allreduces, weight_dtype)
-    _head_pass(x, acc, micro_batch, 1.0 if kind == "infer" else 3.0)
+    _head_pass(x, acc, micro_batch, 1.0 if kind == "infer" else 3.0, over_pp=not recompute)
     if kind == "train":
-        acc.add(MEM, 2.0 * saved_activation_bytes(x, micro_batch, remat) / x.rates[1])
+        acc.add(MEM, 2.0 * saved_activation_bytes(x, micro_batch, remat, stash=recompute) / x.rates[1])
     acc.add(OVERHEAD, x.launch)
     return acc.result()
 

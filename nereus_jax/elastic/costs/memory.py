@@ -7,8 +7,12 @@ only while it runs.
 - working (only while the stage runs): gen: the KV cache of its decode slots at the longest context,
   slot logits, one prefill; infer: one call's hidden states, one layer's activations, attention scores
   when materialised, float32 logits; train: gradients (twice with accumulation), the stored activations
-  of a whole call (GPipe keeps every micro-batch; remat keeps only layer inputs plus one layer recomputed),
-  float32 logits and their gradient; plus the hardware's workspace.
+  of a call (remat keeps only layer inputs plus one layer recomputed), float32 logits and their gradient;
+  plus the hardware's workspace. With pp > 1 the schedule that runs (``Workload.pipeline_schedule``) sets
+  the activations: GPipe, differentiated through, keeps every tick's (m micro-batches and pp - 1 bubble
+  ticks) and runs the head over the call (rows split over pp); 1F1B keeps min(m, 2 pp - 1) stashed stage
+  inputs and one micro-batch's activations (its backward recomputes it), and the last stage runs the head
+  one micro-batch at a time.
 
 A device's peak is the resident state of every model-stage placed on it plus the largest working set
 among them (``device_peak_bytes``); the planner keeps that under capacity x (1 - headroom).
@@ -21,7 +25,14 @@ from typing import NamedTuple
 
 from nereus_jax.config import ModelConfig
 from nereus_jax.elastic.costs import counts
-from nereus_jax.elastic.costs.stage import StageChoice, pipeline_microbatches, split_stage, stage_head
+from nereus_jax.elastic.costs.stage import (
+    StageChoice,
+    one_f_one_b,
+    pipeline_microbatches,
+    split_stage,
+    stage_head,
+    stash_microbatches,
+)
 from nereus_jax.elastic.hardware import Hardware
 from nereus_jax.elastic.workload import Workload
 
@@ -115,16 +126,24 @@ def _infer(cfg, head, tp, pp, mb, rows, remat, wl: Workload, hw: Hardware, accum
 
 
 def _train(cfg, head, tp, pp, mb, rows, remat, wl: Workload, hw: Hardware, accumulating: bool):
-    s, layers = wl.max_tokens, cfg.num_layers / pp
+    s, layers, m = wl.max_tokens, cfg.num_layers / pp, mb / rows
     grads = counts.params_per_device(cfg, tp, pp, head) * counts.dtype_bytes(cfg.param_dtype)
     grads *= 2 if accumulating else 1  # this call's gradient and the running sum (accumulation_bytes)
     act = counts.dtype_bytes(cfg.compute_dtype)
     per_token = counts.layer_activation_bytes_per_token(cfg, tp, cfg.compute_dtype)
     scores = 0.0 if hw.fused_attention else counts.attention_score_bytes(cfg, tp, s, s, cfg.compute_dtype)
-    if remat:  # layer inputs of the whole call, plus one layer of one micro-batch recomputed
-        stored = layers * mb * s * cfg.hidden_size * act + rows * (s * per_token + scores)
-    else:  # GPipe keeps every micro-batch's activations until its backward
-        stored = layers * mb * (s * per_token + scores)
-    hidden = 2 * mb * s * cfg.hidden_size * act  # stage hand-off buffers
-    logits = 3 * _logit_bytes(cfg, head, mb * s / pp, tp)
+    layer_input = s * cfg.hidden_size * act  # one row's input to one layer (a stage input is one of these)
+
+    def activations(ticks):  # what the backward reads, for ``ticks`` micro-batches of ``rows`` rows
+        if remat:  # layer inputs, plus one layer of one micro-batch recomputed
+            return layers * ticks * rows * layer_input + rows * (s * per_token + scores)
+        return layers * ticks * rows * (s * per_token + scores)
+
+    if one_f_one_b(pp, wl):  # stashed stage inputs, one micro-batch's activations, its logits on the last stage
+        stored = stash_microbatches(m, pp) * rows * layer_input + activations(1)
+        logits = 3 * _logit_bytes(cfg, head, rows * s, tp)
+    else:  # GPipe, differentiated through: every tick's activations (bubble ticks' too) until the backward
+        stored = activations(m + pp - 1)
+        logits = 3 * _logit_bytes(cfg, head, mb * s / pp, tp)
+    hidden = 2 * mb * s * cfg.hidden_size * act  # the stack's input and its cotangent (or output)
     return grads + stored + hidden + logits

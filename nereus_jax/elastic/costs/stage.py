@@ -80,3 +80,15 @@ def pipeline_microbatches(micro_batch, pp: int):
 @functools.lru_cache(maxsize=4096)
 def _microbatches(micro_batch: int, pp: int) -> int:
     return max(m for m in range(1, min(micro_batch, 4 * pp) + 1) if micro_batch % m == 0)
+
+
+def stash_microbatches(microbatches, pp: int):
+    """Stage inputs a device of a 1F1B training call holds at once: min(m, 2 pp - 1) (the schedule is lock-step,
+    so stage 0 holds a micro-batch from its forward until its backward 2 (pp - 1) ticks later; see
+    :mod:`nereus_jax.sharding.pipeline`). ``microbatches`` may be an array."""
+    return np.minimum(microbatches, 2 * pp - 1)
+
+
+def one_f_one_b(pp: int, workload) -> bool:
+    """Whether a training stage with this pp runs the 1F1B schedule (pp > 1 and the workload's schedule)."""
+    return pp > 1 and workload.pipeline_schedule == "1f1b"
