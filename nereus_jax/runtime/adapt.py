@@ -374,7 +374,8 @@ class Adapter:
         self._workload = Workload(job.cfg.trainer.prompts_per_step, LengthStats.fixed(job.P),
                                   LengthStats(mean, p95, budget), job.n,
                                   packed=job.cfg.trainer.packing,  # packed: FLOPs follow the mean length
-                                  mini_batches=job.cfg.trainer.mini_batches, epochs=job.cfg.trainer.ppo_epochs)
+                                  mini_batches=job.cfg.trainer.mini_batches, epochs=job.cfg.trainer.ppo_epochs,
+                                  pipeline_schedule=job.cfg.trainer.pipeline_schedule)
         if self._compiled_last_step:  # this step compiled its programs: time it, do not calibrate on it
             self._compile_step_s = metrics["step_seconds"]
             self._compiled_last_step = False
