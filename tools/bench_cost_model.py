@@ -1,12 +1,13 @@
 """Calibration of the cost model against the real PPO stage programs on this machine (8 virtual CPU devices).
 
-    .venv312/bin/python tools/bench_cost_model.py                 # 6 layouts (~5-8 min on 2 shared CPU cores)
-    .venv312/bin/python tools/bench_cost_model.py --layouts 1x1,2x2,1x2,2x1,1x4,4x1,1x8,2x4
+    .venv312/bin/python tools/bench_cost_model.py                 # 10 layouts (~10-15 min on 2 shared CPU cores)
+    .venv312/bin/python tools/bench_cost_model.py --layouts 1x1,2x2,1x2,2x1,1x4,4x1,1x8,2x4,1x1x2,1x2x4
 
-Each layout ``TPxDP`` (pp = 1) runs the job's own stage computations of :mod:`nereus_jax.runtime.steps`
+Each layout ``TPxDP`` or ``TPxDPxPP`` runs the job's own stage computations of :mod:`nereus_jax.runtime.steps`
 as jitted SPMD programs over a ("dp", "pp", "tp") mesh, exactly as ``runtime.job`` builds them (parameters
 laid out by ``shard_params``, rows split over dp, ``split_micro`` micro-batches sized by
-``accumulation_steps``):
+``accumulation_steps``; with pp > 1 the scoring forward pipelined as ``job.stage_forward`` runs it and the
+training gradient as ``job.stage_value_and_grad`` takes it, 1F1B, the job's default):
 
 - ``ref-infer``: ``response_logprobs`` of an lm-head model (``jax.lax.map`` over micro-batches), the same
   program as actor-infer; actor-infer is not reported separately because the cost model adds the actor's
@@ -32,14 +33,16 @@ uncalibrated prior's error, and the same calibration on wall seconds (``wall_map
 reported too.
 
 Prints one JSON object on its last line: ``layouts_measured``, ``layouts_calibrated``, ``mape_by_stage``,
-``mape``, ``target_met_by_stage``, ``wall_mape_by_stage``, ``rows`` (layout, stage, measured_s (host-seconds),
-predicted_s, prior_s, calibrated, wall_min_s, wall_median_s),
+``mape``, ``target_met_by_stage``, ``pp_mape_by_stage`` (the held-out pp > 1 layouts alone),
+``wall_mape_by_stage``, ``rows`` (layout, stage, measured_s (host-seconds), predicted_s, prior_s, calibrated,
+wall_min_s, wall_median_s),
 ``efficiency`` (the fitted classes), ``matmul_flops_per_s`` (measured in this run) and ``skipped``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -59,6 +62,7 @@ from nereus_jax.elastic.costs import CostModel, Measurement, StageChoice  # noqa
 from nereus_jax.elastic.workload import Workload  # noqa: E402
 from nereus_jax.models import count_params, init_params  # noqa: E402
 from nereus_jax.runtime import steps  # noqa: E402
+from nereus_jax.runtime.job import stage_forward, stage_value_and_grad  # noqa: E402
 from nereus_jax.sharding import Layout, make_mesh, shard_params  # noqa: E402
 
 # ~20M parameters: 4 layers of ~3M plus 2 x 4.2M embedding / lm head.
@@ -67,7 +71,7 @@ BENCH_MODEL = ModelConfig(name="bench-cost-20m", vocab_size=8192, hidden_size=51
 ROWS, PROMPT, RESPONSE = 16, 64, 64
 MICRO_BATCH_TOKENS = 1024  # -> 8 rows per call: 2 calls per replica at dp=1, 1 call at dp>=2
 STAGES = ("ref-infer", "critic-infer", "actor-train", "critic-train")
-DEFAULT_LAYOUTS = "1x1,2x2,1x2,2x1,1x4,4x1"  # TPxDP; the first --calibrate of them calibrate
+DEFAULT_LAYOUTS = "1x1,2x2,1x2,2x1,1x4,4x1,1x1x2,2x1x2,1x2x4,1x1x4"  # TPxDP[xPP]; the first --calibrate calibrate
 TARGET = 0.15
 ALGO = AlgorithmConfig()
 
@@ -122,21 +126,23 @@ def put(micro: dict, mesh) -> dict:
     return {k: jax.device_put(v, rows if np.ndim(v) > 1 else whole) for k, v in micro.items()}
 
 
-def build_layout(cfg: ModelConfig, tp: int, dp: int, host: dict, base: dict) -> tuple[dict, StageChoice]:
-    """The stage programs of one (dp, pp=1, tp) mesh as ``stage -> prepare``: ``prepare()`` lays out fresh
+def build_layout(cfg: ModelConfig, tp: int, dp: int, host: dict, base: dict,
+                 pp: int = 1) -> tuple[dict, StageChoice]:
+    """The stage programs of one (dp, pp, tp) mesh as ``stage -> prepare``: ``prepare()`` lays out fresh
     parameters (and optimizer state) and returns a zero-argument runner of one step of the stage. The
     jitted programs live as long as the dict, so later rounds do not recompile."""
-    layout = Layout(tp=tp)
-    mesh = make_mesh(jax.devices()[: tp * dp], layout, dp=dp)
+    layout = Layout(tp=tp, pp=pp)
+    mesh = make_mesh(jax.devices()[: tp * pp * dp], layout, dp=dp)
     accum = steps.accumulation_steps(ROWS, dp, PROMPT + RESPONSE, MICRO_BATCH_TOKENS)
-    choice = StageChoice(tp=tp, pp=1, dp=dp, micro_batch=ROWS // dp // accum)
+    choice = StageChoice(tp=tp, pp=pp, dp=dp, micro_batch=ROWS // dp // accum)
     micro = put(steps.split_micro(host, accum), mesh)
     out = {}
     for model, head in (("ref", "lm"), ("critic", "value")):
         fn = steps.response_logprobs if head == "lm" else steps.response_values
+        forward_fn = stage_forward(mesh, "infer")
 
-        def program(p, tokens, mask, fn=fn):
-            return jax.lax.map(lambda tm: fn(p, cfg, tm[0], tm[1], PROMPT), (tokens, mask))
+        def program(p, tokens, mask, fn=fn, forward_fn=forward_fn):
+            return jax.lax.map(lambda tm: fn(p, cfg, tm[0], tm[1], PROMPT, forward_fn), (tokens, mask))
 
         infer = jax.jit(program)
 
@@ -147,8 +153,9 @@ def build_layout(cfg: ModelConfig, tp: int, dp: int, host: dict, base: dict) -> 
         out[f"{model}-infer"] = prepare_infer
     for model, head in (("actor", "lm"), ("critic", "value")):
         optimizer = steps.make_optimizer(1e-6)
-        loss = steps.actor_loss(cfg, ALGO, PROMPT) if model == "actor" else steps.critic_loss(cfg, ALGO, PROMPT)
-        train = jax.jit(steps.make_train_step(loss, optimizer, cfg), donate_argnums=(0, 1))
+        make_loss = functools.partial(steps.actor_loss if model == "actor" else steps.critic_loss, cfg, ALGO, PROMPT)
+        grad_fn = stage_value_and_grad(mesh, "train", make_loss)
+        train = jax.jit(steps.make_train_step(None, optimizer, cfg, value_and_grad=grad_fn), donate_argnums=(0, 1))
         init = jax.jit(optimizer.init)
 
         def prepare_train(train=train, init=init, head=head):
@@ -205,12 +212,12 @@ def calibrate(cfg: ModelConfig, workload: Workload, choices: dict, measured: dic
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layouts", default=DEFAULT_LAYOUTS, help="comma-separated TPxDP (pp = 1)")
+    ap.add_argument("--layouts", default=DEFAULT_LAYOUTS, help="comma-separated TPxDP or TPxDPxPP")
     ap.add_argument("--calibrate", type=int, default=2, help="how many of the first layouts calibrate")
     ap.add_argument("--rounds", type=int, default=2, help="passes over all layouts (interleaved)")
     ap.add_argument("--reps", type=int, default=2, help="timed runs per program per round")
     args = ap.parse_args()
-    layouts = [tuple(int(v) for v in s.split("x")) for s in args.layouts.split(",")]
+    layouts = [(*(int(v) for v in s.split("x")), 1)[:3] for s in args.layouts.split(",")]
     cfg = BENCH_MODEL
     t0 = time.perf_counter()
     flops = matmul_flops_per_s()
@@ -222,8 +229,9 @@ def main() -> None:
 
     programs: dict[str, dict] = {}
     choices: dict[str, StageChoice] = {}
-    for tp, dp in layouts:
-        programs[f"tp{tp}xdp{dp}"], choices[f"tp{tp}xdp{dp}"] = build_layout(cfg, tp, dp, host, base)
+    for tp, dp, pp in layouts:
+        key = f"tp{tp}xdp{dp}" + (f"xpp{pp}" if pp > 1 else "")
+        programs[key], choices[key] = build_layout(cfg, tp, dp, host, base, pp)
     times = measure(programs, args.rounds, args.reps)
     cores = len(os.sched_getaffinity(0))
     host_s = {k: {stage: min(c for _, c in v) / cores for stage, v in t.items()} for k, t in times.items()}
@@ -240,6 +248,8 @@ def main() -> None:
         row["wall_min_s"] = round(wall_s[row["layout"]][row["stage"]], 5)
         row["wall_median_s"] = round(statistics.median(w for w, _ in times[row["layout"]][row["stage"]]), 5)
     mape_by_stage = {s: round(float(np.mean(v)), 4) for s, v in errors.items() if v}
+    pipelined = {s: [abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in rows
+                     if r["stage"] == s and not r["calibrated"] and choices[r["layout"]].pp > 1] for s in STAGES}
     all_err = [e for v in errors.values() for e in v]
     result = {
         "model": cfg.name, "params": count_params(base["lm"]), "batch": f"{ROWS} rows x {PROMPT + RESPONSE} tokens",
@@ -247,6 +257,7 @@ def main() -> None:
         "layouts_measured": keys, "layouts_calibrated": calib,
         "mape_by_stage": mape_by_stage, "mape": round(float(np.mean(all_err)), 4) if all_err else None,
         "target": TARGET, "target_met_by_stage": {s: v <= TARGET for s, v in mape_by_stage.items()},
+        "pp_mape_by_stage": {s: round(float(np.mean(v)), 4) for s, v in pipelined.items() if v},
         "prior_mape_by_stage": {s: round(float(np.mean(v)), 4) for s, v in prior_errors.items() if v},
         "efficiency": {c: round(v, 4) for c, v in cm.efficiency.items()},
         "wall_mape_by_stage": {s: round(float(np.mean(v)), 4) for s, v in wall_errors.items() if v},

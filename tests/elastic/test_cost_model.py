@@ -142,45 +142,56 @@ def test_train_moves_its_saved_activations_and_infer_does_not():
 
 
 def test_pipeline_bubble_gpipe():
-    wl = Workload.fixed(8, 24, 40)
+    wl = Workload.fixed(16, 24, 40)
     s = wl.max_tokens
-    # pp=2, micro-batch 8 -> 8 GPipe micro-batches of 1 row: 8 + 2 - 1 ticks of one layer each
+    # pp=2, micro-batch 8 -> 8 GPipe micro-batches of 1 row: 8 + 2 - 1 ticks of one layer each; 1 row does not
+    # split over 2 stages, so every stage runs the head on all 8 rows (sharding.pipeline's hand-off)
     call = call_latency(SMALL, "actor-infer", 1, 2, 8, False, wl, COMPUTE_ONLY, ONES, 2)
     tick = s * layer_flops_per_token(SMALL, 1) * 1
-    head = 8 * s / 2 * 2 * SMALL.hidden_size * SMALL.vocab_size
+    head = 8 * s * 2 * SMALL.hidden_size * SMALL.vocab_size
     assert call.gemm * COMPUTE_ONLY.peak_flops == pytest.approx(9 * tick + head)
     bubble = (9 - 8) / 9  # (pp - 1) / (m + pp - 1)
     useful = 8 * tick / (9 * tick)
     assert useful == pytest.approx(1 - bubble)
+    # micro-batch 16 -> 8 micro-batches of 2 rows: each stage runs the head on 1 row of each, 16 / 2 in all
+    call = call_latency(SMALL, "actor-infer", 1, 2, 16, False, wl, COMPUTE_ONLY, ONES, 2)
+    assert call.gemm * COMPUTE_ONLY.peak_flops == pytest.approx(9 * 2 * tick + head)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_pipeline_training_prices_the_schedule_that_runs(schedule):
-    """pp = 2, a call of 8 rows -> m = 8 micro-batches of 1 row, m + pp - 1 ticks either way (bubble
-    (pp - 1) / (m + pp - 1)); 1F1B recomputes each stage's forward in its backward (4 forward passes, not 3) and
-    runs the head on the last stage over all 8 rows, GPipe over 8 / pp rows per stage."""
-    wl = Workload.fixed(8, 24, 40, pipeline_schedule=schedule)
+    """pp = 2, a call of 16 rows -> m = 8 micro-batches of 2 rows, m + pp - 1 ticks either way on dedicated
+    devices (bubble (pp - 1) / (m + pp - 1)); 1F1B recomputes each stage's forward in its backward (4 forward
+    passes, not 3) and runs the head on the last stage over all 16 rows, GPipe over 16 / pp rows per stage. On
+    shared compute 1F1B's skipped idle halves cost nothing: m ticks of work."""
+    wl = Workload.fixed(16, 24, 40, pipeline_schedule=schedule)
     s = wl.max_tokens
-    call = call_latency(SMALL, "actor-train", 1, 2, 8, False, wl, COMPUTE_ONLY, ONES, 2)
-    tick = s * layer_flops_per_token(SMALL, 1) * 1  # one layer a stage, one row
-    passes, head_rows = (4, 8) if schedule == "1f1b" else (3, 8 / 2)
+    call = call_latency(SMALL, "actor-train", 1, 2, 16, False, wl, COMPUTE_ONLY, ONES, 2)
+    tick = s * layer_flops_per_token(SMALL, 1) * 2  # one layer a stage, two rows
+    passes, head_rows = (4, 16) if schedule == "1f1b" else (3, 16 / 2)
     head = 3 * head_rows * s * 2 * SMALL.hidden_size * SMALL.vocab_size
     assert call.gemm * COMPUTE_ONLY.peak_flops == pytest.approx(passes * 9 * tick + head)
+    shared = dataclasses.replace(COMPUTE_ONLY, shared_compute=True)
+    call = call_latency(SMALL, "actor-train", 1, 2, 16, False, wl, shared, ONES, 2)
+    ticks = 8 if schedule == "1f1b" else 9
+    assert call.gemm * shared.peak_flops / 2 == pytest.approx(passes * ticks * tick + head)  # 2 devices share
 
 
 def test_pipeline_training_memory_follows_the_schedule():
-    """At m = 8 micro-batches (pp = 2): GPipe keeps all m + pp - 1 ticks' activations, 1F1B min(m, 2 pp - 1)
-    = 3 stage inputs and one micro-batch's activations, and the last stage's logits of one micro-batch."""
+    """At m = 8 micro-batches of 2 rows (pp = 2): GPipe keeps all m + pp - 1 ticks' activations and each stage
+    makes the logits of 16 / 2 rows; 1F1B keeps min(m, 2 pp - 1) = 3 stage inputs and one micro-batch's
+    activations, and the last stage makes the logits of one micro-batch at a time."""
     hw = get_hardware("h100")
-    choice = StageChoice(1, 2, 1, 8)
-    gpipe, one = (working_bytes(LLAMA8B, "actor-train", choice, Workload.fixed(8, 512, 512, pipeline_schedule=s), hw)
-                  for s in ("gpipe", "1f1b"))
-    s, layers = 1024, LLAMA8B.num_layers / 2
+    choice = StageChoice(1, 2, 1, 16)
+    gpipe, one = (working_bytes(LLAMA8B, "actor-train", choice, Workload.fixed(16, 512, 512, pipeline_schedule=s),
+                                hw) for s in ("gpipe", "1f1b"))
+    s, layers, rows = 1024, LLAMA8B.num_layers / 2, 2
     per_row = s * layer_activation_bytes_per_token(LLAMA8B, 1, LLAMA8B.compute_dtype)
     stage_input = s * LLAMA8B.hidden_size * 2  # bfloat16
-    logits = 3 * s * LLAMA8B.vocab_size * 4.0  # float32 logits, log-probs and their gradient
-    assert gpipe - one == pytest.approx(layers * 9 * per_row + logits * 8 / 2 - (3 * stage_input + layers * per_row
-                                                                                   + logits))
+    logits = 3 * s * LLAMA8B.vocab_size * 4.0  # float32 logits, log-probs and their gradient, per row
+    gpipe_part = layers * 9 * rows * per_row + logits * 16 / 2
+    one_part = 3 * rows * stage_input + layers * rows * per_row + logits * rows
+    assert gpipe - one == pytest.approx(gpipe_part - one_part)
     assert one < gpipe
     # pp = 1 has no pipeline: the schedule changes nothing
     flat = [working_bytes(LLAMA8B, "actor-train", StageChoice(1, 1, 1, 8), Workload.fixed(8, 512, 512,

@@ -8,7 +8,8 @@ memory-bound (decode, small calls) the roofline takes the larger side and charge
   ``choice.micro_batch``; steps = max(longest response, sequences x mean response / slots); plus the
   per-step weight sync from actor-train for the actor.
 - infer: calls of ``micro_batch`` sequences; each call a GPipe pass of m + pp - 1 ticks; the output head
-  runs data-parallel over pp after the stack (as ``sharding.pipeline`` does).
+  runs after the stack, data-parallel over pp when each micro-batch's rows divide by pp, else on every
+  stage over the whole call (as ``sharding.pipeline`` does).
 - train: per optimizer update (mini-batches x epochs of them a step, each over one mini-batch), the same
   calls with forward + backward = 3 x forward FLOPs (4 x with remat), TP all-reduces
   4 per layer (6 with remat), the saved activations written by the forward and read back by the
@@ -17,7 +18,8 @@ memory-bound (decode, small calls) the roofline takes the larger side and charge
   per-device share). With pp > 1 under 1F1B (``Workload.pipeline_schedule``) each stage's backward
   recomputes its forward from the stashed input: 4 x forward FLOPs (5 with remat), 6 TP all-reduces per
   layer (8), and the head runs on the last stage over the call's rows, not split over pp; idle halves of
-  its ticks are skipped, so its timeline is the same m + pp - 1 ticks of forward + backward as GPipe's.
+  its ticks are skipped, so its timeline is the same m + pp - 1 ticks of forward + backward as GPipe's, and
+  on shared compute (where an idle stage leaves the host to the busy ones) its work is m ticks.
 
 TP all-reduces run inside a node; PP hand-offs cross nodes once a replica spans more than one node.
 On shared-compute hardware (cpu) the stage's devices split the host's FLOP/s and memory bandwidth, and
@@ -34,7 +36,14 @@ import numpy as np
 
 from nereus_jax.config import ModelConfig
 from nereus_jax.elastic.costs import counts
-from nereus_jax.elastic.costs.stage import StageChoice, one_f_one_b, pipeline_microbatches, split_stage, stage_head
+from nereus_jax.elastic.costs.stage import (
+    StageChoice,
+    head_split,
+    one_f_one_b,
+    pipeline_microbatches,
+    split_stage,
+    stage_head,
+)
 from nereus_jax.elastic.hardware import EFFICIENCY_CLASSES, Hardware
 from nereus_jax.elastic.workload import Workload
 
@@ -195,10 +204,11 @@ def _forward_ticks(x: _Ctx, acc: _Acc, rows: float, ticks: float, passes: float,
     acc.add(OVERHEAD, passes * x.layers * x.layer_overhead, ticks)
 
 
-def _head_pass(x: _Ctx, acc: _Acc, rows: float, passes: float, over_pp: bool = True) -> None:
-    """The output head on ``rows`` rows, data-parallel over pp (``over_pp``; else on one stage, as 1F1B's last
-    stage runs it), plus its vocab-parallel reductions."""
-    s = x.rows_length() / (x.pp if over_pp else 1)
+def _head_pass(x: _Ctx, acc: _Acc, rows: float, passes: float, split) -> None:
+    """The output head on ``rows`` rows split over ``split`` stages (:func:`head_split`; 1: one stage runs
+    it on all of them, as 1F1B's last stage or GPipe's stages when the rows do not split), plus its
+    vocab-parallel reductions."""
+    s = x.rows_length() / split
     flops = passes * rows * s * counts.head_flops_per_token(x.cfg, x.tp, x.head)
     weights = x.cfg.hidden_size * x.cfg.vocab_size / x.tp * x.act_bytes if x.head == "lm" else 0.0
     acc.roofline(flops, 0.0, weights, x.rates)
@@ -213,7 +223,8 @@ def saved_activation_bytes(x: _Ctx, micro_batch, remat: bool, stash: bool = Fals
     The forward writes them to device memory and the backward reads them back (2 x this in traffic),
     which scales with the call's tokens, not with parameters or replicas; an inference forward consumes
     its activations as it makes them. ``stash`` (1F1B): the stage's inputs are kept instead, its tensors
-    written by the backward's recompute, and the last stage makes all the call's logits."""
+    written by the backward's recompute, and the last stage makes all the call's logits (GPipe: the stages
+    make them split as :func:`head_split` says)."""
     s = x.rows_length()
     per_row = s * counts.layer_activation_bytes_per_token(x.cfg, x.tp, x.cfg.compute_dtype)
     if not x.hw.fused_attention:
@@ -221,7 +232,8 @@ def saved_activation_bytes(x: _Ctx, micro_batch, remat: bool, stash: bool = Fals
     if remat:
         per_row += s * x.cfg.hidden_size * x.act_bytes
     stage_input = s * x.cfg.hidden_size * x.act_bytes if stash else 0.0
-    logits = s / (1 if stash else x.pp) * x.cfg.vocab_size / x.tp * 4.0 if x.head == "lm" else 0.0
+    logits = s / (1 if stash else head_split(micro_batch, x.pp)) * x.cfg.vocab_size / x.tp * 4.0 \
+        if x.head == "lm" else 0.0
     return micro_batch * (x.layers * per_row + stage_input + logits)
 
 
@@ -240,8 +252,12 @@ def call_latency(cfg: ModelConfig, stage: str, tp: int, pp: int, micro_batch, re
     allreduces = 2.0 if kind == "infer" else 4.0 + (2.0 if remat else 0.0) + (2.0 if recompute else 0.0)
     m = pipeline_microbatches(micro_batch, pp)
     weight_dtype = cfg.compute_dtype if kind == "infer" else cfg.param_dtype
-    _forward_ticks(x, acc, micro_batch / m, m + pp - 1, passes, allreduces, weight_dtype)
-    _head_pass(x, acc, micro_batch, 1.0 if kind == "infer" else 3.0, over_pp=not recompute)
+    # 1F1B skips its idle half-ticks: on shared compute that frees the host for the busy stages, so the call
+    # costs its m ticks of work; elsewhere the devices idle through the bubble (GPipe's bubble ticks compute
+    # on zeros anyway)
+    ticks = m if recompute and hw.shared_compute else m + pp - 1
+    _forward_ticks(x, acc, micro_batch / m, ticks, passes, allreduces, weight_dtype)
+    _head_pass(x, acc, micro_batch, 1.0 if kind == "infer" else 3.0, 1 if recompute else head_split(micro_batch, pp))
     if kind == "train":
         acc.add(MEM, 2.0 * saved_activation_bytes(x, micro_batch, remat, stash=recompute) / x.rates[1])
     acc.add(OVERHEAD, x.launch)

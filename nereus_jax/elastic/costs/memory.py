@@ -10,9 +10,9 @@ only while it runs.
   of a call (remat keeps only layer inputs plus one layer recomputed), float32 logits and their gradient;
   plus the hardware's workspace. With pp > 1 the schedule that runs (``Workload.pipeline_schedule``) sets
   the activations: GPipe, differentiated through, keeps every tick's (m micro-batches and pp - 1 bubble
-  ticks) and runs the head over the call (rows split over pp); 1F1B keeps min(m, 2 pp - 1) stashed stage
-  inputs and one micro-batch's activations (its backward recomputes it), and the last stage runs the head
-  one micro-batch at a time.
+  ticks) and runs the head over the call (rows split over pp when they divide); 1F1B keeps
+  min(m, 2 pp - 1) stashed stage inputs and one micro-batch's activations (its backward recomputes it),
+  and the last stage runs the head one micro-batch at a time.
 
 A device's peak is the resident state of every model-stage placed on it plus the largest working set
 among them (``device_peak_bytes``); the planner keeps that under capacity x (1 - headroom).
@@ -27,6 +27,7 @@ from nereus_jax.config import ModelConfig
 from nereus_jax.elastic.costs import counts
 from nereus_jax.elastic.costs.stage import (
     StageChoice,
+    head_split,
     one_f_one_b,
     pipeline_microbatches,
     split_stage,
@@ -121,7 +122,7 @@ def _infer(cfg, head, tp, pp, mb, rows, remat, wl: Workload, hw: Hardware, accum
     layer = rows * s * counts.layer_activation_bytes_per_token(cfg, tp, cfg.compute_dtype)
     if not hw.fused_attention:
         layer = layer + rows * counts.attention_score_bytes(cfg, tp, s, s, cfg.compute_dtype)
-    logits = 2 * _logit_bytes(cfg, head, mb * s / pp, tp)
+    logits = 2 * _logit_bytes(cfg, head, mb * s / head_split(mb, pp), tp)
     return 2 * hidden + layer + logits
 
 
@@ -144,6 +145,6 @@ def _train(cfg, head, tp, pp, mb, rows, remat, wl: Workload, hw: Hardware, accum
         logits = 3 * _logit_bytes(cfg, head, rows * s, tp)
     else:  # GPipe, differentiated through: every tick's activations (bubble ticks' too) until the backward
         stored = activations(m + pp - 1)
-        logits = 3 * _logit_bytes(cfg, head, mb * s / pp, tp)
+        logits = 3 * _logit_bytes(cfg, head, mb * s / head_split(mb, pp), tp)
     hidden = 2 * mb * s * cfg.hidden_size * act  # the stack's input and its cotangent (or output)
     return grads + stored + hidden + logits

@@ -92,3 +92,11 @@ def stash_microbatches(microbatches, pp: int):
 def one_f_one_b(pp: int, workload) -> bool:
     """Whether a training stage with this pp runs the 1F1B schedule (pp > 1 and the workload's schedule)."""
     return pp > 1 and workload.pipeline_schedule == "1f1b"
+
+
+def head_split(micro_batch, pp: int):
+    """Over how many stages GPipe runs the output head: pp when each micro-batch's rows (per replica) divide
+    by pp, so the hand-off leaves every stage 1/pp of them, else 1: every stage runs the head on the whole
+    call (:mod:`nereus_jax.sharding.pipeline`). ``micro_batch`` may be an array."""
+    rows = micro_batch / pipeline_microbatches(micro_batch, pp)
+    return np.where(np.mod(rows, pp) == 0, pp, 1) if isinstance(rows, np.ndarray) else (pp if rows % pp == 0 else 1)
