@@ -474,9 +474,9 @@ def _head_params(params: dict) -> dict:
 
 
 def _one_f_one_b(make_loss: MakeLoss, params: dict, mbs, *, mesh: Mesh, kind: str):
-    """((values [m], metrics), grads, record [ticks, pp, 2]) of the 1F1B schedule. The embedding runs outside
-    the pipelined stack as in :func:`pipeline_forward`; its gradient is one backward over the cotangents the
-    schedule hands back from stage 0."""
+    """((values [dp * m], metrics), grads, record [ticks, pp, 2]) of the 1F1B schedule. The embedding runs
+    outside the pipelined stack as in :func:`pipeline_forward`; its gradient is one backward over the
+    cotangents the schedule hands back from stage 0."""
     axis = pipeline_axis(mesh, kind)
     if axis is None:
         raise PipelineError(f"the mesh {dict(mesh.shape)} does not pipeline stage kind {kind!r} (no pp axis over 1); "
@@ -497,12 +497,13 @@ def _one_f_one_b(make_loss: MakeLoss, params: dict, mbs, *, mesh: Mesh, kind: st
 
 
 def _run_1f1b(make_loss, probe, layers, head, x_m, calls, mbs, *, mesh, axis, kind):
-    """The schedule inside shard_map (manual over ``axis``). Each tick, on stage s: the forward of micro-batch
-    t - s (the last stage adds the output head and the loss, and their backward), its input stashed; then the
-    backward of micro-batch t - 2 (pp - 1) + s, recomputing the stage's forward from the stashed input under
-    ``jax.vjp``; then the outputs go to stage s + 1 and the input cotangents to stage s - 1. Idle halves are
-    skipped (``lax.cond``). Returns the stage's layer gradients, the head gradients, the cotangents of the
-    stack's inputs, the values and metrics (all summed over pp) and the stage's record."""
+    """The schedule inside shard_map (manual over ``axis`` and dp). Each tick, on stage s: the forward of
+    micro-batch t - s (the last stage adds the output head and the loss, and their backward), its input
+    stashed; then the backward of micro-batch t - 2 (pp - 1) + s, recomputing the stage's forward from the
+    stashed input under ``jax.vjp``; then the outputs go to stage s + 1 and the input cotangents to stage
+    s - 1. Idle halves are skipped (``lax.cond``). Returns the stage's layer gradients (summed over dp), the
+    head gradients (over pp and dp), the cotangents of the stack's inputs and each replica's values and
+    metrics (over pp), and the stage's record."""
     cfg, pp, m = probe.cfg, mesh.shape[axis], x_m.shape[0]
     slots = stash_slots(pp, m)
     dp = rules_for(kind).get("batch")

@@ -58,7 +58,9 @@ def _close(a, b):
 
 
 @pytest.mark.parametrize("head,packed,pp,tp,dp,m", [
-    ("lm", False, 2, 2, 2, 2), ("lm", True, 4, 1, 2, 4), ("value", True, 2, 2, 2, 4), ("value", False, 4, 2, 1, 8),
+    ("lm", False, 2, 2, 2, 2), ("lm", True, 4, 1, 2, 4),
+    pytest.param("value", True, 2, 2, 2, 4, marks=pytest.mark.long),
+    pytest.param("value", False, 4, 2, 1, 8, marks=pytest.mark.long),
     pytest.param("lm", True, 2, 2, 2, 2, marks=pytest.mark.long),
     pytest.param("lm", False, 4, 1, 2, 4, marks=pytest.mark.long),
     pytest.param("value", True, 4, 1, 2, 2, marks=pytest.mark.long)])
@@ -93,7 +95,7 @@ def _train_step(mesh, params, micro, schedule: str):
 def test_1f1b_train_program_is_pipelined_and_holds_less_than_gpipe_at_m8(devices):
     """At m = 8 (pp = 2, 8 rows a call): both compiled train programs hand activations over pp (collective
     permutes in the HLO), and 1F1B's temporary buffers are below GPipe's, which keeps every micro-batch's
-    activations for the backward (measured ratio on this model ~1/5)."""
+    activations for the backward."""
     layout = Layout(pp=2)
     mesh = make_mesh(devices[:2], layout, dp=1)
     params = shard_params(init_params(CFG, seed=0), CFG, layout, mesh)
@@ -114,34 +116,34 @@ def test_unknown_schedule_names_the_valid_ones(devices):
         load_config(None, ["trainer.pipeline_schedule=pipedream"])
 
 
-def _deepen(params: dict) -> dict:
-    """The warm 2-layer actor as 4 layers: its own, then copies whose output projections (``wo``, ``w_down``)
-    are 0, so each adds nothing to the residual stream: the same function (and reward signal) as the warm
-    actor, with a layer stack pp = 4 divides, every layer trained."""
-    def stack(path, x):
-        extra = np.zeros_like(x) if path[-1].key in ("wo", "w_down") else x
-        return np.concatenate([x, extra])
-
-    return {**params, "layers": jax.tree_util.tree_map_with_path(stack, params["layers"])}
-
-
 @pytest.fixture(scope="module")
-def warm4(warm):
-    return _deepen(jax.tree.map(np.asarray, warm))
+def warm4(tmp_path_factory):
+    """A warm-started 4-layer actor (150 supervised steps of the tiny job, as the ``warm`` fixture's 2-layer
+    one), so pp = 4 divides its layers and every layer has a real gradient from the first step. Trained over
+    4 devices: over 8, this model's supervised steps hang in a CPU collective under jax 0.10.2 (with or
+    without the pipeline code)."""
+    from nereus_jax.runtime.run import _warm_start
+
+    cfg = load_config(None, TINY_JOB + ["model.num_layers=4", "trainer.warmup_sft_steps=150", "cluster.num_devices=4"])
+
+    class _Quiet:
+        def log(self, _):
+            pass
+
+    cache = str(tmp_path_factory.getbasetemp() / "warm4-cache")
+    return jax.tree.map(np.asarray, _warm_start(cfg, make_task(cfg.task), CharTokenizer(), cache, _Quiet())[0])
 
 
 def _run(overrides, warm):
-    """Three GRPO steps of the tiny job with 4 layers: per-step metrics, the actor after the first and the last
-    step, the compiled train programs' HLO and the plan."""
+    """Three GRPO steps of the tiny job with 4 layers: per-step metrics, the actor after them, the compiled
+    train programs' HLO and the plan."""
     cfg = load_config(None, TINY_JOB + ["algorithm.name=grpo", "model.num_layers=4"] + overrides)
     job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
     try:
-        metrics = [job.step(0).metrics]
-        first = job.actor_host_params()
-        metrics += [job.step(s).metrics for s in (1, 2)]
+        metrics = [job.step(s).metrics for s in range(3)]
         programs = job.prepare(job.plan).programs  # the train program, compiled ahead as a plan change would
         hlo = [c.as_text() for key, c in programs.items() if key[0] == "train"]
-        return metrics, first, job.actor_host_params(), hlo, job.plan
+        return metrics, job.actor_host_params(), hlo, job.plan
     finally:
         job.close()
 
@@ -155,30 +157,21 @@ def flat(warm4):
 @pytest.mark.parametrize("pp", [2, 4])
 def test_job_with_pp_trains_as_pp1_with_1f1b(warm4, flat, pp):
     """GRPO with actor-train and ref-infer at pp (dp = 8 / pp), 1F1B training: for 3 steps the losses (and kl,
-    reward, gradient norm) equal the pp = 1 job's within 1e-5, then so do the actor's parameters, and the
+    reward, gradient norm) equal the pp = 1 job's within 1e-5, so do the actor's parameters after them, and the
     compiled train program is the pipelined one.
 
-    Parameters are compared where AdamW's first update is not float noise: where the pp = 1 job's first
-    gradient is within ~10 eps of 0 (its update lr |g| / (|g| + eps) under 0.9 lr), the update divides the
-    reduction-order noise of two sums (a micro-batch split changes it: GPipe at pp = 2 shows the same ~2e-5 on
-    the same element) by itself, so there the parameters are only held to Adam's bound, 3 lr."""
+    The parameter check is the data-sensitive one: AdamW's update g / (|g| + eps) divides a coordinate's
+    gradient by itself, so where a gradient is within ~10 eps of 0 the float noise of another reduction order
+    (any micro-batch split, GPipe's too) can move the update by a good part of lr. If this fails on a few
+    elements, check their first-step gradients before suspecting the schedule."""
     stages = [f"plan.stages.{s}.{key}={v}" for s in ("actor-train", "ref-infer")
               for key, v in (("pp", pp), ("dp", 8 // pp))]
-    metrics, _, params, hlo, plan = _run(stages + ["trainer.pipeline_schedule=1f1b"], warm4)
-    ref_metrics, ref_first, ref_params, ref_hlo, _ = flat
+    metrics, params, hlo, plan = _run(stages + ["trainer.pipeline_schedule=1f1b"], warm4)
+    ref_metrics, ref_params, ref_hlo, _ = flat
     assert {str(ms): sp.layout.pp for ms, sp in plan.items()} == {"actor-gen": 1, "ref-infer": pp, "actor-train": pp}
     assert hlo and all("collective-permute" in h for h in hlo)
     assert not any("collective-permute" in h for h in ref_hlo)
     for a, b in zip(metrics, ref_metrics, strict=True):
         for key in ("loss", "kl", "reward_mean", "grad_norm"):
             assert abs(a[key] - b[key]) < 1e-5, (key, a[key], b[key])
-    lr = 1e-3  # TINY_JOB's trainer.actor_lr
-
-    def check(new, ref, first, start):
-        step = np.abs(first - start)
-        noise = (step > 0) & (step < 0.9 * lr)  # a first gradient at float-noise scale
-        diff = np.abs(new - ref)
-        assert np.all(diff[~noise] <= 1e-5), float(diff[~noise].max())
-        assert np.all(diff[noise] <= 3 * lr)
-
-    jax.tree.map(check, params, ref_params, ref_first, warm4)
+    jax.tree.map(_close, params, ref_params)

@@ -1,6 +1,6 @@
-"""pp > 1 in the job runs the GPipe pipeline the cost model prices (issue 19): the training and scoring
-programs of a stage whose layout has pp = 2 trace the pipeline schedule, and compute what the pp = 1 job
-computes (padded and packed)."""
+"""pp > 1 in the job runs the pipeline the cost model prices (issue 19): the scoring programs of a stage whose
+layout has pp = 2 trace the GPipe schedule and its training programs the 1F1B one (trainer.pipeline_schedule's
+default), and they compute what the pp = 1 job computes (padded and packed)."""
 
 import numpy as np
 import pytest
@@ -14,14 +14,16 @@ from nereus_jax.runtime.job import Job
 TINY_JOB = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=16",
             "rollout.samples_per_prompt=2", "trainer.actor_lr=1e-3", "trainer.critic_lr=1e-3", "logging.progress=false",
             "task.num_digits=1", "task.eval_size=16", "plan.stages.actor-gen.dp=2"]  # the warm fixture's job
-_GPIPE = pipeline._gpipe
+_GPIPE, _1F1B = pipeline._gpipe, pipeline._run_1f1b
 PP2 = ["plan.stages.actor-train.pp=2", "plan.stages.actor-train.dp=4", "plan.stages.ref-infer.pp=2",
        "plan.stages.ref-infer.dp=4", "plan.stages.critic-train.pp=2", "plan.stages.critic-train.dp=4"]
 
 
 def _two_steps(overrides, warm, monkeypatch):
-    traced = []  # pp of every GPipe schedule traced
-    monkeypatch.setattr(pipeline, "_gpipe", lambda *a, **k: traced.append(a[-1]) or _GPIPE(*a, **k))
+    traced = []  # (schedule, pp) of every pipeline schedule traced
+    monkeypatch.setattr(pipeline, "_gpipe", lambda *a, **k: traced.append(("gpipe", a[-1])) or _GPIPE(*a, **k))
+    monkeypatch.setattr(pipeline, "_run_1f1b", lambda *a, **k: traced.append(("1f1b", k["mesh"].shape[k["axis"]]))
+                        or _1F1B(*a, **k))
     cfg = load_config(None, TINY_JOB + overrides)
     job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
     try:
@@ -38,7 +40,7 @@ def test_pp2_stages_run_the_pipeline_and_compute_what_pp1_computes(warm, monkeyp
     extra = [f"trainer.packing={packing}"]
     flat, traced_flat, _ = _two_steps(extra, warm, monkeypatch)
     piped, traced_piped, plan = _two_steps(extra + PP2, warm, monkeypatch)
-    assert not traced_flat and set(traced_piped) == {2}  # _gpipe(..., pp): only the pp = 2 job pipelines
+    assert not traced_flat and set(traced_piped) == {("gpipe", 2), ("1f1b", 2)}  # only the pp = 2 job pipelines
     assert {str(ms): sp.layout.pp for ms, sp in plan.items()} == {"actor-gen": 1, "ref-infer": 2,
                                                                  "actor-train": 2, "critic-train": 2}
     for a, b in zip(flat, piped, strict=True):
