@@ -12,7 +12,6 @@ compiles its body once, so the program does not grow with mini_batches x epochs)
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import jax
@@ -22,6 +21,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nereus_jax.config import AlgorithmConfig, ModelConfig
+from nereus_jax.elastic.topology import accumulation_steps  # noqa: F401  (the job's call sizes: one rule)
 from nereus_jax.models import forward
 from nereus_jax.rl.algorithms import (
     aggregate,
@@ -307,18 +307,6 @@ def make_minibatch_train_step(loss_fn: LossFn | None, optimizer: optax.GradientT
         return params, opt_state, jax.tree.map(lambda x: x.reshape(-1), metrics)
 
     return step
-
-
-def accumulation_steps(rows: int, dp: int, seq_len: int, micro_batch_tokens: int) -> int:
-    """Micro-batches per step so each replica's micro-batch fits the token budget; divides rows / dp."""
-    if rows % dp:
-        raise ValueError(f"a batch of {rows} rows does not split over dp={dp} replicas")
-    per_replica = rows // dp
-    fit = max(1, micro_batch_tokens // max(seq_len, 1))
-    for accum in range(math.ceil(per_replica / fit), per_replica + 1):
-        if per_replica % accum == 0:
-            return accum
-    return per_replica
 
 
 def split_minibatches(batch: dict, mini: int, accum: int) -> dict:
