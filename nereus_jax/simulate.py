@@ -168,7 +168,7 @@ def _sweep(args, overrides: dict, start: float) -> dict:
         rows.append((value, sim.run(policies)))
     out = {"simulated": True, "hardware": sim.hw.name, "hardware_description": sim.hw.description,
            "trace": sim.trace.name, "sweep": {"key": key, "runs": [
-               {"value": v, "policies": {n: r.summary() for n, r in runs.items()}} for v, runs in rows]},
+               {"value": v, "policies": report.policy_summaries(runs)} for v, runs in rows]},
            "wall_s": time.perf_counter() - start}
     if plot is not None:
         png = report.plot(sim, {f"{key}={v}": runs[policies[-1]] for v, runs in rows}, plot)

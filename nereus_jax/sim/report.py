@@ -22,7 +22,7 @@ def headline(sim: Simulation) -> str:
 def result_json(sim: Simulation, runs: Mapping[str, PolicyRun], **extra: Any) -> dict:
     """The JSON object of ``python -m nereus_jax.simulate --json`` (see README, "Simulator")."""
     t, hw = sim.trace, sim.hw
-    policies = {name: run.summary() for name, run in runs.items()}
+    policies = policy_summaries(runs)
     out: dict[str, Any] = {
         "simulated": True,
         "hardware": hw.name,
@@ -42,6 +42,29 @@ def result_json(sim: Simulation, runs: Mapping[str, PolicyRun], **extra: Any) ->
     }
     out.update(extra)
     return out
+
+
+def policy_summaries(runs: Mapping[str, PolicyRun]) -> dict[str, dict]:
+    """Each policy's summary, with the share of the oracle's gain over fixed it captured."""
+    policies = {name: run.summary() for name, run in runs.items()}
+    for summary in policies.values():
+        summary["oracle_gain_captured"] = oracle_gain_captured(summary, policies)
+    return policies
+
+
+ORACLE_GAIN_FLOOR = 1e-3  # the oracle must beat fixed by more than this fraction for a captured share to mean much
+
+
+def oracle_gain_captured(summary: Mapping[str, Any], policies: Mapping[str, Mapping[str, Any]]) -> float | None:
+    """The fraction of the oracle's gain over ``fixed`` (mean step latency) that this policy captured: 1 as
+    fast as the oracle, 0 as slow as fixed, negative slower than fixed. None without both references or
+    where the oracle gains nothing (within ``ORACLE_GAIN_FLOOR`` of fixed)."""
+    if "fixed" not in policies or "oracle" not in policies:
+        return None
+    fixed, oracle = policies["fixed"]["mean_step_s"], policies["oracle"]["mean_step_s"]
+    if fixed - oracle <= ORACLE_GAIN_FLOOR * fixed:
+        return None
+    return (fixed - summary["mean_step_s"]) / (fixed - oracle)
 
 
 def comparison(policies: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:

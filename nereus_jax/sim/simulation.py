@@ -39,6 +39,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from nereus_jax.config import resolve_model
 from nereus_jax.elastic.controller import Controller, Decision, Observation
 from nereus_jax.elastic.costs import CostModel
@@ -88,6 +90,12 @@ class PolicyRun:
     def total_s(self) -> float:
         return sum(r.latency_s + r.transition_s + r.wasted_s + r.fill_s for r in self.records)
 
+    def transfer_errors(self) -> list[float]:
+        """The cost model's error on each move: the first step after a transition, its measured latency
+        against the latency the policy predicted for it before it ran (relative to the measured)."""
+        return [abs(r.predicted_s - r.latency_s) / r.latency_s for r in self.records
+                if r.predicted_s is not None and r.latency_s > 0 and any("transition" in e for e in r.events)]
+
     def summary(self) -> dict:
         recs = self.records
         transition_s = sum(r.transition_s for r in recs)
@@ -109,6 +117,10 @@ class PolicyRun:
             "decision_ms_max": max(decision),
             "transition_steps": [r.step for r in recs if any("transition" in e for e in r.events)],
         }
+        errors = self.transfer_errors()
+        if errors:
+            out["transfer_error_median"] = float(np.median(errors))
+            out["transfer_error_max"] = max(errors)
         if any(r.plan is not None and r.plan.overlapped for r in recs) or self.name in ASYNC_POLICIES:
             out["sync_fallback_steps"] = sum(r.plan is not None and not r.plan.overlapped for r in recs)
             out["fill_s"] = sum(r.fill_s for r in recs)

@@ -3,11 +3,12 @@ the gamma sweep's ends, and the command line's JSON names and plot."""
 
 import json
 
+import numpy as np
 import pytest
 import yaml
 
 from nereus_jax import simulate
-from nereus_jax.sim import POLICIES, PolicyError, Simulation, build_trace
+from nereus_jax.sim import POLICIES, PolicyError, Simulation, build_trace, report
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +94,22 @@ def test_json_has_the_names_others_rely_on(small_data, tmp_path, capsys):
         for key in ("mean_step_s", "transitions", "transition_s", "overhead_fraction", "oom_events"):
             assert key in p, (name, key)
         assert 0.0 <= p["overhead_fraction"] < 1.0
+
+
+def test_json_carries_the_oracle_gain_captured_and_the_transfer_error(small_runs):
+    sim, runs = small_runs
+    policies = report.result_json(sim, runs)["policies"]
+    fixed, oracle = runs["fixed"].total_s, runs["oracle"].total_s
+    assert fixed > oracle  # the small trace leaves the oracle something to gain
+    for name, run in runs.items():
+        assert policies[name]["oracle_gain_captured"] == pytest.approx((fixed - run.total_s) / (fixed - oracle))
+    assert policies["fixed"]["oracle_gain_captured"] == 0.0 and policies["oracle"]["oracle_gain_captured"] == 1.0
+    moved = [r for r in runs["nereus"].records if any("transition" in e for e in r.events)]
+    assert moved, "nereus moves on the small trace"
+    errors = sorted(abs(r.predicted_s - r.latency_s) / r.latency_s for r in moved)
+    assert policies["nereus"]["transfer_error_max"] == errors[-1]
+    assert policies["nereus"]["transfer_error_median"] == pytest.approx(float(np.median(errors)))
+    assert "transfer_error_median" not in policies["oracle"]  # not a controller policy: no predictions
 
 
 def test_table_and_plot_say_simulated_and_name_the_hardware(small_data, tmp_path, capsys):
