@@ -163,7 +163,8 @@ def test_pipeline_training_prices_the_schedule_that_runs(schedule):
     """pp = 2, a call of 16 rows -> m = 8 micro-batches of 2 rows, m + pp - 1 ticks either way on dedicated
     devices (bubble (pp - 1) / (m + pp - 1)); 1F1B recomputes each stage's forward in its backward (4 forward
     passes, not 3) and runs the head on the last stage over all 16 rows, GPipe over 16 / pp rows per stage. On
-    shared compute 1F1B's skipped idle halves cost nothing: m ticks of work."""
+    shared compute 1F1B's skipped idle halves cost nothing: m ticks of work, and its head, which the last stage
+    alone runs, has the host to itself (GPipe's head, split over the stages, shares it with both)."""
     wl = Workload.fixed(16, 24, 40, pipeline_schedule=schedule)
     s = wl.max_tokens
     call = call_latency(SMALL, "actor-train", 1, 2, 16, False, wl, COMPUTE_ONLY, ONES, 2)
@@ -173,8 +174,8 @@ def test_pipeline_training_prices_the_schedule_that_runs(schedule):
     assert call.gemm * COMPUTE_ONLY.peak_flops == pytest.approx(passes * 9 * tick + head)
     shared = dataclasses.replace(COMPUTE_ONLY, shared_compute=True)
     call = call_latency(SMALL, "actor-train", 1, 2, 16, False, wl, shared, ONES, 2)
-    ticks = 8 if schedule == "1f1b" else 9
-    assert call.gemm * shared.peak_flops / 2 == pytest.approx(passes * ticks * tick + head)  # 2 devices share
+    ticks, head_share = (8, 1) if schedule == "1f1b" else (9, 2)
+    assert call.gemm * shared.peak_flops == pytest.approx(2 * passes * ticks * tick + head_share * head)
 
 
 def test_pipeline_training_memory_follows_the_schedule():

@@ -19,7 +19,8 @@ memory-bound (decode, small calls) the roofline takes the larger side and charge
   recomputes its forward from the stashed input: 4 x forward FLOPs (5 with remat), 6 TP all-reduces per
   layer (8), and the head runs on the last stage over the call's rows, not split over pp; idle halves of
   its ticks are skipped, so its timeline is the same m + pp - 1 ticks of forward + backward as GPipe's, and
-  on shared compute (where an idle stage leaves the host to the busy ones) its work is m ticks.
+  on shared compute (where an idle stage leaves the host to the busy ones) its work is m ticks and the
+  head, which the last stage alone runs, has the host to that stage's devices.
 
 TP all-reduces run inside a node; PP hand-offs cross nodes once a replica spans more than one node.
 On shared-compute hardware (cpu) the stage's devices split the host's FLOP/s and memory bandwidth, and
@@ -204,14 +205,17 @@ def _forward_ticks(x: _Ctx, acc: _Acc, rows: float, ticks: float, passes: float,
     acc.add(OVERHEAD, passes * x.layers * x.layer_overhead, ticks)
 
 
-def _head_pass(x: _Ctx, acc: _Acc, rows: float, passes: float, split) -> None:
+def _head_pass(x: _Ctx, acc: _Acc, rows: float, passes: float, split, alone: bool = False) -> None:
     """The output head on ``rows`` rows split over ``split`` stages (:func:`head_split`; 1: one stage runs
     it on all of them, as 1F1B's last stage or GPipe's stages when the rows do not split), plus its
-    vocab-parallel reductions."""
+    vocab-parallel reductions. ``alone`` (1F1B): the last stage runs it inside its ticks, after the layer
+    work every stage does, so on shared compute the other stages have finished their part of the tick and
+    the host is shared by the last stage's devices, not by all pp stages."""
     s = x.rows_length() / split
     flops = passes * rows * s * counts.head_flops_per_token(x.cfg, x.tp, x.head)
     weights = x.cfg.hidden_size * x.cfg.vocab_size / x.tp * x.act_bytes if x.head == "lm" else 0.0
-    acc.roofline(flops, 0.0, weights, x.rates)
+    scale = x.pp if alone and x.hw.shared_compute else 1
+    acc.roofline(flops, 0.0, weights, (x.rates[0] * scale, x.rates[1] * scale))
     if x.head == "lm":
         acc.add(COLL_INTRA, 2 * allreduce_seconds(rows * s * 4.0, x.tp, "intra", x.hw))
 
@@ -257,7 +261,8 @@ def call_latency(cfg: ModelConfig, stage: str, tp: int, pp: int, micro_batch, re
     # on zeros anyway)
     ticks = m if recompute and hw.shared_compute else m + pp - 1
     _forward_ticks(x, acc, micro_batch / m, ticks, passes, allreduces, weight_dtype)
-    _head_pass(x, acc, micro_batch, 1.0 if kind == "infer" else 3.0, 1 if recompute else head_split(micro_batch, pp))
+    _head_pass(x, acc, micro_batch, 1.0 if kind == "infer" else 3.0, 1 if recompute else head_split(micro_batch, pp),
+               alone=recompute)
     if kind == "train":
         acc.add(MEM, 2.0 * saved_activation_bytes(x, micro_batch, remat, stash=recompute) / x.rates[1])
     acc.add(OVERHEAD, x.launch)
