@@ -27,14 +27,15 @@ triggering signal (1 before any is seen), at most the steps the run has left whe
 back to the runners-up (slightly slower plans with cheaper transitions). The urgent path waives
 profitability; when no candidate can be reached live it says so (checkpoint/restart is the last resort).
 
-Margin (not in the paper): a non-urgent target is admitted only when its predicted dL also exceeds the
-cost model's own error on the moves made so far, ``transfer_error`` x the current step latency (Eq. 2 then
-prices the move as the paper does). After every move (urgent or not) the first measured step on the new
-plan is compared with the latency predicted for it at the decision; ``transfer_error`` is the mean of
-those relative errors (none until one move was measured). A model calibrated on one plan extrapolates to
-others, and a gain smaller than its demonstrated error is a guess (simulated, paper_1024: a move predicted
-to gain 1.5% made 143 steps 5% slower). ``error_margin=False`` turns it off; with ``gamma = inf`` (no
-admission: ``no_admission``, ``every_K``) there is no margin either.
+Margin (not in the paper): a non-urgent target is admitted only when its predicted dL also exceeds
+``UNCERTAINTY_Z`` standard deviations of that prediction (``Candidate.uncertainty_s``: the calibrated cost
+model's covariance, small when the target runs calls of sizes the job has measured, large when it
+extrapolates; a prior before any measurement), then Eq. 2 prices the move as the paper does. A model
+calibrated on one plan extrapolates to others, and a gain inside its uncertainty is a guess.
+``error_margin=False`` turns it off; with ``gamma = inf`` (no admission: ``no_admission``, ``every_K``)
+there is no margin either. After every move (urgent or not) the first measured step on the new plan is
+compared with the latency predicted for it at the decision: ``transfer_errors`` keeps those relative
+errors (reported; the log says when a move missed its admitted uncertainty).
 
     controller = Controller(plan_fn, latency_fn, transition_fn, gamma=0.5)
     decision = controller.observe(Observation(step, plan, devices, response_length, step_seconds))
@@ -52,6 +53,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 Plan = Any  # an ExecutionPlan (or anything hashable the callables understand)
+UNCERTAINTY_Z = 1.0  # a gain must exceed this many standard deviations of its prediction to be admitted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +74,7 @@ class Observation:
 class Candidate:
     plan: Plan
     step_latency_s: float
+    uncertainty_s: float = 0.0  # standard deviation of its predicted gain over the current plan (s/step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +94,7 @@ class Decision:
     transition_s: float | None        # predicted transition cost L_tran
     horizon: float                    # H
     rejected: tuple[tuple[Plan, str], ...] = ()  # candidates turned down, with the reason
-    margin_s: float = 0.0             # the cost model's demonstrated error (s/step): dL must exceed it
+    margin_s: float = 0.0             # the cost model's uncertainty about dL (s/step): dL must exceed it
     move: Any = None                  # what the transition was priced with (Priced.move), to run it as priced
 
     def log_line(self) -> str:
@@ -141,8 +144,10 @@ class Controller:
         self._ratios: deque[float] = deque(maxlen=max(1, efficiency_window))  # on ``_ratio_plan``, newest last
         self._ratio_plan: Plan | None = None
         self._adopt_window = False  # after load_state_dict: the restored window is the next observed plan's
-        self._moved: tuple[Plan, float] | None = None  # (the plan a move left, the target's predicted latency)
+        # (the plan a move left, the target's predicted latency, the uncertainty it was admitted with)
+        self._moved: tuple[Plan, float, float] | None = None
         self.transfer_errors: deque[float] = deque(maxlen=8)  # |measured / predicted - 1| of recent moves
+        self.move_checks: list[dict[str, Any]] = []  # each move's first measured step against its prediction
         self.decisions: list[Decision] = []
 
     @property
@@ -159,7 +164,11 @@ class Controller:
         """The first measured step on a plan a move reached: how far was it from its prediction?"""
         if self._moved is None or obs.plan == self._moved[0] or obs.step_seconds is None:
             return
-        self.transfer_errors.append(abs(obs.step_seconds / self._moved[1] - 1))
+        _, predicted, margin = self._moved
+        self.transfer_errors.append(abs(obs.step_seconds / predicted - 1))
+        miss = abs(obs.step_seconds - predicted) - margin
+        self.move_checks.append({"step": obs.step, "predicted_s": predicted, "measured_s": obs.step_seconds,
+                                 "uncertainty_s": margin, "within": miss <= 0, "outside_by_s": max(0.0, miss)})
         self._moved = None
 
     # --------------------------------------------------------------------------------- triggers
@@ -181,7 +190,7 @@ class Controller:
         self.reference_length, self.devices = obs.response_length, tuple(obs.devices)  # reset, admitted or not
         self.reference_ratio = efficiency  # an admitted move starts a new window on its target
         if decision.admitted and decision.target_latency_s:
-            self._moved = (obs.plan, decision.target_latency_s)
+            self._moved = (obs.plan, decision.target_latency_s, decision.margin_s)
         self.decisions.append(decision)
         return decision
 
@@ -265,9 +274,7 @@ class Controller:
         if obs.steps_left is not None:  # a new plan cannot pay back after the run ends
             H = min(H, float(max(1, obs.steps_left)))
         current = None if urgent else self.latency_fn(obs.plan, obs)
-        margin = 0.0
-        if self.error_margin and current is not None and self.gamma != math.inf:
-            margin = self.transfer_error * current
+        checked = self.error_margin and current is not None and self.gamma != math.inf
         candidates = [c for c in self.plan_fn(obs) if c.plan != obs.plan]
         rejected: list[tuple[Plan, str]] = []
         for c in candidates:
@@ -281,18 +288,19 @@ class Controller:
                 return Decision(obs.step, trigger, True, target, True, "urgent: profitability waived", current,
                                 c.step_latency_s, None, cost, H, tuple(rejected), move=move)
             gain = None if current is None else current - c.step_latency_s
+            margin = UNCERTAINTY_Z * c.uncertainty_s if checked else 0.0
             if gain is None or gain <= 0:
                 rejected.append((c.plan, "no gain" if gain is None else
                                  f"no gain: dL={gain:.3g} s/step (transition {cost:.3g} s)"))
                 continue
             if gain <= margin:
-                rejected.append((c.plan, f"gain {gain:.3g} s/step is within the cost model's error on past moves "
-                                         f"({margin:.3g} s/step = {self.transfer_error:.1%} of the step)"))
+                rejected.append((c.plan, f"gain {gain:.3g} s/step is within the cost model's uncertainty about it "
+                                         f"({margin:.3g} s/step)"))
                 continue
             if cost / gain <= self.gamma * H:
                 return Decision(obs.step, trigger, False, target, True,
                                 f"pays back in {cost / gain:.2f} steps <= gamma*H={self.gamma * H:.2f}"
-                                + (f" (gain above the model's error, {margin:.3g} s/step)" if margin else ""),
+                                + (f" (gain above the model's uncertainty, {margin:.3g} s/step)" if margin else ""),
                                 current, c.step_latency_s, gain, cost, H, tuple(rejected), margin, move=move)
             rejected.append((c.plan, f"gain {gain:.3g} s/step, transition {cost:.3g} s: pays back in "
                                      f"{cost / gain:.2f} steps > gamma*H={self.gamma * H:.2f}"))

@@ -55,11 +55,15 @@ class Hardware:
     shared_compute: bool = False  # devices time-slice one host's cores (cpu)
     fused_attention: bool = True  # fused kernel: no [t, s] scores kept, causal half skipped
     efficiency: Mapping[str, float] = field(default_factory=dict)  # measured (class -> fraction of peak)
+    # measured n_1/2 per size term (costs.latency.SIZE_TERMS): the call size at which half the large-call
+    # efficiency is reached; unmeasured terms start at 0 (no size effect) with the cost model's prior spread
+    half_sizes: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         unknown = set(self.efficiency) - set(EFFICIENCY_CLASSES)
         assert not unknown, f"{self.name}: unknown efficiency classes {sorted(unknown)}"
         object.__setattr__(self, "efficiency", MappingProxyType(dict(self.efficiency)))
+        object.__setattr__(self, "half_sizes", MappingProxyType(dict(self.half_sizes)))
 
     def inter_node_bandwidth_per_device(self) -> float:
         """A device's share of its node's NICs when every device of the node communicates."""
@@ -169,6 +173,9 @@ CPU = Hardware(
     shared_compute=True,
     fused_attention=False,  # our XLA einsum attention materialises [t, s] scores in float32
     efficiency={"gemm": 1.0, "memory": 1.0, "collective_intra": 1.0, "host": 1.0},  # peaks are measurements
+    # measured: [R, 512] @ [512, 1536] f32 (the bench_cost_model MLP), CPU time over the 2 cores: 149 / 175
+    # GFLOP/s at R = 128 / 1024 rows, 113 at 64, 92 at 32: n_1/2 ~ 25 rows
+    half_sizes={"gemm_rows": 25.0},
 )
 
 HARDWARE: Mapping[str, Hardware] = MappingProxyType({hw.name: hw for hw in (H100, H200, A100, MI250X, CPU)})

@@ -11,7 +11,8 @@ One :class:`Pricing` object serves the running job (``runtime.adapt``) and the s
 - peak bytes per device: the resident state of every unit on the device plus the largest working set
   among everything that runs there;
 - a transition graph's data movement priced with the cost model's link times;
-- calibration: measured stage seconds over a window of recent steps refit the efficiencies.
+- calibration: measured stage seconds over a window of recent steps refit the efficiencies, and the
+  uncertainty of a predicted gain (:meth:`Pricing.gain_sd`) follows from the fit's covariance.
 
 Plans are anything mapping model-stage -> stage plan with ``devices`` (an ``ExecutionPlan``); choices map
 every priced model-stage (riders too) to its :class:`~nereus_jax.elastic.costs.StageChoice`.
@@ -20,6 +21,7 @@ every priced model-stage (riders too) to its :class:`~nereus_jax.elastic.costs.S
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Iterable, Mapping
 
 from nereus_jax.config import ModelConfig
@@ -82,6 +84,17 @@ class Pricing:
                 overlapped: bool | None = None) -> float:
         """Predicted step latency of ``plan`` running ``choices`` on ``workload``."""
         return self.step_seconds(self.stage_seconds(choices, workload), plan, overlapped)
+
+    def gain_sd(self, current: Mapping[str, StageChoice], target: Mapping[str, StageChoice],
+                workload: Workload) -> float:
+        """Standard deviation (s/step) of the predicted gain of ``target``'s choices over ``current``'s: the
+        cost model's covariance on the difference of their features (every stage on the step's path; what
+        both run alike cancels)."""
+        diff = self._features(current, workload) - self._features(target, workload)
+        return math.sqrt(max(0.0, self.cost.variance(diff)))
+
+    def _features(self, choices: Mapping[str, StageChoice], workload: Workload):
+        return sum(self.cost.features(self.model_for(s), s, c, workload) for s, c in choices.items())
 
     # ------------------------------------------------------------------------------------- memory
     def placed(self, plan) -> dict[str, tuple[int, ...]]:

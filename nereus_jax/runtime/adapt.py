@@ -157,7 +157,10 @@ class Adapter:
                           metrics["response_length_mean"] if metrics else (self._ref_length() or 1.0), achieved,
                           self.peak_bytes(self.job.plan), self.pricing.trigger_bytes(self.cost.hardware.memory_bytes),
                           steps_left=max(1, self.job.cfg.trainer.steps - step))
+        checked = len(self.controller.move_checks)
         decision = self.controller.observe(obs)
+        for check in self.controller.move_checks[checked:]:
+            self.log(_check_line(check))
         if decision is not None:
             self._log_decision(decision)
         if (decision is None or not decision.admitted) and gone & set(self.job.plan.devices):
@@ -425,7 +428,11 @@ class Adapter:
         plans = [r.plan for r in self._planned(obs, workload)]
         with contextlib.suppress(ConfigError):  # the configured layouts on the devices present: a candidate
             plans.append(plan_from_config(self.job.cfg, device_ids=list(obs.devices)))
-        out: dict[ExecutionPlan, float] = {}
+        try:
+            current = self.pricing.choices(obs.plan, workload)
+        except ValueError:  # the current plan cannot split this batch: nothing to compare a gain against
+            current = None
+        out: dict[ExecutionPlan, Candidate] = {}
         for plan in plans:
             if plan in out or not self._runnable(plan):
                 continue
@@ -434,8 +441,9 @@ class Adapter:
             except ValueError:  # dp does not split the batch (a configured plan on another pool)
                 continue
             if self.pricing.peak_bytes(plan, choices, workload) <= self.memory_cap_bytes:
-                out[plan] = self.pricing.latency(plan, choices, workload)
-        return [Candidate(p, lat) for p, lat in sorted(out.items(), key=lambda kv: kv[1])]
+                sd = 0.0 if current is None else self.pricing.gain_sd(current, choices, workload)
+                out[plan] = Candidate(plan, self.pricing.latency(plan, choices, workload), sd)
+        return sorted(out.values(), key=lambda c: c.step_latency_s)
 
     def _planned(self, obs: Observation, workload: Workload) -> list[PlanResult]:
         cfg, models = self.job.cfg, self.pricing.models
@@ -504,3 +512,12 @@ class Adapter:
 
 def _short(plan: ExecutionPlan) -> str:
     return " ".join(f"{ms}:{sp.layout}x{sp.dp}@{','.join(map(str, sp.devices))}" for ms, sp in plan.items())
+
+
+def _check_line(check: dict) -> str:
+    """One log line: the first measured step after a move against the latency and uncertainty it was
+    admitted with."""
+    verdict = ("within the uncertainty it was admitted with" if check["within"]
+               else f"OUTSIDE the uncertainty it was admitted with, by {check['outside_by_s']:.3g} s")
+    return (f"step {check['step']}: first step after the move took {check['measured_s']:.3g} s, predicted "
+            f"{check['predicted_s']:.3g} +- {check['uncertainty_s']:.3g} s: {verdict}")

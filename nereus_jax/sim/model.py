@@ -75,15 +75,20 @@ class PlanningModel:
 
     # ------------------------------------------------------------------------------------ planning
     def snapshot(self) -> CostModel:
-        """The cost model as the planner sees it: efficiencies rounded on a 2% log grid."""
+        """The cost model as the planner sees it: efficiencies and n_1/2 rounded on a 2% log grid."""
         step = math.log1p(EFFICIENCY_GRID)
-        eff = {c: float(math.exp(round(math.log(v) / step) * step)) for c, v in self.cost_model.efficiency.items()}
-        return CostModel(self.hw, eff)
+
+        def snap(v: float) -> float:
+            return float(math.exp(round(math.log(v) / step) * step)) if v > 0 else 0.0
+
+        cm = self.cost_model
+        return CostModel(self.hw, {c: snap(v) for c, v in cm.efficiency.items()},
+                         {t: snap(v) for t, v in cm.half_sizes.items()})
 
     def plans(self, wl: Workload, pool: tuple[int, ...]) -> tuple[SimPlan, ...]:
         """The planner's best plan and runners-up (fastest first); empty when nothing fits."""
         cm = self.snapshot()
-        key = (type(self).__name__, cm.efficiency_vector, wl, pool, self.layouts,
+        key = (type(self).__name__, cm.efficiency_vector, tuple(cm.half_sizes.values()), wl, pool, self.layouts,
                tuple(sorted(self.planner_settings.items())))
         if key not in self.caches.plans:
             start = time.perf_counter()
@@ -122,9 +127,10 @@ class PlanningModel:
     def plan_fn(self, obs: Observation) -> list[Candidate]:
         wl = self.observed
         out = []
+        current = dict(obs.plan.choices)
         for p in self.plans(wl, tuple(obs.devices)):
             p = p.aligned_to(obs.plan)
-            out.append(Candidate(p, self.predict(p, wl)))
+            out.append(Candidate(p, self.predict(p, wl), self.pricing.gain_sd(current, dict(p.choices), wl)))
         return sorted(out, key=lambda c: c.step_latency_s)
 
     def latency_fn(self, plan: SimPlan, obs: Observation) -> float | None:

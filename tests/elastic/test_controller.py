@@ -3,6 +3,8 @@
 import dataclasses
 import json
 
+import pytest
+
 from nereus_jax.elastic.controller import Candidate, Controller, Observation
 
 
@@ -15,8 +17,8 @@ class P:
 A, B, C = P("A"), P("B"), P("C")
 
 
-def _controller(latency, candidates, costs, **kw):
-    return Controller(lambda obs: [Candidate(p, latency[p]) for p in candidates],
+def _controller(latency, candidates, costs, uncertainty=None, **kw):
+    return Controller(lambda obs: [Candidate(p, latency[p], (uncertainty or {}).get(p, 0.0)) for p in candidates],
                       lambda plan, obs: latency.get(plan), lambda old, new: costs.get(new), **kw)
 
 
@@ -205,8 +207,9 @@ def test_a_pool_change_before_the_first_observation_triggers_when_the_starting_p
 
 def _moved_then_missed(**kw):
     """A move to B predicted at 8 s whose first measured step takes 10 s (a 25% error), then a length drift
-    whose only candidate, C, is predicted to gain 1 s/step (12.5%) for a 0.4 s transition."""
-    c = _controller({A: 10.0, B: 8.0, C: 7.0}, [B, C], {B: 0.4, C: 0.4}, gamma=0.5, **kw)
+    whose only candidate, C, is predicted to gain 1 s/step (12.5%) for a 0.4 s transition, with an
+    uncertainty of 1.5 s/step about that gain (C runs calls the model has not measured)."""
+    c = _controller({A: 10.0, B: 8.0, C: 7.0}, [B, C], {B: 0.4, C: 0.4}, {C: 1.5}, gamma=0.5, **kw)
     c.observe(_obs(0, 100))
     moved = c.observe(_obs(1, 200))
     assert moved.admitted and moved.target == B
@@ -214,13 +217,20 @@ def _moved_then_missed(**kw):
     return c, c.observe(_obs(3, 300, plan=B))
 
 
-def test_a_gain_within_the_cost_models_error_on_past_moves_is_not_admitted():
+def test_a_gain_within_the_cost_models_uncertainty_is_not_admitted():
     c, d = _moved_then_missed()
-    assert c.transfer_error == 0.25  # |10 / 8 - 1|, measured on the first step the move reached
-    assert not d.admitted and "within the cost model's error" in d.rejected[0][1] and "25.0%" in d.rejected[0][1]
+    assert not d.admitted and "within the cost model's uncertainty" in d.rejected[0][1]
+    assert c.transfer_error == 0.25  # |10 / 8 - 1|, measured on the first step the move reached (reported)
+    assert c.move_checks == [{"step": 2, "predicted_s": 8.0, "measured_s": 10.0, "uncertainty_s": 0.0,
+                              "within": False, "outside_by_s": 2.0}]  # the runtime logs it
     restarted = _controller({A: 10.0}, [], {})
     restarted.load_state_dict(json.loads(json.dumps(c.state_dict())))
     assert restarted.transfer_error == 0.25  # a checkpoint keeps it
+    # the same gain with a small uncertainty (calls of measured sizes) is admitted, with its margin
+    sure = _controller({A: 10.0, C: 7.0}, [C], {C: 0.4}, {C: 0.2}, gamma=0.5)
+    sure.observe(_obs(0, 100))
+    d = sure.observe(_obs(1, 200))
+    assert d.admitted and d.target == C and d.margin_s == pytest.approx(0.2)
 
 
 def test_without_the_error_margin_eq2_admits_the_same_gain_as_the_paper_does():

@@ -29,7 +29,7 @@ from nereus_jax.elastic.costs import (
 )
 from nereus_jax.elastic.costs.candidates import Pricer
 from nereus_jax.elastic.costs.counts import layer_activation_bytes_per_token
-from nereus_jax.elastic.costs.latency import call_latency, efficiency_vector, step_terms_latency
+from nereus_jax.elastic.costs.latency import call_latency, step_terms_latency
 from nereus_jax.elastic.hardware import (
     CONSERVATIVE_EFFICIENCY,
     EFFICIENCY_CLASSES,
@@ -300,16 +300,17 @@ def test_observe_recovers_efficiencies_and_leaves_unseen_classes():
 def test_fast_pricing_equals_the_pure_functions():
     cfg = dataclasses.replace(SMALL, num_layers=4)
     wl = Workload.fixed(6, 20, 30, samples_per_prompt=2)
-    for hw in (get_hardware("a100"), get_hardware("cpu")):
-        cm = CostModel(hw)
+    sized = {"gemm_rows": 64.0, "gemm_width": 32.0, "attention_keys": 100.0}
+    for hw, halves in ((get_hardware("a100"), None), (get_hardware("a100"), sized), (get_hardware("cpu"), None)):
+        cm = CostModel(hw, half_sizes=halves)
         pricer = Pricer(cm, wl)
         for stage in ("actor-gen", "ref-infer", "critic-infer", "actor-train", "critic-train"):
             opts = pricer.options(cfg, stage, lambda tp: 8, math.inf)
             assert len(opts) > 10
             for i in range(len(opts)):
                 choice = opts.choice(i)
-                assert opts.latency[i] == pytest.approx(stage_latency(cfg, stage, choice, wl, hw,
-                                                                      efficiency_vector(hw)).total, rel=1e-9)
+                eff = cm.efficiency_for(cfg, stage, choice, wl)
+                assert opts.latency[i] == pytest.approx(stage_latency(cfg, stage, choice, wl, hw, eff).total, rel=1e-9)
                 mem = stage_memory(cfg, stage, choice, wl, hw)
                 assert (opts.resident[i], opts.working[i]) == pytest.approx((mem.resident, mem.working), rel=1e-12)
 

@@ -28,8 +28,8 @@ from nereus_jax.elastic.costs.latency import (
     MEM,
     accumulation_seconds,
     call_latency,
+    call_sizes,
     gen_latency,
-    stage_latency,
     step_terms_latency,
 )
 from nereus_jax.elastic.costs.memory import accumulation_bytes, call_working_bytes, resident_bytes, working_bytes
@@ -196,7 +196,7 @@ def shapes(cfg: ModelConfig, stage: str, devices_per_node: int,
 def price(cfg: ModelConfig, stage: str, choice: StageChoice, workload, cost_model: CostModel) -> Row:
     """(latency, devices, resident, working, choice) of one choice, straight from the cost model."""
     hw = cost_model.hardware
-    lat = stage_latency(cfg, stage, choice, workload, hw, cost_model.efficiency_vector).total
+    lat = cost_model.stage_latency(cfg, stage, choice, workload).total
     raw = (choice.tp, choice.pp, choice.dp, choice.micro_batch, choice.remat)
     return (lat, choice.devices, resident_bytes(cfg, stage, choice.tp, choice.pp),
             working_bytes(cfg, stage, choice, workload, hw), raw)
@@ -270,7 +270,9 @@ class Pricer:
         rows = []
         for dp in dps:
             slots = divisors(total // dp)
-            lat = gen_latency(cfg, stage, tp, dp, np.array(slots, dtype=float), wl, hw, self.eff).total
+            n = np.array(slots, dtype=float)
+            eff = self.cost_model.efficiency_at(*call_sizes(cfg, "gen", tp, 1, dp, n, wl))
+            lat = gen_latency(cfg, stage, tp, dp, n, wl, hw, eff).total
             for i, n in enumerate(slots):
                 choice = StageChoice(tp, 1, dp, n)
                 rows.append((float(lat[i]), tp * dp, res, working_bytes(cfg, stage, choice, wl, hw), (tp, 1, dp, n, 0)))
@@ -323,6 +325,9 @@ class Pricer:
         key = (id(cfg), kind_head(stage), tp, pp, remat, devices)
         call = self._calls.get(key)
         if call is None:
-            call = self._calls[key] = call_latency(cfg, stage, tp, pp, np.array(mbs), remat, self.workload,
-                                                   self.cost_model.hardware, self.eff, max(devices, tp * pp)).total
+            sizes = np.array(mbs)
+            eff = self.cost_model.efficiency_at(*call_sizes(cfg, split_stage(stage)[1], tp, pp, 1, sizes,
+                                                            self.workload))
+            call = self._calls[key] = call_latency(cfg, stage, tp, pp, sizes, remat, self.workload,
+                                                   self.cost_model.hardware, eff, max(devices, tp * pp)).total
         return call

@@ -79,6 +79,25 @@ def efficiency_vector(hw: Hardware, efficiency: dict[str, float] | None = None) 
     return tuple(given.get(c, hw.prior_efficiency(c)) for c in EFFICIENCY_CLASSES)
 
 
+# Sizes a class's achieved efficiency depends on (Hockney's n_1/2: a call of size n runs at n / (n + n_1/2) of
+# the large-call rate): GEMM rows (tokens per call) and sharded width, attention keys per query.
+SIZE_TERMS = ("gemm_rows", "gemm_width", "attention_keys")
+
+
+def call_sizes(cfg: ModelConfig, kind: str, tp: int, pp: int, dp: int, micro_batch, workload: Workload):
+    """(GEMM rows, GEMM width, attention keys) of one stage's typical call: an infer/train call's pipeline
+    micro-batch of tokens (padded or packed length), a gen decode step's live rows; the MLP width per tp
+    shard. ``micro_batch`` may be an array (then rows is one)."""
+    wl = workload
+    width = cfg.intermediate_size / tp
+    if kind == "gen":
+        return np.minimum(micro_batch, wl.generated_sequences / dp), width, \
+            wl.prompt_length.mean + wl.response_length.mean / 2
+    tokens = wl.mean_tokens if wl.packed else wl.max_tokens
+    keys = wl.prompt_length.p95 + wl.response_length.p95 if wl.packed else wl.max_tokens
+    return micro_batch / pipeline_microbatches(micro_batch, pp) * tokens, width, keys
+
+
 # ------------------------------------------------------------------------------------------ primitives
 def allreduce_seconds(nbytes: float, members: int, link: str, hw: Hardware) -> float:
     """Ring all-reduce of ``nbytes`` per member over ``members`` devices on a link ("intra"/"inter"),

@@ -1,0 +1,85 @@
+"""Size-aware calibration: the cost model learns how a class slows down on small calls (n_1/2) once its
+measurements span sizes, keeps its prior when they do not, and its uncertainty grows with the distance from
+what it measured. The reference is a cost model with known parameters (the fit must recover them) and the
+size-blind fit of the same measurements."""
+
+import numpy as np
+import pytest
+
+from nereus_jax.config import resolve_model
+from nereus_jax.elastic.costs import CostModel, Measurement, StageChoice
+from nereus_jax.elastic.hardware import get_hardware
+from nereus_jax.elastic.workload import Workload
+
+LLAMA8B = resolve_model("llama3.1-8b")
+HW = get_hardware("h100")
+TRUE_EFF = {"gemm": 0.7, "attention": 0.5, "memory": 0.8, "collective_intra": 0.6}
+TRUE_HALF = {"gemm_rows": 300.0}
+WL = Workload.fixed(64, 256, 256)  # 512-token rows: a call of mb sequences is a GEMM of 512 mb rows
+
+
+def _train(mb: int) -> StageChoice:
+    return StageChoice(8, 1, 1, mb)
+
+
+def _measure(truth: CostModel, mbs) -> list[Measurement]:
+    return [Measurement(LLAMA8B, "actor-train", _train(mb), WL,
+                        truth.stage_latency(LLAMA8B, "actor-train", _train(mb), WL).total) for mb in mbs]
+
+
+def _predict(cm: CostModel, mb: int) -> float:
+    return cm.stage_latency(LLAMA8B, "actor-train", _train(mb), WL).total
+
+
+@pytest.fixture(scope="module")
+def truth() -> CostModel:
+    return CostModel(HW, TRUE_EFF, TRUE_HALF)
+
+
+RUNS = [("actor-train", StageChoice(8, 1, 1, mb)) for mb in (2, 4, 8)] + \
+    [("ref-infer", StageChoice(4, 1, 2, mb)) for mb in (4, 16)] + [("actor-gen", StageChoice(2, 1, 4, 16))]
+LENGTHS = [Workload.fixed(64, 128, r) for r in (128, 384, 896)]  # responses growing over a run
+SMALL_CALLS = [("actor-train", StageChoice(8, 1, 1, 1)), ("ref-infer", StageChoice(4, 1, 2, 2))]
+SHORT = Workload.fixed(64, 64, 64)  # shorter rows than any measured
+
+
+def test_measurements_that_span_sizes_recover_n_half_and_predict_smaller_calls(truth):
+    measured = [Measurement(LLAMA8B, s, c, wl, truth.stage_latency(LLAMA8B, s, c, wl).total)
+                for s, c in RUNS for wl in LENGTHS]
+    cm = CostModel(HW)
+    assert cm.half_sizes["gemm_rows"] == 0.0  # h100: no measured n_1/2, the prior is no size effect
+    for _ in range(3):  # a few calibration rounds, as the steps of a run make them
+        cm.observe(measured)
+    assert cm.half_sizes["gemm_rows"] == pytest.approx(TRUE_HALF["gemm_rows"], rel=0.05)
+    assert "gemm_rows" in cm.observed
+    for stage, choice in SMALL_CALLS:  # 128-256 rows a call: never measured
+        assert cm.stage_latency(LLAMA8B, stage, choice, SHORT).total == \
+            pytest.approx(truth.stage_latency(LLAMA8B, stage, choice, SHORT).total, rel=0.02)
+    blind = CostModel(HW)
+    blind.observe(_measure(truth, (8,)))  # one size: cannot tell a slow class from a size effect
+    assert blind.half_sizes["gemm_rows"] == 0.0 and "gemm_rows" not in blind.observed
+    assert _predict(blind, 8) == pytest.approx(_predict(truth, 8), rel=0.01)
+
+
+def test_uncertainty_grows_with_the_distance_from_what_was_measured(truth):
+    cm = CostModel(HW)
+    cm.observe(_measure(truth, (8,)))
+
+    def sd(model: CostModel, mb: int) -> float:
+        features = model.features(LLAMA8B, "actor-train", _train(mb), WL)
+        return float(np.sqrt(model.variance(features))) / _predict(model, mb)
+
+    assert sd(cm, 8) < sd(cm, 4) < sd(cm, 1)
+    assert sd(cm, 1) > 0.05  # 8x smaller than anything measured: an honest spread
+    assert features_reproduce_the_prediction(cm)
+    spanned = CostModel(HW)
+    spanned.observe(_measure(truth, (1, 2, 4, 8, 16)))
+    assert sd(spanned, 1) < sd(cm, 1) / 2  # measured there now
+    # a difference of two predictions: shared parameters cancel (same size, the variance of the difference is 0)
+    f = cm.features(LLAMA8B, "actor-train", _train(8), WL)
+    assert cm.variance(f - f) == 0.0
+
+
+def features_reproduce_the_prediction(cm: CostModel) -> bool:
+    return all(np.isclose(cm.features(LLAMA8B, "actor-train", _train(mb), WL) @ cm.theta(), _predict(cm, mb),
+                          rtol=1e-9) for mb in (1, 8))
