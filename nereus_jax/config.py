@@ -474,8 +474,9 @@ class ControllerConfig(_Node):
     length_drift: float = _field(0.3, "relative sequence-length change that triggers a re-plan")
     memory_headroom: float = _field(0.1, "fraction of device memory a new plan leaves free; the memory trigger fires "
                                     "when the current plan's predicted peak leaves less than half of it")
-    error_margin: bool = _field(True, "admit a move only if its predicted gain exceeds the cost model's mean "
-                                      "error on past moves (false: Eq. 2 as the paper has it)")
+    error_margin: bool = _field(True, "admit a move only if its predicted gain exceeds one standard deviation of "
+                                      "the calibrated cost model's uncertainty about it (false: Eq. 2 as the paper "
+                                      "has it)")
     hardware: str | None = _field(None, "cost-model hardware; null = cluster.hardware")
 
     def __post_init__(self) -> None:
