@@ -30,7 +30,9 @@ profitability; when no candidate can be reached live it says so (checkpoint/rest
 Margin (not in the paper): a non-urgent target is admitted only when its predicted dL also exceeds
 ``UNCERTAINTY_Z`` standard deviations of that prediction (``Candidate.uncertainty_s``: the calibrated cost
 model's covariance, small when the target runs calls of sizes the job has measured, large when it
-extrapolates; a prior before any measurement), then Eq. 2 prices the move as the paper does. A model
+extrapolates; a prior before any measurement), then Eq. 2 prices the move as the paper does. An urgent
+move (no gain to check) takes the reachable candidate with the least predicted latency plus that
+uncertainty, so a plan of measured call sizes wins over a barely faster guess. A model
 calibrated on one plan extrapolates to others, and a gain inside its uncertainty is a guess.
 ``error_margin=False`` turns it off; with ``gamma = inf`` (no admission: ``no_admission``, ``every_K``)
 there is no margin either. After every move (urgent or not) the first measured step on the new plan is
@@ -276,6 +278,8 @@ class Controller:
         current = None if urgent else self.latency_fn(obs.plan, obs)
         checked = self.error_margin and current is not None and self.gamma != math.inf
         candidates = [c for c in self.plan_fn(obs) if c.plan != obs.plan]
+        if urgent and self.error_margin:  # no gain to check: prefer what the model is sure of (risk-adjusted)
+            candidates.sort(key=lambda c: c.step_latency_s + UNCERTAINTY_Z * c.uncertainty_s)
         rejected: list[tuple[Plan, str]] = []
         for c in candidates:
             priced = self.transition_fn(obs.plan, c.plan)

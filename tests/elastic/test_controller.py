@@ -245,3 +245,15 @@ def test_a_dropped_move_does_not_count_as_the_models_error():
     c.forget_move()  # the runtime replaced it (a requested plan C, measured at 10 s)
     assert c.observe(_obs(2, 200, plan=C, seconds=10.0)) is None
     assert c.transfer_error == 0.0
+
+
+def test_an_urgent_move_prefers_the_plan_the_model_is_sure_of():
+    """No gain to check when devices leave: the reachable candidate with the least predicted latency plus its
+    uncertainty wins (B is predicted 1 s faster than C but is a 3 s guess)."""
+    latency, uncertainty = {A: 10.0, B: 5.0, C: 6.0}, {B: 3.0, C: 0.5}
+    d = _controller(latency, [B, C], {B: 1.0, C: 1.0}, uncertainty, devices=(0, 1, 2, 3)).observe(
+        _obs(0, 100, devices=(0, 1, 2)))
+    assert d.urgent and d.admitted and d.target == C
+    d = _controller(latency, [B, C], {B: 1.0, C: 1.0}, uncertainty, devices=(0, 1, 2, 3), error_margin=False).observe(
+        _obs(0, 100, devices=(0, 1, 2)))
+    assert d.target == B  # Eq. 2 as the paper has it: the fastest prediction
