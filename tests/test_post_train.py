@@ -91,8 +91,8 @@ def test_make_pretrained_writes_a_loadable_chat_checkpoint_and_disjoint_prompt_f
     questions = {r["prompt"][0]["content"] for r in train}
     assert not questions & {r["prompt"][0]["content"] for r in held_out}, "held-out prompts leak into RL training"
     assert all(r["prompt"][0]["role"] == "user" and r["answer"].lstrip("-").isdigit() for r in train + held_out)
-    # "pretrained", with room left for RL: stopped at the target on the validation split, below certainty
-    assert pretrained["target_accuracy"] <= pretrained["validation_accuracy"] < 0.8, pretrained
+    # "pretrained", with room left for RL: solves some of the validation split, far from all
+    assert pretrained["sft_steps"] == 800 and 0.3 <= pretrained["validation_accuracy"] < 0.8, pretrained
 
 
 @pytest.mark.slow

@@ -2,7 +2,7 @@
 tokenizer, ChatML chat template) that solves arithmetic word problems some of the time, and the prompts
 to post-train and evaluate it on.
 
-    .venv312/bin/python tools/make_pretrained.py --out runs/tiny-math        # ~4-5 minutes on 2 CPU cores
+    .venv312/bin/python tools/make_pretrained.py --out runs/tiny-math        # ~5-10 minutes on 2 CPU cores
     python -m nereus_jax.train configs/hf_grpo_tiny.yaml model.hf_path=runs/tiny-math/model --run-dir runs/rl
     .venv311/bin/python tools/eval_hf.py runs/rl/hf runs/tiny-math/eval.jsonl    # transformers' greedy accuracy
 
@@ -13,10 +13,10 @@ What it does (CPU only; one JAX device; deterministic for a given --seed):
    one or two sentences of reasoning ending in ``\\boxed{N}``; every question text is unique and the
    corpus splits into SFT training, SFT validation, RL training (``--out/train.jsonl``) and a held-out
    evaluation set (``--out/eval.jsonl``, in neither). The SFT split carries a misconception
-   (``--misconception``, default 0.6): that fraction of its giving-away and losing solutions add instead of
-   subtracting, so the supervised model answers those wrongly when greedy but
-   samples the right operation some of the time, which a verifiable reward can correct; every other split's
-   answers are right;
+   (``--misconception``, default 0.6): in that fraction of its solutions with a giving-away or losing step
+   (three of the six templates) the step adds instead of subtracting, so the supervised model answers those
+   wrongly when greedy but samples the right operation some of the time, which a verifiable reward can
+   correct; every other split's answers are right;
 2. trains a byte-level BPE tokenizer on it with ``tokenizers`` (digits are always single tokens; special
    tokens ``<|endoftext|>`` (pad), ``<|im_start|>``, ``<|im_end|>`` (eos), no bos) and writes
    ``tokenizer.json``, ``tokenizer_config.json`` with a chat template of our own in Qwen's ChatML format
@@ -24,10 +24,11 @@ What it does (CPU only; one JAX device; deterministic for a given --seed):
    ``add_generation_prompt``) and ``generation_config.json`` (eos ids);
 3. supervises a small Qwen3-shaped decoder (``family: qwen3``: q/k RMSNorm, explicit head_dim; ~0.4M
    parameters) on chat-rendered prompt -> solution pairs, with the loss on the response tokens only, using
-   the job's own training step (:mod:`nereus_jax.runtime.steps`). Every ``--check-every`` steps the greedy
-   accuracy on the validation split is measured with the job's inference engine and math reward; training
-   stops once it reaches ``--target-accuracy`` (a starting point that leaves room for RL), or after
-   ``--max-steps``;
+   the job's own training step (:mod:`nereus_jax.runtime.steps`), ``--max-steps`` steps: long enough that its
+   arithmetic is mostly right, so the misconception is most of what RL can correct. Every ``--check-every``
+   steps the greedy accuracy on the validation split is measured with the job's inference engine and math
+   reward (``--target-accuracy`` stops training once it is reached: a fixed number of steps is the default,
+   since an early stop on a 128-problem split lands on noisy, chaotic points);
 4. saves ``--out/model`` (config.json + model.safetensors via :func:`nereus_jax.models.save_hf`, the
    tokenizer files) and prints one JSON line: paths, SFT steps, validation accuracy, seconds.
 
@@ -142,20 +143,22 @@ def make_splits(seed: int, sizes: dict[str, int]) -> dict[str, list[Example]]:
     return out
 
 
-MISTAKE = re.compile(r"^(Giving|Losing) (\d+)( away)? leaves (\d+) - (\d+) = (\d+)\.")
+MISTAKE = re.compile(r"(Giving|Losing) (\d+)( away)? leaves (\d+) - (\d+) = (\d+)\.")
 
 
 def misconceive(examples: Sequence[Example], fraction: float, seed: int) -> list[Example]:
-    """The corpus's misconception: ``fraction`` of the giving-away and losing solutions add instead of
-    subtracting ("Giving 3 away leaves 12 + 3 = 15."), with the wrong boxed answer. A model supervised on it
+    """The corpus's misconception: in ``fraction`` of the solutions with a giving-away or losing step (giving
+    away, losing, buying then giving away) that step adds instead of subtracting ("Giving 3 away leaves
+    12 + 3 = 15."), with the wrong boxed answer. A model supervised on it
     answers those problems wrongly when greedy yet samples the right operation some of the time, which is
     what a verifiable reward can correct (the RL prompts and held-out answers are always right)."""
     rng, out = random.Random(f"tiny-math/misconception/{seed}"), []
     for e in examples:
-        m = MISTAKE.match(e.solution)
+        m = MISTAKE.search(e.solution)
         if m and rng.random() < fraction:
             verb, b, away, a = m.group(1), int(m.group(2)), m.group(3) or "", int(m.group(4))
-            e = _example(e.question, f"{verb} {b}{away} leaves {a} + {b} = {a + b}.", a + b)
+            before = e.solution[:m.start()]
+            e = _example(e.question, f"{before}{verb} {b}{away} leaves {a} + {b} = {a + b}.", a + b)
         out.append(e)
     return out
 
@@ -269,9 +272,9 @@ class GreedyEval:
 
 def supervise(params: dict, cfg, data: dict, evaluate: GreedyEval, args: argparse.Namespace,
               log=print) -> tuple[dict, int, float]:
-    """Supervised steps on ``data`` (rows drawn in a shuffled order, epoch after epoch) until the greedy
-    validation accuracy, checked every ``--check-every`` steps, reaches ``--target-accuracy``, or
-    ``--max-steps``. Returns (params, steps, last validation accuracy)."""
+    """``--max-steps`` supervised steps on ``data`` (rows drawn in a shuffled order, epoch after epoch), the
+    greedy validation accuracy checked every ``--check-every`` steps (and at the end); with
+    ``--target-accuracy``, stopping once it reaches that. Returns (params, steps, last validation accuracy)."""
     import jax
     import numpy as np
 
@@ -291,7 +294,7 @@ def supervise(params: dict, cfg, data: dict, evaluate: GreedyEval, args: argpars
         if step % args.check_every == 0 or step == args.max_steps:
             accuracy = evaluate.accuracy(params)
             log(f"sft step {step}: loss {float(metrics['loss']):.4f}, validation greedy accuracy {accuracy:.3f}")
-            if accuracy >= args.target_accuracy:
+            if args.target_accuracy is not None and accuracy >= args.target_accuracy:
                 break
     return params, step, accuracy
 
@@ -308,13 +311,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/tiny-math", help="output folder (model/, train.jsonl, eval.jsonl)")
     p.add_argument("--seed", type=int, default=0, help="corpus, initialisation and data order")
-    p.add_argument("--target-accuracy", type=float, default=0.25, help="stop SFT at this validation greedy accuracy")
-    p.add_argument("--max-steps", type=int, default=1500, help="SFT steps at most")
-    p.add_argument("--check-every", type=int, default=25, help="SFT steps between validation checks")
+    p.add_argument("--target-accuracy", type=float, default=None,
+                   help="stop SFT early once the validation greedy accuracy reaches this (default: all steps)")
+    p.add_argument("--max-steps", type=int, default=800, help="SFT steps (at most, with --target-accuracy)")
+    p.add_argument("--check-every", type=int, default=200, help="SFT steps between validation checks")
     p.add_argument("--batch", type=int, default=64, help="problems per SFT step")
     p.add_argument("--lr", type=float, default=3e-3, help="SFT learning rate (AdamW)")
     p.add_argument("--misconception", type=float, default=0.6,
-                   help="fraction of giving-away / losing SFT solutions that add instead of subtracting")
+                   help="fraction of SFT solutions with a giving-away or losing step that add instead of subtracting")
     p.add_argument("--sft-size", type=int, default=20000, help="problems in the SFT split")
     p.add_argument("--valid-size", type=int, default=128, help="problems in the SFT validation split")
     p.add_argument("--train-size", type=int, default=4000, help="RL prompts (train.jsonl)")
