@@ -4,7 +4,7 @@ small "pretrained" chat model (Qwen3-shaped, BPE tokenizer, ChatML template) and
 from JSONL) raises its held-out greedy pass@1 by at least 0.15 and exports ``RUN_DIR/hf``; transformers'
 greedy generation on that export scores the accuracy our engine scored; ``notebooks/post_train.ipynb`` runs.
 
-    .venv312/bin/python -m pytest tests/test_post_train.py -q              # the learning run + the notebook
+    .venv312/bin/python -m pytest tests/test_post_train.py -q -m long      # the learning run + the notebook
     .venv311/bin/python -m pytest tests/test_post_train.py -q -k hf_parity  # transformers vs our engine
 
 The checkpoint and the RL run are made once per module (subprocesses, the real commands) and shared by the
@@ -79,6 +79,7 @@ def short_run(tmp_path_factory) -> tuple[dict, Path, dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # with the learning test: the full-size checkpoint (800 SFT steps, ~5 min) is theirs alone
 def test_make_pretrained_writes_a_loadable_chat_checkpoint_and_disjoint_prompt_files(pretrained):
     model = Path(pretrained["model"])
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
@@ -96,6 +97,7 @@ def test_make_pretrained_writes_a_loadable_chat_checkpoint_and_disjoint_prompt_f
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~7 min with its checkpoint; CI runs the same commands CI-sized in the transformers parity test
 def test_grpo_on_the_checkpoint_raises_held_out_pass_at_1_and_exports_it(post_trained):
     run_dir, summary = post_trained
     gain = summary["accuracy_after"] - summary["accuracy_before"]
