@@ -14,10 +14,9 @@ squares on relative error over the parameters the measurements exercise, with a 
 previous values; the size terms are fitted only once some model-stage was measured at sizes apart (one size
 cannot tell a slow class from a size effect). The roofline may switch a phase between compute and memory when
 efficiencies move, so the fit repeats a few times and keeps the parameters that predict the measurements
-best (the start included). The fit also keeps a covariance of theta (Bayesian
-linear regression: a prior spread per parameter, the measurements' residual noise), so a prediction comes
-with an uncertainty that is small near what was measured and grows with the distance from it
-(:meth:`CostModel.variance`).
+best (the start included). The fit also keeps a covariance of theta (Bayesian linear regression: a prior
+spread per parameter, the measurements' residual noise), so a prediction comes with an uncertainty that is
+small near what was measured and grows with the distance from it (:meth:`CostModel.variance`).
 
     cm = CostModel("cpu")
     cm.observe([Measurement(cfg, "actor-train", choice, workload, seconds=1.7), ...])
@@ -44,7 +43,7 @@ EFFICIENCY_BOUNDS = (0.01, 2.0)  # a fit outside this range means the measuremen
 PARAMETERS = (*EFFICIENCY_CLASSES, *SIZE_TERMS)
 _G, _A = EFFICIENCY_CLASSES.index("gemm"), EFFICIENCY_CLASSES.index("attention")
 _SIZED = {"gemm_rows": _G, "gemm_width": _G, "attention_keys": _A}  # size term -> the class it slows
-SIZE_SPREAD = 1.5  # size terms are fitted once the measurements' sizes span this ratio
+SIZE_SPREAD = 1.5  # size terms are fitted once one model-stage's measured sizes span this ratio
 # Prior spread of each parameter (Bayesian covariance): a large-call efficiency within ~30% of its start;
 # n_1/2 of the order of a GPU tile (128 rows or columns) or of an attention block sweep (256 keys).
 PRIOR_RELATIVE_SD = 0.3
@@ -207,12 +206,12 @@ class CostModel:
         seconds = np.array([m.seconds for m in items])
         sized = self._spread(items)
         best: tuple[float, dict, dict, set] | None = None
-        for _ in range(rounds + 1):  # the start, then each round's fit: keep the one that predicts best
+        for i in range(rounds + 1):  # the start, then each round's fit: keep the one that predicts best
             rows = np.array([self.features(m.model, m.stage, m.choice, m.workload) for m in items]) / seconds[:, None]
             error = float(np.sqrt(np.mean((rows @ self.theta() - 1.0) ** 2)))
             if best is None or error < best[0]:
                 best = (error, dict(self._eff), dict(self._half), set(self.observed))
-            if _ == rounds:
+            if i == rounds:
                 break
             self._fit(rows, prior_weight, sized)
         _, self._eff, self._half, self.observed = best
