@@ -85,16 +85,16 @@ class Pricing:
         """Predicted step latency of ``plan`` running ``choices`` on ``workload``."""
         return self.step_seconds(self.stage_seconds(choices, workload), plan, overlapped)
 
-    def gain_sd(self, current: Mapping[str, StageChoice], target: Mapping[str, StageChoice],
-                workload: Workload) -> float:
-        """Standard deviation (s/step) of the predicted gain of ``target``'s choices over ``current``'s: the
-        cost model's covariance on the difference of their features (every stage on the step's path; what
-        both run alike cancels)."""
-        diff = self._features(current, workload) - self._features(target, workload)
-        return math.sqrt(max(0.0, self.cost.variance(diff)))
-
-    def _features(self, choices: Mapping[str, StageChoice], workload: Workload):
+    def features(self, choices: Mapping[str, StageChoice], workload: Workload):
+        """The step's coefficients on the cost model's parameters (every stage on the step's path)."""
         return sum(self.cost.features(self.model_for(s), s, c, workload) for s, c in choices.items())
+
+    def gain_sd(self, current_features, target: Mapping[str, StageChoice], workload: Workload) -> float:
+        """Standard deviation (s/step) of the predicted gain of ``target``'s choices over the current plan's
+        (``current_features``: :meth:`features` of its choices, computed once for all candidates): the cost
+        model's covariance on the difference of their features (what both run alike cancels)."""
+        diff = current_features - self.features(target, workload)
+        return math.sqrt(max(0.0, self.cost.variance(diff)))
 
     # ------------------------------------------------------------------------------------- memory
     def placed(self, plan) -> dict[str, tuple[int, ...]]:

@@ -429,7 +429,7 @@ class Adapter:
         with contextlib.suppress(ConfigError):  # the configured layouts on the devices present: a candidate
             plans.append(plan_from_config(self.job.cfg, device_ids=list(obs.devices)))
         try:
-            current = self.pricing.choices(obs.plan, workload)
+            current = self.pricing.features(self.pricing.choices(obs.plan, workload), workload)
         except ValueError:  # the current plan cannot split this batch: nothing to compare a gain against
             current = None
         out: dict[ExecutionPlan, Candidate] = {}

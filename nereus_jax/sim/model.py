@@ -127,7 +127,7 @@ class PlanningModel:
     def plan_fn(self, obs: Observation) -> list[Candidate]:
         wl = self.observed
         out = []
-        current = dict(obs.plan.choices)
+        current = self.pricing.features(dict(obs.plan.choices), wl)
         for p in self.plans(wl, tuple(obs.devices)):
             p = p.aligned_to(obs.plan)
             out.append(Candidate(p, self.predict(p, wl), self.pricing.gain_sd(current, dict(p.choices), wl)))

@@ -205,18 +205,17 @@ class CostModel:
                 raise ValueError(f"measured seconds must be > 0, got {m.seconds} for {m.stage}")
         seconds = np.array([m.seconds for m in items])
         sized = self._spread(items)
-        best: tuple[float, dict, dict, set] | None = None
+        best: tuple[float, dict, dict, set, np.ndarray] | None = None
         for i in range(rounds + 1):  # the start, then each round's fit: keep the one that predicts best
             rows = np.array([self.features(m.model, m.stage, m.choice, m.workload) for m in items]) / seconds[:, None]
             error = float(np.sqrt(np.mean((rows @ self.theta() - 1.0) ** 2)))
             if best is None or error < best[0]:
-                best = (error, dict(self._eff), dict(self._half), set(self.observed))
+                best = (error, dict(self._eff), dict(self._half), set(self.observed), rows)
             if i == rounds:
                 break
             self._fit(rows, prior_weight, sized)
-        _, self._eff, self._half, self.observed = best
-        self._update_cov(np.array([self.features(m.model, m.stage, m.choice, m.workload) for m in items])
-                         / seconds[:, None])
+        _, self._eff, self._half, self.observed, rows = best
+        self._update_cov(rows)
         return self.efficiency
 
     @staticmethod
