@@ -31,8 +31,12 @@ Candidates come from the planner for the pool at hand; each is mapped to the job
 (actor-infer and critic-infer run on the training units, so they are priced with the training stage's
 layout) and priced with the calibrated cost model. A transition's predicted cost is the transition
 graph's makespan on the hardware's links; on shared-compute hardware (cpu) the compile competes with
-the steps for the same cores, so the measured compile time of a plan is added to it (on GPUs the
-compile runs on host cores while the devices step, and is hidden).
+the steps for the same cores (and the interpreter), so the compile a move needs is added to it: the
+first step's measured compile time of each model-stage whose devices or layout change (actor-gen's per
+engine), times the steps' measured loss per compile-second at the last hidden compile
+(``compile_contention``, 1 before one). On GPUs the compile runs on host cores while the devices step,
+and is hidden. Besides the planner's plans, the current plan with one model-stage moved to its place in
+the best plan is a candidate (``partial_moves``): a cheaper transition that may keep most of the gain.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import contextlib
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from nereus_jax.config import ConfigError
@@ -108,6 +112,13 @@ class Adapter:
         self._compiled_last_step = True  # the first step compiles everything
         self._compile_s: float | None = None  # measured compile time of a whole plan
         self._compile_step_s: float | None = None
+        self._compile_stage_seconds: dict[str, float] = {}  # the compiling step's seconds per stage
+        # measured compile seconds per model-stage (its programs, or its engines for actor-gen): a move pays
+        # for the model-stages whose devices or layout change; the others keep their compiled programs
+        self._compile_by_stage: dict[str, float] | None = None
+        # on shared compute: step seconds lost per second of a compile ahead (measured at each hidden compile;
+        # 1 until then: the compile counted whole)
+        self.compile_contention = 1.0
         self._steady_s: collections.deque[float] = collections.deque(maxlen=CALIBRATION_WINDOW)
         # the priced stages' measured seconds per step (since the last plan change), for the efficiency
         # trigger: their median over a few steps, because single steps on a shared host are noisy
@@ -291,6 +302,7 @@ class Adapter:
         t0 = time.perf_counter()
         waited = not pending.future.done()
         prepared: Prepared = pending.future.result()
+        standalone = self._move_compile_s(self.job.plan, pending.target)  # the compile as priced (uncontended)
         if self.before_move is not None:
             self.before_move()
         t1 = time.perf_counter()
@@ -316,11 +328,18 @@ class Adapter:
         self._compiled_last_step = True
         overlapped = pending.step_seconds
         slowdown = statistics.median(overlapped) / pending.steady_s if overlapped and pending.steady_s else None
+        # what the compile cost the steps: their time past the steady step, plus any wait for it at the boundary
+        compile_cost = None
+        if pending.steady_s and not pending.decision.urgent:
+            compile_cost = sum(max(0.0, s - pending.steady_s) for s in overlapped) + (t1 - t0)
+            if standalone > 0 and self.cost.hardware.shared_compute:
+                self.compile_contention = compile_cost / standalone
         event = {"event": "transition", "step": step, "trigger": pending.decision.trigger,
                  "admitted_at_step": pending.step, "pause_s": t3 - t0, "wait_for_compile_s": t1 - t0,
                  "movement_s": moved.movement_s, "switch_s": moved.switch_s, "compile_s": prepared.seconds,
                  "compile_hidden": not waited, "steps_during_compile": len(overlapped),
-                 "step_slowdown_during_compile": slowdown,
+                 "step_slowdown_during_compile": slowdown, "compile_cost_s": compile_cost,
+                 "predicted_compile_s": standalone, "compile_contention": self.compile_contention,
                  "predicted_transition_s": pending.decision.transition_s,
                  "predicted_movement_s": self._movement_s(graph), "plan": _short(pending.target),
                  **{f"{k}_before": v for k, v in self._mismatch.items()}}
@@ -332,7 +351,8 @@ class Adapter:
                  f"{event['switch_s']:.3g} s + waiting for compile {event['wait_for_compile_s']:.3g} s; compile "
                  f"{prepared.seconds:.1f} s "
                  f"{'hidden behind ' + str(len(overlapped)) + ' steps' if not waited else 'NOT hidden'} "
-                 f"(those steps ran {fmt(slowdown)}x the steady step time)")
+                 f"(those steps ran {fmt(slowdown)}x the steady step time; the compile cost the job "
+                 f"{fmt(compile_cost)} s for {standalone:.3g} s of compile priced)")
 
     def _note_mismatch(self, step: int, metrics: dict[str, Any]) -> None:
         """The rollout/train mismatch of the step before a move goes into its transition event; the first
@@ -381,11 +401,16 @@ class Adapter:
                                   pipeline_schedule=job.cfg.trainer.pipeline_schedule)
         if self._compiled_last_step:  # this step compiled its programs: time it, do not calibrate on it
             self._compile_step_s = metrics["step_seconds"]
+            self._compile_stage_seconds = dict(metrics["stage_seconds"])
             self._compiled_last_step = False
             return
         self._steady_s.append(metrics["step_seconds"])
         if self._compile_s is None and self._compile_step_s is not None:
             self._compile_s = max(0.0, self._compile_step_s - statistics.median(self._steady_s))
+            self._compile_by_stage = compile_by_stage(self._compile_stage_seconds, metrics["stage_seconds"],
+                                                      job.plan)
+            if str(ACTOR_GEN) in self._compile_by_stage:  # per engine: each replica compiles its own programs
+                self._compile_by_stage[str(ACTOR_GEN)] /= len(job.plan[ACTOR_GEN].replicas)
         seconds = dict(metrics["stage_seconds"])
         seconds["actor-infer"] = seconds.get("actor-infer", 0.0) + seconds.get("weight-sync", 0.0)  # as priced
         ms = self.pricing.measurements(self.pricing.choices(job.plan, self._workload), self._workload, seconds)
@@ -426,6 +451,8 @@ class Adapter:
         processes, or a configured one that does not fit, is left out."""
         workload = self._workload or Workload.from_config(self.job.cfg)
         plans = [r.plan for r in self._planned(obs, workload)]
+        if plans:
+            plans += partial_moves(obs.plan, plans[0])
         with contextlib.suppress(ConfigError):  # the configured layouts on the devices present: a candidate
             plans.append(plan_from_config(self.job.cfg, device_ids=list(obs.devices)))
         try:
@@ -475,9 +502,24 @@ class Adapter:
             graph = self._graph(source, target)
         except ValueError:
             return None
-        compile_s = self._compile_s or 0.0
-        return Priced(self._movement_s(graph) + (compile_s if self.cost.hardware.shared_compute else 0.0),
-                      target, graph)
+        compile_s = self._move_compile_s(source, target) if self.cost.hardware.shared_compute else 0.0
+        return Priced(self._movement_s(graph) + compile_s * self.compile_contention, target, graph)
+
+    def _move_compile_s(self, source: ExecutionPlan, target: ExecutionPlan) -> float:
+        """Measured compile seconds of what a move to ``target`` compiles (``Job.prepare`` keeps the programs
+        and engines of model-stages whose devices and layout stay): the changed model-stages' share of the
+        first step's compile, actor-gen's per engine (every replica compiles its own); the whole plan's
+        before the per-stage figures exist."""
+        if self._compile_by_stage is None:
+            return self._compile_s or 0.0
+        total = 0.0
+        for ms, sp in target.items():
+            if ms in source and source[ms] == sp:
+                continue
+            per = self._compile_by_stage.get(str(ms), 0.0)
+            total += per * len(sp.replicas) if ms == ACTOR_GEN else per
+        return total
+
 
     def _movement_s(self, graph: TransitionGraph) -> float:
         """The graph's predicted data movement (the simulator prices its moves with the same object)."""
@@ -500,14 +542,42 @@ class Adapter:
         """For checkpoints: the controller's state (references, horizons, pool, efficiency window) and the
         adapter's (pool, calibrated efficiencies, compile time, transitions)."""
         return {**self.controller.state_dict(), "pool": list(self.pool), "efficiency": self.cost.efficiency,
-                "compile_s": self._compile_s, "transitions": self.transitions}
+                "compile_s": self._compile_s, "compile_by_stage": self._compile_by_stage,
+                "compile_contention": self.compile_contention,
+                "half_sizes": dict(self.cost.half_sizes), "transitions": self.transitions}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.controller.load_state_dict(d)
         self.pool = tuple(d["pool"])
-        self.cost = CostModel(self.cost.hardware, d["efficiency"])
+        self.cost = CostModel(self.cost.hardware, d["efficiency"], d.get("half_sizes"))
         self.planner.cost_model = self.pricing.cost = self.cost
         self._compile_s, self.transitions = d["compile_s"], d["transitions"]
+        self._compile_by_stage = d.get("compile_by_stage")
+        self.compile_contention = float(d.get("compile_contention", 1.0))
+
+
+def partial_moves(current: ExecutionPlan, best: ExecutionPlan) -> list[ExecutionPlan]:
+    """The current plan with one model-stage moved to its place in ``best``, for every model-stage that
+    ``best`` moves: cheaper transitions (fewer arrays to move, fewer programs to compile) that may keep
+    most of the gain. Only when the pool is the same (every model-stage of ``current`` is in ``best``)."""
+    if set(current) != set(best):
+        return []
+    return [ExecutionPlan({**current, ms: best[ms]}) for ms in best if best[ms] != current[ms]]
+
+
+def compile_by_stage(compiling: Mapping[str, float], steady: Mapping[str, float],
+                     plan: ExecutionPlan) -> dict[str, float]:
+    """Compile seconds per model-stage of ``plan``: the compiling step's seconds of each timed stage less a
+    steady step's. A scoring stage runs on its role's training (or only) model-stage (``actor-infer`` on
+    ``actor-train``'s programs); stages of no model-stage (the host reward, the weight sync) are left out."""
+    out: dict[str, float] = {}
+    for name, seconds in compiling.items():
+        role, _, kind = name.rpartition("-")
+        owners = [ms for ms in plan if ms.model == role and (ms.stage == kind or (kind != "gen" and ms.stage != "gen"))]
+        if len(owners) == 1:
+            key = str(owners[0])
+            out[key] = out.get(key, 0.0) + max(0.0, seconds - steady.get(name, 0.0))
+    return out
 
 
 def _short(plan: ExecutionPlan) -> str:

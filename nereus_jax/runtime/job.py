@@ -80,11 +80,12 @@ class JobError(ValueError):
 
 @dataclasses.dataclass
 class Prepared:
-    """What :meth:`Job.prepare` built for a target plan: compiled programs and warmed engines."""
+    """What :meth:`Job.prepare` built for a target plan: compiled programs and warmed engines (None: the
+    target keeps actor-gen's devices and layout, so the current engines serve it)."""
 
     plan: ExecutionPlan
     programs: dict[Any, Any]
-    engines: list[Generator]
+    engines: list[Generator | None] | None
     seconds: float
 
 
@@ -212,8 +213,8 @@ class Job:
         _check_rows(plan, self.rows, self.mini_rows)
         programs = {}
         for (kind, ms, *rest), signature in list(self._signatures.items()):
-            if ms not in plan:
-                continue
+            if ms not in plan or (ms in self.plan and plan[ms] == self.plan[ms]):
+                continue  # same devices and layout: the current programs run as they are
             mesh = _plan_mesh(plan[ms], self.devices)
             accum = self._accum(kind, plan[ms].dp)
             mini = self.cfg.trainer.mini_batches if kind == "train" else None
@@ -228,6 +229,8 @@ class Job:
                 fn = _infer_program(spec.model, self.P, rest[0], stage_forward(mesh, spec.kind))
                 params = spec.unflatten(leaves)["params"]
                 programs[self._key("infer", ms, mesh, accum, rest[0])] = fn.lower(params, micro).compile()
+        if plan[ACTOR_GEN] == self.plan[ACTOR_GEN]:  # None: the engines stay (adopt() loads the moved parameters)
+            return Prepared(plan, programs, None, time.perf_counter() - t)
         engines = []
         for replica in plan[ACTOR_GEN].replicas:
             if not is_local(self.devices[replica[0]]):
@@ -268,13 +271,16 @@ class Job:
         programs follow the plan. State moves go through :func:`nereus_jax.runtime.move.move`, which checks
         the plan before moving and adopts after."""
         sync = sync or self.check_plan(plan)
+        same_engines = plan[ACTOR_GEN] == self.plan[ACTOR_GEN]
         self.plan, self.units, self.sync = plan, dict(units), sync
         if prepared is not None and prepared.plan == plan:
             self._programs.update(prepared.programs)
+        if prepared is not None and prepared.plan == plan and prepared.engines is not None:
             self._engines = list(prepared.engines)
-            self._set_engine_params()
-        else:
+        elif not same_engines:
             self._engines = [self._engine(u) for u in self.units[ACTOR_GEN]]
+            return
+        self._set_engine_params()  # warmed engines, or the same ones: load the moved parameters
 
     def load_state(self, units: dict[ModelStage, list[EMU]], version: int) -> None:
         """Replaces the units (laid out in ``self.plan``) and the policy version, e.g. from a checkpoint;

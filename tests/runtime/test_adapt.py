@@ -7,10 +7,12 @@ import pytest
 
 from nereus_jax.config import load_config
 from nereus_jax.elastic.emu import EMU
+from nereus_jax.elastic.plan import ExecutionPlan, ModelStage, StagePlan
 from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
-from nereus_jax.runtime.adapt import Adapter
+from nereus_jax.runtime.adapt import Adapter, compile_by_stage, partial_moves
 from nereus_jax.runtime.job import Job
+from nereus_jax.sharding import Layout
 
 BASE = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=16",
         "rollout.samples_per_prompt=2", "trainer.actor_lr=1e-3", "trainer.critic_lr=1e-3", "logging.progress=false",
@@ -145,3 +147,51 @@ def test_a_device_in_use_leaving_with_no_live_transition_fails_naming_the_restar
             adapter.boundary(1, metrics)
     finally:
         adapter.close()
+
+
+def test_a_move_of_one_model_stage_keeps_the_others_programs_and_engines_and_prices_only_its_compile():
+    """A move that changes ref-infer alone compiles ref-infer's programs only (actor-gen keeps its engines,
+    actor-train its programs) and is priced with ref-infer's measured compile; the step after it generates
+    the tokens and computes the losses of a job that did not move."""
+    moved, still = _job([]), _job([])
+    adapter = Adapter(moved, log=lambda _: None)
+    try:
+        metrics = None
+        for s in range(3):
+            adapter.boundary(s, metrics)
+            metrics = moved.step(s).metrics
+            still.step(s)
+        by_stage = adapter._compile_by_stage
+        assert set(by_stage) == {str(ms) for ms in moved.plan} and all(v > 0 for v in by_stage.values())
+        ref = next(ms for ms in moved.plan if str(ms) == "ref-infer")
+        gen = next(ms for ms in moved.plan if str(ms) == "actor-gen")
+        src = moved.plan[ref]
+        target = ExecutionPlan({**moved.plan, ref: StagePlan(src.layout, src.replicas[:len(src.replicas) // 2])})
+        assert partial_moves(moved.plan, target) == [target]
+        priced = adapter._transition_seconds(moved.plan, target)
+        assert priced.seconds == pytest.approx(adapter._movement_s(priced.move) + by_stage["ref-infer"])
+        engines, programs = list(moved._engines), dict(moved._programs)
+        adapter.request(target, wait=True)
+        prepared = adapter.pending.future.result()
+        assert prepared.engines is None and {key[1] for key in prepared.programs} == {ref}
+        adapter.boundary(3, metrics)
+        assert moved.plan == target and moved._engines == engines and moved.plan[gen] == still.plan[gen]
+        assert all(moved._programs[k] is v for k, v in programs.items() if k[1] != ref)
+        a, b = moved.step(3), still.step(3)
+    finally:
+        adapter.close()
+    np.testing.assert_array_equal(a.batch.response_br, b.batch.response_br)
+    np.testing.assert_array_equal(a.batch.behaviour_logp_br, b.batch.behaviour_logp_br)
+    losses = [k for k in b.metrics if "loss" in k or k == "kl"]
+    assert losses
+    np.testing.assert_allclose([a.metrics[k] for k in losses], [b.metrics[k] for k in losses], rtol=1e-6, atol=1e-7)
+
+
+def test_compile_seconds_go_to_the_model_stage_whose_programs_a_stage_runs():
+    plan = ExecutionPlan({ms: StagePlan(Layout(1, 1), ((0,),)) for ms in
+                          (ModelStage("actor", "gen"), ModelStage("actor", "train"), ModelStage("ref", "infer"))})
+    compiling = {"actor-gen": 5.0, "actor-infer": 1.0, "actor-train": 3.0, "ref-infer": 0.75, "reward": 0.2,
+                 "weight-sync": 0.5}
+    steady = {"actor-gen": 1.0, "actor-infer": 0.5, "actor-train": 1.0, "ref-infer": 1.0, "reward": 0.1,
+              "weight-sync": 0.1}
+    assert compile_by_stage(compiling, steady, plan) == {"actor-gen": 4.0, "actor-train": 2.5, "ref-infer": 0.0}
