@@ -42,7 +42,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from nereus_jax.sharding import device_index, make_mesh
 
-from .emu import EMU, _checksum, shards_by_device, view
+from .emu import EMU, leaves_checksum, shards_by_device, view
 from .factor import common_layout, factor_mesh_devices, sub_replicas
 from .graph import TransitionGraph
 from .ledger import CapExceeded, Ledger
@@ -382,7 +382,7 @@ class _Run:
                 if src.memory != DEVICE:
                     leaves = jax.device_put(leaves, src.spec.shardings(src.mesh, DEVICE)[: spec.n_params])
                 cast = _cast(tuple(leaf.dtype for leaf in spec.leaves))(leaves)
-                ref[ms] = _checksum(cast, src.mesh, src.spec.leaves[: spec.n_params], src.spec.repeat(src.layout))
+                ref[ms] = leaves_checksum(cast, src.mesh, src.spec.leaves[: spec.n_params], src.spec.repeat(src.layout))
             else:
                 ref[ms] = self.live[g.initial[ms][0]].checksum()
         return ref
