@@ -33,7 +33,7 @@ from nereus_jax.config import ConfigError, config_dir, resolve_model
 from nereus_jax.elastic.hardware import HardwareError, get_hardware
 from nereus_jax.elastic.planner import phases_for
 from nereus_jax.elastic.workload import LengthStats, Workload, WorkloadError
-from nereus_jax.rl.algorithms import ALGORITHMS
+from nereus_jax.rl.registry import ALGORITHMS
 
 ROLES = ("actor", "critic", "ref", "reward")
 _TOP = {"name", "description", "hardware", "models", "algorithm", "steps", "workload", "response_length", "pool",
