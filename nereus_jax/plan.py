@@ -20,12 +20,11 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from nereus_jax._typed_tree import ConfigError
-from nereus_jax.config import available_models, resolve_model
+from nereus_jax.config import ConfigError, available_models, resolve_model
 from nereus_jax.elastic.hardware import HARDWARE, HardwareError, get_hardware
 from nereus_jax.elastic.planner import InfeasiblePlanError, Planner, PlanResult
 from nereus_jax.elastic.workload import Workload, WorkloadError
-from nereus_jax.rl.algorithms import ALGORITHMS, algorithm_spec
+from nereus_jax.rl.registry import ALGORITHMS, algorithm_spec
 
 GIB = 2**30
 

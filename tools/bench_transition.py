@@ -152,10 +152,10 @@ def _time_naive(plan_new, specs, units, devices):
     """One device_put of every new replica from the first old replica of its model-stage."""
     import jax
 
-    from nereus_jax.elastic import Ledger
+    from nereus_jax.elastic.measured import measure
     from nereus_jax.sharding import make_mesh
 
-    before = Ledger.measure(x for us in units.values() for u in us for x in u.leaves)
+    before = measure(x for us in units.values() for u in us for x in u.leaves)
     t0 = time.perf_counter()
     out = {}
     for ms, sp in plan_new.items():
@@ -164,9 +164,9 @@ def _time_naive(plan_new, specs, units, devices):
                    for r in sp.replicas]
     jax.block_until_ready(out)
     elapsed = time.perf_counter() - t0
-    peak = Ledger.measure([x for us in units.values() for u in us for x in u.leaves]
-                          + [x for rs in out.values() for r in rs for x in r])
-    after = Ledger.measure(x for rs in out.values() for r in rs for x in r)
+    peak = measure([x for us in units.values() for u in us for x in u.leaves]
+                   + [x for rs in out.values() for r in rs for x in r])
+    after = measure(x for rs in out.values() for r in rs for x in r)
     extra = sum(peak.values()) - max(sum(before.values()), sum(after.values()))
     return elapsed, extra
 

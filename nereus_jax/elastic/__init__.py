@@ -11,7 +11,8 @@ import importlib
 
 _EXPORTS = {
     "plan": ("DEVICE", "HOST", "ExecutionPlan", "ModelStage", "PlanError", "StagePlan"),
-    "spec": ("ByteSpec", "StateSpec", "transition_bytes"),
+    "spec": ("StateSpec", "transition_bytes"),
+    "state_bytes": ("ByteSpec",),
     "emu": ("EMU", "assemble_replicas", "split_replicas"),
     "ledger": ("CapExceeded", "Ledger"),
     "graph": ("TransitionError", "TransitionGraph", "plan_usage"),

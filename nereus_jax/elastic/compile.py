@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from nereus_jax.sharding import Layout
+from nereus_jax.layout import Layout
 
 from .factor import STRIDED, common_layout, mode_options, sub_replicas
 from .plan import DEVICE, HOST, ExecutionPlan, ModelStage, StagePlan

@@ -94,7 +94,7 @@ class EMU:
         leaves = self.leaves
         if self.memory != DEVICE:
             leaves = jax.device_put(leaves, self.spec.shardings(self.mesh, DEVICE))
-        return _checksum(leaves, self.mesh, self.spec.leaves, self.spec.repeat(self.layout))
+        return leaves_checksum(leaves, self.mesh, self.spec.leaves, self.spec.repeat(self.layout))
 
     def __repr__(self) -> str:
         return f"EMU({self.stage} {self.layout} {self.memory} on {list(self.device_ids)})"
@@ -111,7 +111,7 @@ class EMU:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
-def _checksum(leaves: Sequence[jax.Array], mesh: Mesh, meta: Sequence[Any], rep: int) -> np.ndarray:
+def leaves_checksum(leaves: Sequence[jax.Array], mesh: Mesh, meta: Sequence[Any], rep: int) -> np.ndarray:
     """:meth:`EMU.checksum` of ``leaves`` laid out on ``mesh`` as ``meta`` (StateSpec leaves: partition spec
     and kv axis) says, with ``rep`` copies of each kv head. Each device hashes its own block (one program:
     no value is moved or combined before it is hashed, so nothing can be normalised on the way)."""

@@ -42,10 +42,11 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from nereus_jax.sharding import device_index, make_mesh
 
-from .emu import EMU, _checksum, shards_by_device, view
+from .emu import EMU, leaves_checksum, shards_by_device, view
 from .factor import common_layout, factor_mesh_devices, sub_replicas
 from .graph import TransitionGraph
 from .ledger import CapExceeded, Ledger
+from .measured import cross_check, local_usage, measure
 from .plan import DEVICE, ExecutionPlan, ModelStage, StagePlan
 from .steps import DERIVE, DESTROY, MERGE, RELAYOUT, SPLIT, Step, Unit
 
@@ -111,7 +112,7 @@ class TransitionExecutor:
         finally:
             self.ledger, self.trace = run.ledger, run.trace
             self.peak_extra_bytes = max(0, run.ledger.peak_total - run.base)
-            self.memory_check = run.ledger.cross_check(run.devices.values())  # {} on CPU
+            self.memory_check = cross_check(run.ledger, run.devices.values())  # {} on CPU
         return {ms: [run.live[uid] for uid in uids] for ms, uids in graph.final.items()}
 
 
@@ -264,8 +265,8 @@ class _Run:
                     self.live.pop(uid, None)
 
     def check_ledger(self) -> None:
-        measured = Ledger.measure(x for u in self.live.values() for x in u.leaves)
-        booked = Ledger.local({k: n for k, n in self.ledger.used.items() if n})
+        measured = measure(x for u in self.live.values() for x in u.leaves)
+        booked = local_usage({k: n for k, n in self.ledger.used.items() if n})
         assert measured == booked, f"ledger {booked} != live arrays {measured}"
 
     def _across_processes(self, step: Step) -> bool:
@@ -382,7 +383,7 @@ class _Run:
                 if src.memory != DEVICE:
                     leaves = jax.device_put(leaves, src.spec.shardings(src.mesh, DEVICE)[: spec.n_params])
                 cast = _cast(tuple(leaf.dtype for leaf in spec.leaves))(leaves)
-                ref[ms] = _checksum(cast, src.mesh, src.spec.leaves[: spec.n_params], src.spec.repeat(src.layout))
+                ref[ms] = leaves_checksum(cast, src.mesh, src.spec.leaves[: spec.n_params], src.spec.repeat(src.layout))
             else:
                 ref[ms] = self.live[g.initial[ms][0]].checksum()
         return ref
@@ -426,7 +427,7 @@ class _Run:
             plan[ms] = StagePlan(chosen[0].layout, tuple(e.device_ids for e in chosen), chosen[0].memory)
         self.live = {}
         self.ledger = Ledger(self.graph.caps, self.graph.host_cap,
-                             initial=Ledger.measure(x for es in keep.values() for e in es for x in e.leaves))
+                             initial=measure(x for es in keep.values() for e in es for x in e.leaves))
         return keep, ExecutionPlan(plan)
 
 

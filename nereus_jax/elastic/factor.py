@@ -19,7 +19,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from nereus_jax.sharding import Layout
+from nereus_jax.layout import Layout
 
 T = TypeVar("T")
 STRIDED, BLOCKED = "strided", "blocked"

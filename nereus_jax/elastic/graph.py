@@ -21,7 +21,7 @@ import gc
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from nereus_jax.sharding import LayoutError
+from nereus_jax.layout import LayoutError
 
 from .compile import compile_stage
 from .ledger import Ledger, describe_key, fmt_bytes, key

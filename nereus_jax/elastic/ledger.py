@@ -3,8 +3,8 @@
 CPU devices report no memory statistics, so the transition machinery keeps its own account: a key per
 device memory (the device id ``d``) and per pinned host memory beside a device (``~d``, i.e. ``-d - 1``).
 Caps bound each device's memory (``ClusterConfig.device_memory_bytes``) and, optionally, all pinned host
-memory together. The ledger tracks peaks per key and of the device total. On GPU, :meth:`cross_check`
-compares it with ``device.memory_stats()``.
+memory together. The ledger tracks peaks per key and of the device total. It imports no JAX: what arrays
+really hold, and on GPU ``device.memory_stats()``, are read by ``elastic.measured``.
 
     ledger = Ledger(caps=2 * 2**30)
     ledger.acquire({0: n, 1: n}, "extend actor-gen")   # raises CapExceeded naming device and bytes short
@@ -14,13 +14,9 @@ compares it with ``device.memory_stats()``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
-
-import jax
-import numpy as np
+from collections.abc import Mapping
 
 from nereus_jax.config import ClusterConfig
-from nereus_jax.sharding import device_index, is_local
 
 from .plan import DEVICE
 
@@ -119,49 +115,6 @@ class Ledger:
 
     def max_peak(self) -> int:
         return max((n for k, n in self.peak.items() if k >= 0), default=0)
-
-    # ------------------------------------------------------------------------------ measured truth
-    @staticmethod
-    def measure(arrays: Iterable[jax.Array]) -> dict[int, int]:
-        """Bytes per key actually held by ``arrays`` (each buffer counted once, however many arrays share it).
-        With several processes: this process's devices only (see :meth:`local`)."""
-        seen: set[tuple[int, int]] = set()
-        out: dict[int, int] = {}
-        for x in arrays:
-            memory = x.sharding.memory_kind or DEVICE
-            for shard in x.addressable_shards:
-                buf = shard.data
-                d = device_index(shard.device)
-                try:
-                    ident = (d, buf.unsafe_buffer_pointer())
-                except Exception:  # memory kinds without raw pointers: count per array
-                    ident = (d, id(buf))
-                if ident in seen:
-                    continue
-                seen.add(ident)
-                k = key(d, memory)
-                out[k] = out.get(k, 0) + math.prod(buf.shape) * np.dtype(buf.dtype).itemsize
-        return out
-
-    @staticmethod
-    def local(usage: Mapping[int, int]) -> dict[int, int]:
-        """The entries of ``usage`` that are this process's devices (or their pinned host memory)."""
-        devices = jax.devices()
-        return {k: n for k, n in usage.items() if is_local(devices[k if k >= 0 else ~k])}
-
-    def cross_check(self, devices: Iterable[jax.Device]) -> dict[int, tuple[int, int]]:
-        """device id -> (ledger bytes, bytes_in_use from memory_stats) where the device reports stats
-        (GPU, TPU); CPU devices report none and are skipped. The difference is what the ledger does not
-        account for (compiled workspaces, caches, arrays outside the transition)."""
-        out = {}
-        for d in devices:
-            if not is_local(d):  # another process's device: its process checks it
-                continue
-            stats = d.memory_stats()
-            if stats and "bytes_in_use" in stats:
-                i = device_index(d)
-                out[i] = (self.used.get(i, 0), int(stats["bytes_in_use"]))
-        return out
 
     def __repr__(self) -> str:
         rows = ", ".join(f"{describe_key(k)}: {fmt_bytes(n)}" for k, n in sorted(self.used.items()) if n)

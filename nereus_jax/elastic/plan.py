@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 
-from nereus_jax.sharding import Layout
+from nereus_jax.layout import Layout
 
 DEVICE = "device"
 HOST = "pinned_host"

@@ -3,11 +3,11 @@ bytes per device, and how to convert between layouts that store kv heads a diffe
 
 The state of a replica is a flat list of leaves: the parameters (in ``jax.tree`` order), then the
 optimizer state for training stages (optax, laid out like the parameters; its scalars replicated).
-Everything here comes from the parameter tree and ``nereus_jax.sharding``; nothing allocates.
+Everything here comes from the parameter tree and ``nereus_jax.sharding``; nothing allocates. The same contract
+from a byte count alone, for simulations, is ``elastic.state_bytes.ByteSpec``.
 
     spec = StateSpec(model_cfg, "train", optimizer=optax.adamw(1e-5))
     spec.bytes_per_device(Layout(tp=2))     # what one device of a tp=2 replica holds
-    ByteSpec(16 * 2**30)                    # the same contract from a byte count, for simulations
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,29 +29,6 @@ from nereus_jax.models import abstract_params, param_axes
 from nereus_jax.sharding import Layout, check_layout, kv_repeat, logical_to_spec, make_mesh, stored_shapes
 
 from .plan import DEVICE, ExecutionPlan
-
-
-class StateBytes(Protocol):
-    """What the transition graph needs to know about a model-stage's state."""
-
-    def bytes_per_device(self, layout: Layout) -> int: ...
-
-    def check(self, layout: Layout) -> None: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class ByteSpec:
-    """A replica's state as byte counts only (simulations): ``sharded_bytes`` split evenly over the
-    replica's tp * pp devices, ``replicated_bytes`` held by every device."""
-
-    sharded_bytes: int
-    replicated_bytes: int = 0
-
-    def bytes_per_device(self, layout: Layout) -> int:
-        return self.replicated_bytes + -(-self.sharded_bytes // layout.size)
-
-    def check(self, layout: Layout) -> None:
-        return None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from nereus_jax.sharding import Layout
+from nereus_jax.layout import Layout
 
 from .ledger import key
 from .plan import DEVICE, HOST, ModelStage

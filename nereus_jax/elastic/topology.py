@@ -33,6 +33,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from nereus_jax.rl.registry import algorithm_spec
+
 SKIPPABLE = ("ref-infer", "reward-infer")  # a KL-free loss needs no reference; a verifiable reward no model
 RIDERS = (("actor-infer", "actor-train"), ("critic-infer", "critic-train"))  # the job's rider -> host
 
@@ -182,9 +184,7 @@ def _check_skip(skip: Sequence[str]) -> None:
 
 
 def uses_critic(algorithm: str) -> bool:
-    """Whether ``algorithm`` trains a critic (the registry lives with the losses, so it imports JAX)."""
-    from nereus_jax.rl.algorithms import algorithm_spec
-
+    """Whether ``algorithm`` trains a critic."""
     return algorithm_spec(algorithm).uses_critic
 
 

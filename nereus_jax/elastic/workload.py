@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from nereus_jax.config import PIPELINE_SCHEDULES
+from nereus_jax.rl.registry import algorithm_spec
 
 
 class WorkloadError(ValueError):
@@ -152,8 +153,6 @@ class Workload:
     @classmethod
     def from_config(cls, config) -> Workload:
         """The worst case a job config allows: every prompt and response at its configured maximum."""
-        from nereus_jax.rl.algorithms import algorithm_spec  # the registry says which algorithms need it
-
         greedy = algorithm_spec(config.algorithm.name).needs_greedy_baseline
         return cls.fixed(config.trainer.prompts_per_step, config.rollout.max_prompt_length,
                          config.rollout.max_response_length, config.rollout.samples_per_prompt, greedy,

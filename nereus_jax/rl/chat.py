@@ -24,7 +24,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from nereus_jax.rl.tokenizer import TokenizerError
+from nereus_jax.rl.errors import TokenizerError
 
 # Names a message's reasoning goes by; templates read the first (transformers fills it from the others).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")

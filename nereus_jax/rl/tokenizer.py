@@ -14,6 +14,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from nereus_jax.rl.errors import TokenizerError
+
 CHARS = "0123456789+-*/=()<>[],.:;?! abcdefghijklmnopqrstuvwxyz"
 
 # The named special tokens transformers knows and hands to a chat template.
@@ -21,10 +23,6 @@ SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
 
 Message = Mapping[str, Any]
 Prompt = str | Sequence[Message]
-
-
-class TokenizerError(ValueError):
-    """A tokenizer, special token, chat template or prompt that cannot be used; the message says what to change."""
 
 
 class Tokenizer(Protocol):

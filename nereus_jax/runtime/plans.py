@@ -17,8 +17,8 @@ from nereus_jax.elastic.hardware import get_hardware
 from nereus_jax.elastic.plan import ExecutionPlan, ModelStage, StagePlan
 from nereus_jax.elastic.pricing import Pricing
 from nereus_jax.elastic.topology import Batching, Topology
-from nereus_jax.rl.algorithms import algorithm_spec
-from nereus_jax.sharding import Layout
+from nereus_jax.layout import Layout
+from nereus_jax.rl.registry import algorithm_spec
 
 ACTOR_GEN = ModelStage("actor", "gen")
 ACTOR_TRAIN = ModelStage("actor", "train")

@@ -201,7 +201,7 @@ def _run(cfg: Config, run_dir: str, inputs: Inputs, report: RunReport, started: 
             report.log("model.hf_path is given: the supervised warm start (for the random tiny model) is skipped")
         warm, hit, sft_s = inputs.actor, False, 0.0
     else:
-        warm, hit, sft_s = (None, False, 0.0) if resume else _warm_start(cfg, task, tok, cache_dir, report)
+        warm, hit, sft_s = (None, False, 0.0) if resume else warm_start(cfg, task, tok, cache_dir, report)
     job, first, meta = _start_job(cfg, inputs, warm, report)
     report.open()  # the inputs are checked and the job is built: only now does the run directory appear
     report.log(f"plan:\n{job.plan}")
@@ -346,12 +346,15 @@ def rl_steps(job: Job, adapter: Adapter, steps: int, first: int = 0,
         step += 1
 
 
-def _warm_start(cfg: Config, task, tok, cache_dir: str, report: RunReport):
+def warm_start(cfg: Config, task, tok, cache_dir: str, report: RunReport):
+    """The actor's starting parameters as host arrays, whether they came from the cache, and the seconds it
+    took: initialised from ``trainer.seed``, then, with ``trainer.warmup_sft_steps``, trained by the supervised
+    warm start (cached under ``cache_dir``)."""
     params = init_params(cfg.model, seed=cfg.trainer.seed)
     if not cfg.trainer.warmup_sft_steps:
         return params, False, 0.0
     t = time.perf_counter()
-    mesh, sharded = _sft_mesh(cfg, params)
+    mesh, sharded = sft_mesh(cfg, params)
     target = cfg.trainer.warmup_target_accuracy
     until = f", stopping at validation accuracy {target}" if target else ""
     report.log(f"warm start: up to {cfg.trainer.warmup_sft_steps} supervised steps{until} (cache: {cache_dir})")
@@ -364,7 +367,7 @@ def _warm_start(cfg: Config, task, tok, cache_dir: str, report: RunReport):
     return host, hit, seconds
 
 
-def _sft_mesh(cfg: Config, params: dict):
+def sft_mesh(cfg: Config, params: dict):
     """Supervised steps data-parallel over the devices that divide the SFT batch."""
     n = cfg.cluster.num_devices
     dp = max(d for d in range(1, n + 1) if n % d == 0 and cfg.trainer.sft_batch % d == 0)
@@ -374,7 +377,7 @@ def _sft_mesh(cfg: Config, params: dict):
 
 def _sft_control(cfg: Config, task, tok, job: Job, warm: dict, seconds: float, held_out) -> float:
     """What continuing the supervised phase for the RL phase's wall time reaches (information only)."""
-    mesh, sharded = _sft_mesh(cfg, warm)
+    mesh, sharded = sft_mesh(cfg, warm)
     params = run_sft(sharded, cfg, task, tok, mesh, max_seconds=seconds,
                      first_index=SFT_INDEX_OFFSET + cfg.trainer.warmup_sft_steps * cfg.trainer.sft_batch)
     from nereus_jax.sharding import gather_params

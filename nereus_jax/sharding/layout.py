@@ -19,7 +19,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -29,35 +28,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nereus_jax.config import ModelConfig
+from nereus_jax.layout import Layout, LayoutError
 from nereus_jax.models.decoder import abstract_params, param_axes
 from nereus_jax.models.layers import activation_constraints
 from nereus_jax.sharding.rules import MESH_AXES, rules_for
 
 _KV_PARAMS = {"wk": 2, "wv": 2, "bk": 1, "bv": 1}  # parameter name -> its kv_heads axis
-
-
-class LayoutError(ValueError):
-    """A layout that cannot hold a model (a dimension it cannot divide, or too few devices)."""
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class Layout:
-    """One replica's shape: tensor-parallel degree ``tp`` times pipeline degree ``pp``."""
-
-    tp: int = 1
-    pp: int = 1
-
-    def __post_init__(self):
-        if self.tp < 1 or self.pp < 1:
-            raise LayoutError(f"Layout(tp={self.tp}, pp={self.pp}): degrees must be >= 1")
-
-    @property
-    def size(self) -> int:
-        return self.tp * self.pp
-
-    def __str__(self) -> str:
-        return f"tp{self.tp}xpp{self.pp}"
-
 
 _POSITIONS: dict[jax.Device, int] = {}
 

@@ -54,12 +54,12 @@ from collections.abc import Mapping, Sequence
 from nereus_jax.config import ModelConfig
 from nereus_jax.elastic.costs import CostModel, counts
 from nereus_jax.elastic.workload import Workload
-from nereus_jax.sim.model import PlanningModel, _pinned
+from nereus_jax.sim.model import PlanningModel, bucket_workload, pinned_options
 from nereus_jax.sim.plans import SimPlan
+from nereus_jax.sim.records import PolicyRun, StepRecord
 
 GEN = "actor-gen"
 TRAIN = "actor-train"
-ASYNC_POLICIES = ("async_fixed", "async_nereus")  # async_oracle: see async_oracle()
 IN_FLIGHT_AHEAD = 2  # the batch generated in an interval is two past the last observed (that interval trains one)
 
 
@@ -115,7 +115,7 @@ class AsyncPlanningModel(PlanningModel):
     def _solve(self, cm: CostModel, wl: Batches, pool: tuple[int, ...]) -> tuple[SimPlan, ...] | None:
         planner = self.planner(cm)
         results = planner.split(self.models, self.algorithm, wl.gen, wl.train, pool, self.topology,
-                                options=lambda problem: _pinned(problem.options(), self.layouts))
+                                options=lambda problem: pinned_options(problem.options(), self.layouts))
         found = [SimPlan.of(r, self.topology, overlapped=True) for r in results]
         found.sort(key=lambda p: self.predict_with(cm, p, wl))
         return tuple(found[:4]) or self._colocated(cm, wl.train, pool)
@@ -167,8 +167,6 @@ def async_oracle(sim, others: Sequence = ()):
     over whether the step's batch is already generated prices pipeline fills exactly: an overlapped plan pays a
     fill unless the previous step's plan was overlapped; a colocated plan after an overlapped one skips
     generation. A lower bound of every run in ``others`` (whose plans are candidates) and of the sync oracle."""
-    from nereus_jax.sim.simulation import PolicyRun, StepRecord  # noqa: PLC0415 - simulation imports this module
-
     models = oracle_models(sim)
     best: dict[bool, tuple[float, tuple]] = {False: (0.0, ())}  # batch ``step`` generated? -> (total, records)
     for step in range(sim.trace.steps):
@@ -197,12 +195,11 @@ def oracle_candidates(sim, step: int, others: Sequence = (), models=None) -> lis
     trains ``step`` and generates ``step + 1``) and the synchronous planner's, both under the truth's
     efficiencies, plus every plan a run of ``others`` ran there; those that fit the pool and true memory, in a
     fixed order (ties resolve the same every run)."""
-    from nereus_jax.sim.simulation import _bucket  # noqa: PLC0415 - simulation imports this module
-
     amodel, smodel = models or oracle_models(sim)
     wl, pool = sim.trace.workload(step), sim.trace.pool(step)
     ahead = sim.trace.workload(min(step + 1, sim.trace.steps - 1))
-    picks = {*amodel.plans(Batches(_bucket(wl), _bucket(ahead)), pool), *smodel.plans(_bucket(wl), pool),
+    picks = {*amodel.plans(Batches(bucket_workload(wl), bucket_workload(ahead)), pool),
+             *smodel.plans(bucket_workload(wl), pool),
              *(r.records[step].plan for r in others)}
     return sorted((p for p in picks if p is not None and set(p.devices) <= set(pool)
                    and sim.step_peak(p, step) <= sim.hw.memory_bytes), key=lambda p: (p.describe(), str(p.plan)))

@@ -26,7 +26,7 @@ from nereus_jax.elastic.hardware import Hardware
 from nereus_jax.elastic.planner import GAP, MAX_NODES, InfeasiblePlanError, Planner
 from nereus_jax.elastic.pricing import CALIBRATION_WINDOW, Pricing
 from nereus_jax.elastic.topology import Topology
-from nereus_jax.elastic.workload import Workload
+from nereus_jax.elastic.workload import LengthStats, Workload
 from nereus_jax.sim.plans import SimPlan, build_graph
 
 # The transition setup (communicators, programs) the cost model does not price: a conservative prior until
@@ -35,6 +35,7 @@ SETUP_PRIOR_S = 10.0
 SETUP_EMA = 0.5
 SKIP_ERROR = 0.05  # no refit while every stage of a settled plan is predicted within 5% (noise level)
 EFFICIENCY_GRID = 0.02  # the planner sees efficiencies rounded to 2% steps (log scale): a cacheable snapshot
+BUCKET = 0.02  # the oracle plans for response lengths rounded to a 2% log grid (then prices the exact step)
 
 Layouts = tuple[tuple[str, int, int], ...]
 
@@ -106,7 +107,7 @@ class PlanningModel:
             problem = planner.problem(self.models, self.algorithm, wl, pool, topology=self.topology)
         except InfeasiblePlanError:
             return None
-        opts = _pinned(problem.options(), self.layouts)
+        opts = pinned_options(problem.options(), self.layouts)
         result = planner.solve(problem, opts)
         if result is None and problem.concurrent:
             result = planner.solve(dataclasses.replace(problem, allow_concurrency=False), opts)
@@ -199,7 +200,7 @@ def plan_peak_memory(plan: SimPlan, wl: Workload, stage_bytes) -> float:
     return max(plan.topology.device_bytes(plan.plan, lambda s: tuple(stage_bytes(s, choices[s]))).values())
 
 
-def _pinned(opts: Mapping[str, StageOptions], layouts: Layouts | None) -> dict[str, StageOptions]:
+def pinned_options(opts: Mapping[str, StageOptions], layouts: Layouts | None) -> dict[str, StageOptions]:
     """Each model-stage's options restricted to its pinned (tp, pp) (all of them when not pinned)."""
     if layouts is None:
         return dict(opts)
@@ -210,3 +211,17 @@ def _pinned(opts: Mapping[str, StageOptions], layouts: Layouts | None) -> dict[s
         m = (o.raw[:, 0] == tp) & (o.raw[:, 1] == pp)
         out[s] = o.masked(m)
     return out
+
+
+def bucket_workload(wl: Workload) -> Workload:
+    """``wl`` with its response lengths rounded to the :data:`BUCKET` log grid: what the oracles plan for (nearby
+    steps share a planner call), before they price the exact step."""
+    step = math.log1p(BUCKET)
+    r = wl.response_length
+
+    def snap(x: float) -> float:
+        return math.exp(round(math.log(x) / step) * step)
+
+    mean, p95 = snap(r.mean), snap(r.p95)
+    top = max(int(math.ceil(snap(r.max))), int(math.ceil(p95)))
+    return wl.with_response_length(LengthStats(min(mean, p95), p95, top))

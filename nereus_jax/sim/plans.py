@@ -18,7 +18,7 @@ from nereus_jax.elastic.graph import TransitionError, TransitionGraph
 from nereus_jax.elastic.plan import ExecutionPlan, ModelStage
 from nereus_jax.elastic.planner import PlanResult
 from nereus_jax.elastic.schedule import Infeasible
-from nereus_jax.elastic.spec import ByteSpec
+from nereus_jax.elastic.state_bytes import ByteSpec
 from nereus_jax.elastic.topology import Topology, critical_path
 
 

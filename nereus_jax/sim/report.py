@@ -8,7 +8,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from nereus_jax.sim.simulation import PolicyRun, Simulation
+from nereus_jax.sim.records import PolicyRun
+from nereus_jax.sim.simulation import Simulation
 
 SIMULATED = "SIMULATED"
 

@@ -37,9 +37,6 @@ import re
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-
-import numpy as np
 
 from nereus_jax.config import resolve_model
 from nereus_jax.elastic.controller import Controller, Decision, Observation
@@ -47,85 +44,21 @@ from nereus_jax.elastic.costs import CostModel
 from nereus_jax.elastic.graph import TransitionGraph, transition_seconds
 from nereus_jax.elastic.hardware import get_hardware
 from nereus_jax.elastic.topology import Topology
-from nereus_jax.elastic.workload import LengthStats, Workload
-from nereus_jax.sim.asynchronous import ASYNC_POLICIES, AsyncPlanningModel, async_oracle, interval_seconds
-from nereus_jax.sim.model import Layouts, PlanningModel, SharedCaches, plan_peak_memory
+from nereus_jax.elastic.workload import Workload
+from nereus_jax.sim.asynchronous import AsyncPlanningModel, async_oracle, interval_seconds
+from nereus_jax.sim.model import Layouts, PlanningModel, SharedCaches, bucket_workload, plan_peak_memory
 from nereus_jax.sim.plans import SimPlan, changed_stages, state_specs
+from nereus_jax.sim.records import ASYNC_POLICIES, PolicyRun, StepRecord
 from nereus_jax.sim.trace import Trace
 from nereus_jax.sim.truth import GroundTruth, TruthSettings
 
 POLICIES = ("fixed", "fixed_best", "every_3", "no_admission", "nereus", "oracle")
 OOM_WASTE = 0.5  # estimate: an out-of-memory step fails on average halfway through
 FIXED_BEST_CANDIDATES = 8
-BUCKET = 0.02  # the oracle plans for response lengths rounded to a 2% log grid (then prices the exact step)
 
 
 class PolicyError(ValueError):
     """An unknown policy name (the message lists the valid ones)."""
-
-
-@dataclass
-class StepRecord:
-    step: int
-    pool: int
-    latency_s: float            # ground-truth step latency (noise and stragglers included)
-    transition_s: float = 0.0   # ground-truth transition time at this step's boundary
-    wasted_s: float = 0.0       # out-of-memory attempts and checkpoint/restarts
-    fill_s: float = 0.0         # async, first step: generating batch 0 before the pipeline overlaps
-    oom: int = 0
-    decision_ms: float = 0.0    # the controller's own time at this boundary
-    plan: SimPlan | None = None
-    events: list[str] = field(default_factory=list)
-    predicted_s: float | None = None  # the policy's cost model's prediction for this step (before it ran)
-
-
-@dataclass
-class PolicyRun:
-    name: str
-    records: list[StepRecord]
-    decisions: list[Decision] = field(default_factory=list)
-    notes: dict = field(default_factory=dict)
-
-    @property
-    def total_s(self) -> float:
-        return sum(r.latency_s + r.transition_s + r.wasted_s + r.fill_s for r in self.records)
-
-    def transfer_errors(self) -> list[float]:
-        """The cost model's error on each move: the first step after a transition, its measured latency
-        against the latency the policy predicted for it before it ran (relative to the measured)."""
-        return [abs(r.predicted_s - r.latency_s) / r.latency_s for r in self.records
-                if r.predicted_s is not None and r.latency_s > 0 and any("transition" in e for e in r.events)]
-
-    def summary(self) -> dict:
-        recs = self.records
-        transition_s = sum(r.transition_s for r in recs)
-        total = self.total_s
-        layout_changes = sum(e == "transition layout" for r in recs for e in r.events)
-        decision = [r.decision_ms for r in recs[1:]] or [0.0]
-        out = {
-            "mean_step_s": total / len(recs),
-            "mean_compute_step_s": sum(r.latency_s for r in recs) / len(recs),
-            "transitions": sum("transition" in e for r in recs for e in r.events),
-            "layout_transitions": layout_changes,
-            "transition_s": transition_s,
-            "overhead_fraction": transition_s / total if total else 0.0,
-            "oom_events": sum(r.oom for r in recs),
-            "restarts": sum("restart" in e for r in recs for e in r.events),
-            "forced_relayouts": sum("forced relayout" in e for r in recs for e in r.events),
-            "total_s": total,
-            "decision_ms_mean": sum(decision) / len(decision),
-            "decision_ms_max": max(decision),
-            "transition_steps": [r.step for r in recs if any("transition" in e for e in r.events)],
-        }
-        errors = self.transfer_errors()
-        if errors:
-            out["transfer_error_median"] = float(np.median(errors))
-            out["transfer_error_max"] = max(errors)
-        if any(r.plan is not None and r.plan.overlapped for r in recs) or self.name in ASYNC_POLICIES:
-            out["sync_fallback_steps"] = sum(r.plan is not None and not r.plan.overlapped for r in recs)
-            out["fill_s"] = sum(r.fill_s for r in recs)
-        out.update(self.notes)
-        return out
 
 
 class Simulation:
@@ -360,7 +293,8 @@ class Simulation:
 
     def _oracle_picks(self) -> list[tuple[SimPlan, ...]]:
         model = self.oracle_model()
-        return [model.plans(_bucket(self.trace.workload(s)), self.trace.pool(s)) for s in range(self.trace.steps)]
+        return [model.plans(bucket_workload(self.trace.workload(s)), self.trace.pool(s))
+                for s in range(self.trace.steps)]
 
     def _oracle(self, picks, others: Sequence[PolicyRun]) -> PolicyRun:
         run = PolicyRun("oracle", [])
@@ -411,18 +345,6 @@ def check_policy(name: str) -> None:
     if name not in POLICIES + ASYNC_POLICIES + ("async_oracle",) and not re.fullmatch(r"every_[1-9]\d*", name):
         raise PolicyError(f"unknown policy '{name}'; valid: {', '.join(POLICIES + ASYNC_POLICIES)}, async_oracle "
                           "(every_K for any K >= 1)")
-
-
-def _bucket(wl: Workload) -> Workload:
-    step = math.log1p(BUCKET)
-    r = wl.response_length
-
-    def snap(x: float) -> float:
-        return math.exp(round(math.log(x) / step) * step)
-
-    mean, p95 = snap(r.mean), snap(r.p95)
-    top = max(int(math.ceil(snap(r.max))), int(math.ceil(p95)))
-    return wl.with_response_length(LengthStats(min(mean, p95), p95, top))
 
 
 def _layout_text(layouts: Layouts | None) -> str:

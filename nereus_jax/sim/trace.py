@@ -28,12 +28,12 @@ from typing import Any
 import numpy as np
 import yaml
 
-from nereus_jax._typed_tree import ConfigError, parse_yaml, show
-from nereus_jax.config import config_dir, resolve_model
+from nereus_jax._typed_tree import parse_yaml, show
+from nereus_jax.config import ConfigError, config_dir, resolve_model
 from nereus_jax.elastic.hardware import HardwareError, get_hardware
 from nereus_jax.elastic.planner import phases_for
 from nereus_jax.elastic.workload import LengthStats, Workload, WorkloadError
-from nereus_jax.rl.algorithms import ALGORITHMS
+from nereus_jax.rl.registry import ALGORITHMS
 
 ROLES = ("actor", "critic", "ref", "reward")
 _TOP = {"name", "description", "hardware", "models", "algorithm", "steps", "workload", "response_length", "pool",

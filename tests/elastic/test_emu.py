@@ -9,7 +9,8 @@ import optax
 import pytest
 from elastic_helpers import ACTOR_TRAIN, REF, TINY, assert_state
 
-from nereus_jax.elastic import EMU, Ledger, assemble_replicas, split_replicas
+from nereus_jax.elastic import EMU, assemble_replicas, split_replicas
+from nereus_jax.elastic.measured import measure
 from nereus_jax.models import forward
 from nereus_jax.sharding import Layout, activation_sharding
 
@@ -47,7 +48,7 @@ def test_dp_replicas_train_as_one_spmd_program_assembled_and_split_without_copie
     assert mesh.axis_names == ("dp", "pp", "tp") and mesh.devices.shape == (2, 1, 2)
     pointers = lambda xs: {s.data.unsafe_buffer_pointer() for x in xs for s in x.addressable_shards}  # noqa: E731
     assert pointers(leaves) == pointers(u.leaves[i] for u in units for i in range(len(leaves)))
-    assert Ledger.measure(leaves + [x for u in units for x in u.leaves]) == Ledger.measure(leaves)
+    assert measure(leaves + [x for u in units for x in u.leaves]) == measure(leaves)
 
     tokens = np.asarray(jax.random.randint(jax.random.key(0), (4, 9), 0, TINY.vocab_size))
 

@@ -17,7 +17,7 @@ def warm(tmp_path_factory):
     """A warm-started actor (150 supervised steps of the tiny job), so RL steps have real reward signal: with
     none, the update is float noise that advantage whitening and Adam scale up, and nothing is compared.
     Cached in BASETEMP/warm-cache, where subprocess tests (test_faults) find it too."""
-    from nereus_jax.runtime.run import _warm_start
+    from nereus_jax.runtime.run import warm_start
 
     cfg = load_config(None, TINY_JOB + ["trainer.warmup_sft_steps=150"])
 
@@ -26,4 +26,4 @@ def warm(tmp_path_factory):
             pass
 
     cache = str(tmp_path_factory.getbasetemp() / "warm-cache")
-    return _warm_start(cfg, make_task(cfg.task), CharTokenizer(), cache, _Quiet())[0]
+    return warm_start(cfg, make_task(cfg.task), CharTokenizer(), cache, _Quiet())[0]

@@ -51,7 +51,7 @@ CHILD = textwrap.dedent("""
     from nereus_jax.rl.tokenizer import CharTokenizer
     from nereus_jax.runtime.checkpoint import Checkpointer
     from nereus_jax.runtime.job import Job
-    from nereus_jax.runtime.run import _sft_mesh
+    from nereus_jax.runtime.run import sft_mesh
     from nereus_jax.runtime.warmstart import run_sft
     from nereus_jax.sharding import gather_params
     out, base = sys.argv[1], sys.argv[2:]
@@ -66,8 +66,8 @@ CHILD = textwrap.dedent("""
     # 2. supervised steps, data-parallel over the 8 devices of both processes (gradients all-reduced by gloo)
     cfg = load_config(None, base)
     task, tok = make_task(cfg.task), CharTokenizer()
-    sft_mesh, sharded = _sft_mesh(cfg, init_params(cfg.model, seed=cfg.trainer.seed))
-    trained = gather_params(run_sft(sharded, cfg, task, tok, sft_mesh), cfg.model)
+    mesh_sft, sharded = sft_mesh(cfg, init_params(cfg.model, seed=cfg.trainer.seed))
+    trained = gather_params(run_sft(sharded, cfg, task, tok, mesh_sft), cfg.model)
     if me == 0:
         np.savez(os.path.join(out, "sft.npz"), *jax.tree.leaves(trained))
     # 3. the job's state on the 8 devices of both processes, checkpointed by both together
@@ -191,12 +191,12 @@ def test_data_parallel_training_across_processes_matches_one_process(two_process
     same bound as the cross-plan resume tests); measured here: one of 32768 elements off by 1.3e-6."""
     out, _ = two_processes
     from nereus_jax.models import init_params
-    from nereus_jax.runtime.run import _sft_mesh
+    from nereus_jax.runtime.run import sft_mesh
     from nereus_jax.runtime.warmstart import run_sft
     from nereus_jax.sharding import gather_params
 
     cfg = load_config(None, BASE)
-    mesh, sharded = _sft_mesh(cfg, init_params(cfg.model, seed=cfg.trainer.seed))
+    mesh, sharded = sft_mesh(cfg, init_params(cfg.model, seed=cfg.trainer.seed))
     assert mesh.shape["dp"] == 8
     want = gather_params(run_sft(sharded, cfg, make_task(cfg.task), CharTokenizer(), mesh), cfg.model)
     got = np.load(out / "sft.npz")

@@ -122,7 +122,7 @@ def warm4(tmp_path_factory):
     one), so pp = 4 divides its layers and every layer has a real gradient from the first step. Trained over
     4 devices: over 8, this model's supervised steps hang in a CPU collective under jax 0.10.2 (with or
     without the pipeline code)."""
-    from nereus_jax.runtime.run import _warm_start
+    from nereus_jax.runtime.run import warm_start
 
     cfg = load_config(None, TINY_JOB + ["model.num_layers=4", "trainer.warmup_sft_steps=150", "cluster.num_devices=4"])
 
@@ -131,7 +131,7 @@ def warm4(tmp_path_factory):
             pass
 
     cache = str(tmp_path_factory.getbasetemp() / "warm4-cache")
-    return jax.tree.map(np.asarray, _warm_start(cfg, make_task(cfg.task), CharTokenizer(), cache, _Quiet())[0])
+    return jax.tree.map(np.asarray, warm_start(cfg, make_task(cfg.task), CharTokenizer(), cache, _Quiet())[0])
 
 
 def _run(overrides, warm):

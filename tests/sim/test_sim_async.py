@@ -22,7 +22,7 @@ from nereus_jax.sim.asynchronous import (
     oracle_record,
 )
 from nereus_jax.sim.model import plan_peak_memory
-from nereus_jax.sim.simulation import StepRecord
+from nereus_jax.sim.records import StepRecord
 
 GEN = "actor-gen"
 

@@ -65,9 +65,9 @@ from nereus_jax.elastic.planner.result import (
     place,
 )
 from nereus_jax.elastic.planner.search import (
-    _REL,
     GAP,
     MAX_NODES,
+    REL_TOL,
     PhaseSolution,
     branch_and_bound,
     memory_need,
@@ -248,7 +248,7 @@ def _other_layouts(problem: Problem, opts, best: list[PhaseSolution]) -> list[tu
         caps = {s: float(opts[s].resident[picks[s]]) for s in opts}  # keep the others' memory where it was
         capped = {s: m & (opts[s].resident <= caps[s]) if s != stage else m for s, m in capped.items()}
         sols = solve_relaxation(problem, opts, capped)
-        if sols is not None and memory_need(opts, picked(sols)) <= problem.usable_bytes * (1 + _REL):
+        if sols is not None and memory_need(opts, picked(sols)) <= problem.usable_bytes * (1 + REL_TOL):
             out.append((sum(p.latency for p in sols), sols))
     return out
 

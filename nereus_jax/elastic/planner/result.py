@@ -15,7 +15,7 @@ from nereus_jax.elastic.plan import ExecutionPlan, ModelStage, StagePlan
 from nereus_jax.elastic.planner.problem import Problem
 from nereus_jax.elastic.planner.search import PhaseSolution, memory_need, picked
 from nereus_jax.elastic.topology import critical_path
-from nereus_jax.sharding import Layout
+from nereus_jax.layout import Layout
 
 
 def _tp_slots(devices: Sequence[int], tp: int, node: int) -> list[tuple[int, ...]]:

@@ -21,7 +21,7 @@ MAX_NODES = 400  # branch-and-bound nodes before returning the best plan found (
 KNAPSACK_BUCKETS = 256
 WORK_RESERVES = (0.03, 0.08, 0.15, 0.25, 0.4, 0.6)  # working-set room tried by first_plans
 PRICE_LADDER = tuple(2.0**k for k in range(-6, 9))  # resident-byte prices (x step latency / usable bytes)
-_REL = 1e-9
+REL_TOL = 1e-9  # relative slack in latency and byte comparisons (float rounding is not a difference)
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ def _frontier(opt: StageOptions, mask: np.ndarray) -> tuple[np.ndarray, np.ndarr
     idx = np.nonzero(mask)[0]
     lat = opt.latency[idx]
     best_before = np.minimum.accumulate(np.concatenate(([np.inf], lat)))[:-1]
-    keep = lat < best_before * (1 - _REL)
+    keep = lat < best_before * (1 - REL_TOL)
     return opt.devices[idx[keep]], lat[keep], idx[keep]
 
 
@@ -56,7 +56,7 @@ def _group_curve(fronts: Sequence[tuple], limit: int):
     lat = np.sum([f[1][p] for f, p in zip(fronts, pos, strict=True)], axis=0)
     used = np.max([f[0][p] for f, p in zip(fronts, pos, strict=True)], axis=0)
     best_before = np.minimum.accumulate(np.concatenate(([np.inf], lat)))[:-1]
-    keep = lat < best_before * (1 - _REL)
+    keep = lat < best_before * (1 - REL_TOL)
     picks = np.array([f[2][p[keep]] for f, p in zip(fronts, pos, strict=True)])
     return used[keep], lat[keep], picks
 
@@ -82,7 +82,7 @@ def _split_pool(part, curves, pool: int) -> PhaseSolution:
     total = np.zeros(len(taus))
     chosen = []
     for used, lat, _ in curves:  # first point at or below tau (lat descending); past the end: impossible
-        i = np.searchsorted(-lat, -taus * (1 + _REL), side="left")
+        i = np.searchsorted(-lat, -taus * (1 + REL_TOL), side="left")
         chosen.append(i)
         total += np.where(i < len(lat), used[np.minimum(i, len(lat) - 1)], pool + 1)
     feasible = np.nonzero(total <= pool)[0]
@@ -110,14 +110,14 @@ def _solve_phase(phase: Sequence[str], fronts: Mapping[str, tuple], pool: int, c
             continue
         # No group beats its time on the whole pool, and the groups' device-seconds share the pool.
         floor = max(max(float(c[1][-1]) for c in curves), sum(float(np.min(c[0] * c[1])) for c in curves) / pool)
-        if best is not None and alternatives is None and floor >= best.latency * (1 - _REL):
+        if best is not None and alternatives is None and floor >= best.latency * (1 - REL_TOL):
             continue
         sol = _split_pool(part, curves, pool)
         if sol is None:
             continue
         if alternatives is not None:
             alternatives.append(sol)
-        if best is None or sol.latency < best.latency * (1 - _REL):
+        if best is None or sol.latency < best.latency * (1 - REL_TOL):
             best = sol
     return best
 
@@ -155,7 +155,7 @@ def restrict(problem: Problem, opts, lo, hi, caps=None):
     """Masks of the options inside the node's resident ranges that fit beside the smallest resident state
     the other model-stages can still have (to a fixed point); with ``caps``, beside the others' caps
     instead (every combination then fits). None if some model-stage has no option left."""
-    usable = problem.usable_bytes * (1 + _REL)
+    usable = problem.usable_bytes * (1 + REL_TOL)
     masks = {s: (o.resident >= lo[s]) & (o.resident <= hi[s]) for s, o in opts.items()}
     while True:
         if not all(m.any() for m in masks.values()):
@@ -186,7 +186,7 @@ def _knapsack(problem: Problem, opts, masks, value_of, reserve: float, round_up:
         levels, inverse = np.unique(o.resident[m], return_inverse=True)
         value = np.full(len(levels), np.inf)
         np.minimum.at(value, inverse, value_of(s, m))
-        buckets = (np.ceil(levels / step * (1 - _REL)) if round_up else np.floor(levels / step)).astype(np.int64)
+        buckets = (np.ceil(levels / step * (1 - REL_TOL)) if round_up else np.floor(levels / step)).astype(np.int64)
         source = np.arange(len(best))[None, :] - buckets[:, None]  # [level, total bucket]
         cand = np.where(source >= 0, best[np.maximum(source, 0)], np.inf) + value[:, None]
         arg = np.argmin(cand, axis=0)
@@ -222,7 +222,7 @@ def _lower_bound(problem: Problem, opts, masks) -> float:
 def _capped_plan(problem: Problem, opts, caps: Mapping[str, float]):
     """The best plan whose model-stages keep their resident state under ``caps``: an option is allowed if
     it fits beside every other model-stage at its cap, so whatever the relaxation picks fits."""
-    usable = problem.usable_bytes * (1 + _REL)
+    usable = problem.usable_bytes * (1 + REL_TOL)
     total = sum(caps.values())
     masks = {s: (o.resident <= caps[s]) & (o.resident + o.working + total - caps[s] <= usable)
              for s, o in opts.items()}
@@ -263,7 +263,7 @@ def lagrangian_plans(problem: Problem, opts, masks) -> list[list[PhaseSolution]]
     if sols0 is None:
         return []
     scale = sum(p.latency for p in sols0) / problem.usable_bytes
-    usable = problem.usable_bytes * (1 + _REL)
+    usable = problem.usable_bytes * (1 + REL_TOL)
     lo, hi, out = 0, len(PRICE_LADDER) - 1, []
     while lo <= hi:
         mid = (lo + hi) // 2
@@ -300,7 +300,7 @@ class _Node:
 def branch_and_bound(problem: Problem, opts: Mapping[str, StageOptions], gap: float = GAP,
                      max_nodes: int = MAX_NODES):
     """(feasible solutions met, fastest first; proven bound on the best one's relative suboptimality)."""
-    usable = problem.usable_bytes * (1 + _REL)
+    usable = problem.usable_bytes * (1 + REL_TOL)
     counter = itertools.count()
     heap: list[_Node] = []
     found: list[tuple[float, list[PhaseSolution]]] = []
