@@ -1,13 +1,13 @@
 """The reporter's TensorBoard events hold each step's scalars, read back by a reader that shares nothing with the
-writer: TensorBoard's own EventAccumulator when ``tensorboard`` is installed, and always a TFRecord reader here
-(CRC-32C per RFC 3720, written out below) that decodes the ``Event`` protobufs."""
+writer: TensorBoard's own EventAccumulator when ``tensorboard`` is installed, and always the TFRecord reader of
+_tb_events.py (CRC-32C per RFC 3720, written out there) that decodes the ``Event`` protobufs."""
 
-import struct
 import sys
 import time
 
 import numpy as np
 import pytest
+from _tb_events import crc32c, read_scalars, read_scalars_so_far
 
 from nereus_jax.config import ConfigError
 from nereus_jax.runtime.report import TB_FLUSH_SECS, RunReport
@@ -27,57 +27,8 @@ EXPECTED = {(tag, m["step"]): float(np.float32(v)) for m in STEPS for tag, v in 
     ("stage_seconds/actor-train", m["stage_seconds"]["actor-train"])]}
 
 
-def _crc32c(data: bytes) -> int:
-    crc = 0xFFFFFFFF
-    for b in data:
-        crc ^= b
-        for _ in range(8):
-            crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1
-    return crc ^ 0xFFFFFFFF
-
-
-def _masked(data: bytes) -> int:
-    crc = _crc32c(data)
-    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-def _events(path):
-    """The ``Event`` protobufs of a TFRecord file, each frame's two CRCs checked."""
-    from tensorboardX.proto.event_pb2 import Event
-
-    data, i, out = path.read_bytes(), 0, []
-    while i < len(data):
-        (length,) = struct.unpack_from("<Q", data, i)
-        assert struct.unpack_from("<I", data, i + 8)[0] == _masked(data[i:i + 8])
-        payload = data[i + 12:i + 12 + length]
-        assert struct.unpack_from("<I", data, i + 12 + length)[0] == _masked(payload)
-        out.append(Event.FromString(payload))
-        i += 16 + length
-    return out
-
-
-def _scalars(logdir):
-    (path,) = logdir.iterdir()
-    assert path.name.startswith("events.out.tfevents.")
-    first, *rest = _events(path)
-    assert first.file_version == "brain.Event:2"
-    out = {}
-    for event in rest:
-        for value in event.summary.value:
-            assert (value.tag, event.step) not in out
-            out[value.tag, event.step] = value.simple_value
-    return out
-
-
-def _scalars_so_far(logdir):
-    try:
-        return _scalars(logdir)
-    except (ValueError, AssertionError, struct.error):  # nothing yet, or a frame being written
-        return None
-
-
 def test_crc32c_reference_matches_the_standard_check_value():
-    assert _crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value of RFC 3720
+    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value of RFC 3720
 
 
 def test_a_step_reaches_the_disk_while_the_run_goes_on_and_the_file_holds_exactly_the_scalars(tmp_path):
@@ -85,12 +36,12 @@ def test_a_step_reaches_the_disk_while_the_run_goes_on_and_the_file_holds_exactl
     report.step(STEPS[0])
     logdir, first = tmp_path / "run" / "tensorboard", {k: v for k, v in EXPECTED.items() if k[1] == 0}
     deadline = time.monotonic() + TB_FLUSH_SECS + 10  # a live TensorBoard sees the step before close()
-    while _scalars_so_far(logdir) != first and time.monotonic() < deadline:
+    while read_scalars_so_far(logdir) != first and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _scalars(logdir) == first
+    assert read_scalars(logdir) == first
     report.step(STEPS[1])
     report.close()
-    assert _scalars(logdir) == EXPECTED
+    assert read_scalars(logdir) == EXPECTED
 
 
 def test_tensorboard_reads_the_same_scalars(tmp_path):
