@@ -54,6 +54,7 @@ STAGE_NAMES = (
     "reward-infer",
 )
 _PRESET_KEYS = ("model", "model.preset")
+_WANDB_PROJECT_FORBIDS = "/\\#?%:"  # wandb.init rejects these in a project name (its settings' validate_project)
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")  # trainer.pipeline_schedule; the cost model prices the one that runs
 
 
@@ -508,16 +509,27 @@ class CheckpointConfig(_Node):
 
 @dataclass(frozen=True)
 class LoggingConfig(_Node):
-    """Metrics (JSONL, TensorBoard) and the progress display."""
+    """Metrics (JSONL, TensorBoard, Weights & Biases) and the progress display."""
 
     run_dir: str | None = None
     cache_dir: str | None = _field(None, "cache of warm starts and compilations; null = <run_dir>/../cache")
-    tensorboard: bool = True
+    tensorboard: bool = _field(True, "each step's scalars as TensorBoard events in <run_dir>/tensorboard "
+                                     "(needs tensorboardX)")
+    wandb: bool = _field(False, "log the same scalars, the config and the summary to a Weights & Biases run "
+                                "(needs the wandb package: pip install 'nereus-jax[wandb]')")
+    wandb_project: str = _field("nereus_jax", "the W&B project the run goes to")
+    wandb_mode: Literal["online", "offline", "disabled"] | None = _field(
+        None, "wandb.init's mode; null = wandb's own choice (WANDB_MODE, else online); offline: files only, "
+              "`wandb sync` uploads them later")
     progress: bool = True
     log_every: int = 1
 
     def __post_init__(self) -> None:
         _check_positive("logging", self, "log_every")
+        bad = sorted(set(self.wandb_project) & set(_WANDB_PROJECT_FORBIDS))
+        require(bool(self.wandb_project.strip()) and len(self.wandb_project) <= 128 and not bad,
+                f"logging.wandb_project={self.wandb_project!r} is not a W&B project name: 1 to 128 characters, "
+                f"none of {' '.join(_WANDB_PROJECT_FORBIDS)}" + (f" (it has {' '.join(bad)})" if bad else ""))
 
 
 @dataclass(frozen=True)

@@ -315,6 +315,23 @@ def test_sampling_parameters_out_of_range_are_rejected():
         load_config(None, ["rollout.temperature=-0.5"])
 
 
+def test_wandb_logging_keys_load_and_bad_values_name_the_key():
+    assert (Config().logging.wandb, Config().logging.wandb_project, Config().logging.wandb_mode) == (
+        False, "nereus_jax", None)
+    logging = load_config(None, ["logging.wandb=true", "logging.wandb_project=post-train_1",
+                                 "logging.wandb_mode=offline"]).logging
+    assert (logging.wandb, logging.wandb_project, logging.wandb_mode) == (True, "post-train_1", "offline")
+    with pytest.raises(ConfigError, match=r"logging\.wandb_mode: expected one of 'online', 'offline', 'disabled'"):
+        load_config(None, ["logging.wandb_mode=ofline"])
+    with pytest.raises(ConfigError, match=r"logging\.wandb: expected bool, got int 1"):
+        load_config(None, ["logging.wandb=1"])
+    with pytest.raises(ConfigError, match=r"logging\.wandb_project='team/run' is not a W&B project name.*\(it has /\)"):
+        load_config(None, ["logging.wandb_project=team/run"])
+    for name in ("''", "x" * 129):
+        with pytest.raises(ConfigError, match=r"logging\.wandb_project=.* is not a W&B project name: 1 to 128"):
+            load_config(None, [f"logging.wandb_project={name}"])
+
+
 def test_file_task_without_prompt_file_names_task_prompt_file():
     with pytest.raises(ConfigError, match=r"task\.prompt_file is not set"):
         load_config(None, ["task.name=file"])

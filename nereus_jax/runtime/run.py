@@ -183,8 +183,10 @@ def _check_prompt_lengths(cfg: Config, task, tok, log: Callable[[str], None]) ->
 
 def run_job(cfg: Config, run_dir: str, *, started: float | None = None) -> dict:
     started = time.perf_counter() if started is None else started
-    report = RunReport(run_dir, cfg.trainer.steps, progress=cfg.logging.progress,
-                       tensorboard=cfg.logging.tensorboard, primary=is_primary())
+    opts = cfg.logging
+    wandb = dict(project=opts.wandb_project, mode=opts.wandb_mode, config=cfg.to_dict()) if opts.wandb else None
+    report = RunReport(run_dir, cfg.trainer.steps, progress=opts.progress, tensorboard=opts.tensorboard, wandb=wandb,
+                       primary=is_primary())
     inputs = check_inputs(cfg, log=report.log)
     try:
         return _run(cfg, run_dir, inputs, report, started)

@@ -5,12 +5,14 @@ import json
 
 import numpy as np
 import pytest
+from _tb_events import read_scalars
 
 from nereus_jax.config import load_config
 from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
 from nereus_jax.runtime.job import Job
 from nereus_jax.runtime.plans import REWARD_INFER, plan_from_config
+from nereus_jax.runtime.report import scalars
 from nereus_jax.runtime.run import run_job
 from nereus_jax.train import main
 
@@ -73,7 +75,8 @@ def test_run_writes_metrics_summary_and_tensorboard(tmp_path):
                 "tokens_per_s"):
         assert key in saved
     assert saved == json.loads(json.dumps(summary)) and 0 <= saved["accuracy_after"] <= 1
-    assert list((tmp_path / "run" / "tensorboard").iterdir())
+    assert read_scalars(tmp_path / "run" / "tensorboard") == {  # every step's numbers, as float32
+        (tag, m["step"]): float(np.float32(v)) for m in lines for tag, v in scalars(m).items()}
     assert run_job(cfg, str(tmp_path / "run2"))["warm_start_cache_hit"]
 
 
