@@ -12,7 +12,11 @@ One :class:`Pricing` object serves the running job (``runtime.adapt``) and the s
   among everything that runs there;
 - a transition graph's data movement priced with the cost model's link times;
 - calibration: measured stage seconds over a window of recent steps refit the efficiencies, and the
-  uncertainty of a predicted gain (:meth:`Pricing.gain_sd`) follows from the fit's covariance.
+  uncertainty of a predicted gain (:meth:`Pricing.gain_sd`) follows from the fit's covariance;
+- a memory per layout: the last measurements of every (model-stage, call) the job has run. One that has
+  left the window is priced by the fit times its remembered measured / predicted ratio (a bias the shared
+  efficiencies do not capture, e.g. a pipeline schedule the model prices optimistically), and counts as
+  measured in a gain's uncertainty: coming back to a layout it ran, the controller knows what it costs.
 
 Plans are anything mapping model-stage -> stage plan with ``devices`` (an ``ExecutionPlan``); choices map
 every priced model-stage (riders too) to its :class:`~nereus_jax.elastic.costs.StageChoice`.
@@ -22,15 +26,18 @@ from __future__ import annotations
 
 import collections
 import math
+import statistics
 from collections.abc import Iterable, Mapping
 
 from nereus_jax.config import ModelConfig
 from nereus_jax.elastic.costs import CostModel, Measurement, StageChoice
+from nereus_jax.elastic.costs.model import NOISE_FLOOR
 from nereus_jax.elastic.costs.stage import split_stage
 from nereus_jax.elastic.topology import Topology, critical_path
 from nereus_jax.elastic.workload import Workload
 
 CALIBRATION_WINDOW = 8  # steps of measurements the efficiencies are fitted to
+REMEMBERED = 8  # measurements kept per (model-stage, call) for the per-layout memory
 
 
 class Pricing:
@@ -41,6 +48,9 @@ class Pricing:
                  window: int = CALIBRATION_WINDOW):
         self.cost, self.topology, self.models, self.usable_bytes = cost, topology, dict(models), usable_bytes
         self.window: collections.deque[list[Measurement]] = collections.deque(maxlen=window)
+        self.memory: dict[tuple[str, StageChoice], collections.deque[Measurement]] = {}
+        self._ratios: dict[tuple[str, StageChoice], float] = {}  # residuals at the current fit and window
+        self._window_keys: set[tuple[str, StageChoice]] = set()
 
     @property
     def hardware(self):
@@ -73,7 +83,7 @@ class Pricing:
         """Predicted seconds per step of each model-stage (``workloads``: a stage's own batch, else ``workload``)."""
         per = workloads or {}
         return {s: self.cost.stage_latency(self.model_for(s), s, c, per.get(s, workload)).total
-                for s, c in choices.items()}
+                * self.residual(s, c) for s, c in choices.items()}
 
     def step_seconds(self, seconds: Mapping[str, float], plan, overlapped: bool | None = None,
                      sync_s: float = 0.0) -> float:
@@ -93,8 +103,25 @@ class Pricing:
         """Standard deviation (s/step) of the predicted gain of ``target``'s choices over the current plan's
         (``current_features``: :meth:`features` of its choices, computed once for all candidates): the cost
         model's covariance on the difference of their features (what both run alike cancels)."""
-        diff = current_features - self.features(target, workload)
-        return math.sqrt(max(0.0, self.cost.variance(diff)))
+        known = {s: c for s, c in target.items() if self._remembered(s, c)}
+        diff = current_features - self.features({s: c for s, c in target.items() if s not in known}, workload)
+        noise = sum((NOISE_FLOOR * self.cost.stage_latency(self.model_for(s), s, c, workload).total
+                     * self.residual(s, c)) ** 2 for s, c in known.items())
+        return math.sqrt(max(0.0, self.cost.variance(diff)) + noise)
+
+    def residual(self, stage: str, choice: StageChoice) -> float:
+        """Measured / predicted seconds (median) of a call the job ran and whose measurements have left the
+        calibration window; 1 for the calls in the window (the fit prices them) and for calls never run."""
+        key = (stage, choice)
+        if key not in self._ratios:
+            self._ratios[key] = statistics.median(
+                m.seconds / self.cost.stage_latency(m.model, m.stage, m.choice, m.workload).total
+                for m in self.memory[key]) if self._remembered(stage, choice) else 1.0
+        return self._ratios[key]
+
+    def _remembered(self, stage: str, choice: StageChoice) -> bool:
+        """Run before, but not in the calibration window."""
+        return (stage, choice) in self.memory and (stage, choice) not in self._window_keys
 
     # ------------------------------------------------------------------------------------- memory
     def placed(self, plan) -> dict[str, tuple[int, ...]]:
@@ -134,8 +161,18 @@ class Pricing:
     # --------------------------------------------------------------------------------- calibration
     def calibrate(self, measurements: Iterable[Measurement]) -> None:
         """Adds one step's measured stage seconds to the window and refits the efficiencies to the window."""
-        self.window.append(list(measurements))
+        self.remember(measurements)
         self.cost.observe([m for step in self.window for m in step])
+        self._ratios.clear()
+
+    def remember(self, measurements: Iterable[Measurement]) -> None:
+        """Adds one step's measurements to the window (without a refit) and to the per-layout memory."""
+        step = list(measurements)
+        self.window.append(step)
+        for m in step:
+            self.memory.setdefault((m.stage, m.choice), collections.deque(maxlen=REMEMBERED)).append(m)
+        self._window_keys = {(m.stage, m.choice) for step in self.window for m in step}
+        self._ratios.clear()
 
     def measurements(self, choices: Mapping[str, StageChoice], workload: Workload,
                      seconds: Mapping[str, float]) -> list[Measurement]:

@@ -65,6 +65,7 @@ class PlanningModel:
         self.setup_s, self.setups_seen = SETUP_PRIOR_S, 0
         self.planner_ms = 0.0  # planner time charged to this policy (cached solves included)
         self.since_change = 0
+        self.ran: dict[SimPlan, None] = {}  # the plans this policy has run, oldest first (candidates again)
 
     @property
     def cost_model(self) -> CostModel:
@@ -127,12 +128,18 @@ class PlanningModel:
     # ------------------------------------------------------------------------ controller callables
     def plan_fn(self, obs: Observation) -> list[Candidate]:
         wl = self.observed
-        out = []
+        out = {}
         current = self.pricing.features(dict(obs.plan.choices), wl)
-        for p in self.plans(wl, tuple(obs.devices)):
+        pool = set(obs.devices)
+        usable = self.usable_bytes()
+        # the planner's plans, and the plans this run has measured that the pool still holds and that fit
+        # (the per-layout memory prices them as measured: coming back to a known layout is a safe choice)
+        ran = [p for p in self.ran if p.devices <= pool and self.peak_memory(p, wl) <= usable]
+        for p in (*self.plans(wl, tuple(obs.devices)), *ran):
             p = p.aligned_to(obs.plan)
-            out.append(Candidate(p, self.predict(p, wl), self.pricing.gain_sd(current, dict(p.choices), wl)))
-        return sorted(out, key=lambda c: c.step_latency_s)
+            if p not in out:
+                out[p] = Candidate(p, self.predict(p, wl), self.pricing.gain_sd(current, dict(p.choices), wl))
+        return sorted(out.values(), key=lambda c: c.step_latency_s)
 
     def latency_fn(self, plan: SimPlan, obs: Observation) -> float | None:
         return self.predict(plan, self.observed)
@@ -168,6 +175,8 @@ class PlanningModel:
         (returns False) once the window holds only this plan and every stage is predicted within
         ``SKIP_ERROR``: the refit would barely move (a saving for 1,000-step simulations). ``workloads``:
         per stage, the batch it ran when not ``wl`` (async actor-gen: the next one; None: it did not run)."""
+        self.ran.pop(plan, None)
+        self.ran[plan] = None
         per = {s: (workloads or {}).get(s, wl) for s, _ in plan.choices}
         ran = {s: c for s, c in plan.choices if per[s] is not None}
         ms = [m for s in ran for m in self.pricing.measurements({s: ran[s]}, per[s], seconds)]
@@ -177,7 +186,7 @@ class PlanningModel:
             worst = max(abs(cm.stage_latency(m.model, m.stage, m.choice, m.workload).total / m.seconds - 1)
                         for m in ms)
             if worst < SKIP_ERROR:
-                self.pricing.window.append(ms)
+                self.pricing.remember(ms)
                 return False
         self.pricing.calibrate(ms)
         return True

@@ -83,3 +83,31 @@ def test_uncertainty_grows_with_the_distance_from_what_was_measured(truth):
 def features_reproduce_the_prediction(cm: CostModel) -> bool:
     return all(np.isclose(cm.features(LLAMA8B, "actor-train", _train(mb), WL) @ cm.theta(), _predict(cm, mb),
                           rtol=1e-9) for mb in (1, 8))
+
+
+def test_a_layout_run_before_is_priced_from_its_measurements_after_it_leaves_the_window(truth):
+    """Plan A's call ran 30% slower than the shared efficiencies explain (a bias of that layout). Once its
+    measurements have left the calibration window and the fit has moved (here: replaced by the truth's
+    efficiencies), pricing A again gives what A measured (scaled to another workload by the model), and a
+    gain toward A counts A as measured, not guessed."""
+    from nereus_jax.elastic.pricing import Pricing
+    from nereus_jax.elastic.topology import Topology
+
+    pricing = Pricing(CostModel(HW), Topology.of_job("grpo"), {r: LLAMA8B for r in ("actor", "ref")}, 80e9)
+    a, b, never = StageChoice(2, 4, 1, 4), StageChoice(8, 1, 1, 4), StageChoice(4, 2, 1, 4)
+    biased = 1.3 * truth.stage_latency(LLAMA8B, "actor-train", a, WL).total
+    pricing.calibrate([Measurement(LLAMA8B, "actor-train", a, WL, biased)])
+    assert pricing.residual("actor-train", a) == 1.0  # in the window: the fit prices it
+    for _ in range(8):
+        pricing.calibrate(_measure(truth, [4]))  # plan B: StageChoice(8, 1, 1, 4)
+    current = pricing.features({"actor-train": b}, WL)
+    sd_known = pricing.gain_sd(current, {"actor-train": a}, WL)
+    sd_guess = pricing.gain_sd(current, {"actor-train": never}, WL)
+    assert 0 < sd_known < sd_guess
+    pricing.cost = CostModel(HW, TRUE_EFF, TRUE_HALF)
+    pricing.remember([])  # a step that measured nothing: the residuals are recomputed against the new fit
+    assert pricing.residual("actor-train", a) == pytest.approx(1.3) and pricing.residual("actor-train", never) == 1.0
+    assert pricing.stage_seconds({"actor-train": a}, WL)["actor-train"] == pytest.approx(biased, rel=1e-9)
+    longer = Workload.fixed(64, 256, 512)
+    assert pricing.stage_seconds({"actor-train": a}, longer)["actor-train"] == pytest.approx(
+        1.3 * truth.stage_latency(LLAMA8B, "actor-train", a, longer).total)
