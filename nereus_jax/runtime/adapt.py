@@ -36,7 +36,9 @@ first step's measured compile time of each model-stage whose devices or layout c
 engine), times the steps' measured loss per compile-second at the last hidden compile
 (``compile_contention``, 1 before one). On GPUs the compile runs on host cores while the devices step,
 and is hidden. Besides the planner's plans, the current plan with one model-stage moved to its place in
-the best plan is a candidate (``partial_moves``): a cheaper transition that may keep most of the gain.
+the best plan is a candidate (``partial_moves``): a cheaper transition that may keep most of the gain;
+so is every plan the job has run on devices it still has, priced from its remembered measurements
+(``Pricing.residual``).
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ class Adapter:
         # on shared compute: step seconds lost per second of a compile ahead (measured at each hidden compile;
         # 1 until then: the compile counted whole)
         self.compile_contention = 1.0
+        self._ran: dict[ExecutionPlan, None] = {}  # plans the job has stepped on, oldest first: candidates again
         self._steady_s: collections.deque[float] = collections.deque(maxlen=CALIBRATION_WINDOW)
         # the priced stages' measured seconds per step (since the last plan change), for the efficiency
         # trigger: their median over a few steps, because single steps on a shared host are noisy
@@ -405,6 +408,8 @@ class Adapter:
             self._compiled_last_step = False
             return
         self._steady_s.append(metrics["step_seconds"])
+        self._ran.pop(job.plan, None)
+        self._ran[job.plan] = None
         if self._compile_s is None and self._compile_step_s is not None:
             self._compile_s = max(0.0, self._compile_step_s - statistics.median(self._steady_s))
             self._compile_by_stage = compile_by_stage(self._compile_stage_seconds, metrics["stage_seconds"],
@@ -453,6 +458,8 @@ class Adapter:
         plans = [r.plan for r in self._planned(obs, workload)]
         if plans:
             plans += partial_moves(obs.plan, plans[0])
+        # plans the job ran on devices it still has: the per-layout memory prices them as measured
+        plans += [p for p in self._ran if set(p.devices) <= set(obs.devices)]
         with contextlib.suppress(ConfigError):  # the configured layouts on the devices present: a candidate
             plans.append(plan_from_config(self.job.cfg, device_ids=list(obs.devices)))
         try:
