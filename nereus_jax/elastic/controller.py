@@ -40,7 +40,8 @@ compared with the latency predicted for it at the decision: ``transfer_errors`` 
 errors (reported; the log says when a move missed its admitted uncertainty).
 
     controller = Controller(plan_fn, latency_fn, transition_fn, gamma=0.5)
-    decision = controller.observe(Observation(step, plan, devices, response_length, step_seconds))
+    decision = controller.observe(Observation(step=step, plan=plan, devices=devices,
+                                              response_length=response_length, step_seconds=step_seconds))
     saved = controller.state_dict()          # JSON-ready: references, horizons, crossings, efficiency window
     controller.load_state_dict(saved)
 """
@@ -58,7 +59,7 @@ Plan = Any  # an ExecutionPlan (or anything hashable the callables understand)
 UNCERTAINTY_Z = 1.0  # a gain must exceed this many standard deviations of its prediction to be admitted
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Observation:
     """What the runtime measured at a step boundary."""
 
@@ -79,7 +80,7 @@ class Candidate:
     uncertainty_s: float = 0.0  # standard deviation of its predicted gain over the current plan (s/step)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Decision:
     """The outcome of one re-plan: the chosen target (None when nothing is admitted; the Priced target
     when the transition callable gave one) and why."""
@@ -92,18 +93,18 @@ class Decision:
     reason: str
     current_latency_s: float | None
     target_latency_s: float | None
-    gain_s: float | None              # predicted per-step saving dL
-    transition_s: float | None        # predicted transition cost L_tran
     horizon: float                    # H
+    gain_s: float | None = None       # predicted per-step saving dL
+    transition_s: float | None = None  # predicted transition cost L_tran
     rejected: tuple[tuple[Plan, str], ...] = ()  # candidates turned down, with the reason
     margin_s: float = 0.0             # the cost model's uncertainty about dL (s/step): dL must exceed it
     move: Any = None                  # what the transition was priced with (Priced.move), to run it as priced
 
     def log_line(self) -> str:
-        fmt = lambda x: "n/a" if x is None else f"{x:.3g}"  # noqa: E731
+        fmt = lambda x, unit: "n/a" if x is None else f"{x:.3g} {unit}"  # noqa: E731
         verdict = "ADMIT" if self.admitted else "reject"
         return (f"step {self.step} {verdict} trigger={self.trigger}{' (urgent)' if self.urgent else ''} "
-                f"gain={fmt(self.gain_s)}s/step transition={fmt(self.transition_s)}s H={self.horizon:.2f}: "
+                f"gain={fmt(self.gain_s, 's/step')} transition={fmt(self.transition_s, 's')} H={self.horizon:.2f}: "
                 f"{self.reason}")
 
 
@@ -289,8 +290,10 @@ class Controller:
             cost, target, move = ((priced.seconds, priced.target, priced.move) if isinstance(priced, Priced)
                                   else (priced, c.plan, None))
             if urgent:
-                return Decision(obs.step, trigger, True, target, True, "urgent: profitability waived", current,
-                                c.step_latency_s, None, cost, H, tuple(rejected), move=move)
+                return Decision(step=obs.step, trigger=trigger, urgent=True, target=target, admitted=True,
+                                reason="urgent: profitability waived", current_latency_s=current,
+                                target_latency_s=c.step_latency_s, transition_s=cost, horizon=H,
+                                rejected=tuple(rejected), move=move)
             gain = None if current is None else current - c.step_latency_s
             margin = UNCERTAINTY_Z * c.uncertainty_s if checked else 0.0
             if gain is None or gain <= 0:
@@ -302,17 +305,19 @@ class Controller:
                                          f"({margin:.3g} s/step)"))
                 continue
             if cost / gain <= self.gamma * H:
-                return Decision(obs.step, trigger, False, target, True,
-                                f"pays back in {cost / gain:.2f} steps <= gamma*H={self.gamma * H:.2f}"
+                return Decision(step=obs.step, trigger=trigger, urgent=False, target=target, admitted=True,
+                                reason=f"pays back in {cost / gain:.2f} steps <= gamma*H={self.gamma * H:.2f}"
                                 + (f" (gain above the model's uncertainty, {margin:.3g} s/step)" if margin else ""),
-                                current, c.step_latency_s, gain, cost, H, tuple(rejected), margin, move=move)
+                                current_latency_s=current, target_latency_s=c.step_latency_s, gain_s=gain,
+                                transition_s=cost, horizon=H, rejected=tuple(rejected), margin_s=margin, move=move)
             rejected.append((c.plan, f"gain {gain:.3g} s/step, transition {cost:.3g} s: pays back in "
                                      f"{cost / gain:.2f} steps > gamma*H={self.gamma * H:.2f}"))
         reason = ("urgent, but no feasible live transition exists: checkpoint/restart is the last resort"
                   if urgent else "no candidate admitted")
         best = candidates[0] if candidates else None
-        return Decision(obs.step, trigger, urgent, None, False, reason, current,
-                        best.step_latency_s if best else None, None, None, H, tuple(rejected))
+        return Decision(step=obs.step, trigger=trigger, urgent=urgent, target=None, admitted=False, reason=reason,
+                        current_latency_s=current, target_latency_s=best.step_latency_s if best else None,
+                        horizon=H, rejected=tuple(rejected))
 
 
 def _plan_devices(plan: Plan) -> tuple[int, ...]:

@@ -167,9 +167,10 @@ class Adapter:
         if metrics is None and not gone:
             return
         achieved = statistics.median(self._priced_s) if len(self._priced_s) >= 3 and not compiled else None
-        obs = Observation(step, self.job.plan, self._planning_pool(step),
-                          metrics["response_length_mean"] if metrics else (self._ref_length() or 1.0), achieved,
-                          self.peak_bytes(self.job.plan), self.pricing.trigger_bytes(self.cost.hardware.memory_bytes),
+        obs = Observation(step=step, plan=self.job.plan, devices=self._planning_pool(step),
+                          response_length=metrics["response_length_mean"] if metrics else (self._ref_length() or 1.0),
+                          step_seconds=achieved, peak_memory_bytes=self.peak_bytes(self.job.plan),
+                          memory_cap_bytes=self.pricing.trigger_bytes(self.cost.hardware.memory_bytes),
                           steps_left=max(1, self.job.cfg.trainer.steps - step))
         checked = len(self.controller.move_checks)
         decision = self.controller.observe(obs)
@@ -204,7 +205,8 @@ class Adapter:
         target = align_ranks(self.job.plan, plan)
         graph = self._graph(self.job.plan, target)
         self.job.check_plan(target)
-        decision = Decision(-1, "request", True, target, True, reason, None, None, None, None, 1.0, move=graph)
+        decision = Decision(step=-1, trigger="request", urgent=True, target=target, admitted=True, reason=reason,
+                            current_latency_s=None, target_latency_s=None, horizon=1.0, move=graph)
         if self.pending is not None:
             self.pending.future.cancel()
         self.controller.forget_move()  # the next plan change is this request, not the controller's last move
@@ -246,8 +248,10 @@ class Adapter:
                  checkpoint_dir: str | None) -> Recovery | None:
         """The controller's urgent path after a failure (see :meth:`lose`); None: it has no candidate."""
         left, reason = surviving_state(job, lost, step, before)
-        obs = Observation(step, job.plan, self._planning_pool(step), self._length or self._ref_length() or 1.0,
-                          None, self.peak_bytes(job.plan), self.pricing.trigger_bytes(self.cost.hardware.memory_bytes),
+        obs = Observation(step=step, plan=job.plan, devices=self._planning_pool(step),
+                          response_length=self._length or self._ref_length() or 1.0,
+                          peak_memory_bytes=self.peak_bytes(job.plan),
+                          memory_cap_bytes=self.pricing.trigger_bytes(self.cost.hardware.memory_bytes),
                           steps_left=max(1, job.cfg.trainer.steps - step))
         self._failed = (job.plan, left)
         try:

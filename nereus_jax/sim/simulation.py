@@ -210,9 +210,10 @@ class Simulation:
             rec = StepRecord(step, len(pool), 0.0)
             if prev is not None:
                 model.observed = prev[0]
-                obs = Observation(step, plan, pool, prev[0].response_length.mean, prev[1],
-                                  model.peak_memory(plan, prev[0]), model.pricing.trigger_bytes(self.hw.memory_bytes),
-                                  self.trace.steps - step)
+                obs = Observation(step=step, plan=plan, devices=pool, response_length=prev[0].response_length.mean,
+                                  step_seconds=prev[1], peak_memory_bytes=model.peak_memory(plan, prev[0]),
+                                  memory_cap_bytes=model.pricing.trigger_bytes(self.hw.memory_bytes),
+                                  steps_left=self.trace.steps - step)
                 start, charged, fresh = time.perf_counter(), model.planner_ms, len(self.caches.plan_ms)
                 decision = controller.observe(obs)
                 wall = (time.perf_counter() - start) * 1e3
@@ -273,8 +274,9 @@ class Simulation:
             rec.oom += 1
             rec.wasted_s += OOM_WASTE * self.measure_step(plan, step)[0]
             model.observed = wl
-            obs = Observation(step, plan, tuple(range(rec.pool)), wl.response_length.mean, None,
-                              self.step_peak(plan, step), float(self.hw.memory_bytes), self.trace.steps - step)
+            obs = Observation(step=step, plan=plan, devices=tuple(range(rec.pool)),
+                              response_length=wl.response_length.mean, peak_memory_bytes=self.step_peak(plan, step),
+                              memory_cap_bytes=float(self.hw.memory_bytes), steps_left=self.trace.steps - step)
             plan = self._apply(controller.observe(obs), plan, model, rec, run)
         rec.predicted_s = model.predict(plan, wl)
         pipelined = bool(run.records) and run.records[-1].plan.overlapped  # batch ``step`` is generated already

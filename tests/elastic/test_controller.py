@@ -23,7 +23,7 @@ def _controller(latency, candidates, costs, uncertainty=None, **kw):
 
 
 def _obs(step, length, plan=A, devices=(0, 1, 2, 3), seconds=None):
-    return Observation(step, plan, devices, length, seconds)
+    return Observation(step=step, plan=plan, devices=devices, response_length=length, step_seconds=seconds)
 
 
 def test_no_trigger_without_drift():
