@@ -3,13 +3,17 @@
     python -m nereus_jax.plan --model llama3.1-8b --algorithm ppo --gpus 64 --hardware h200 --response-length 4096
     python -m nereus_jax.plan --model qwen2.5-1.5b --algorithm grpo --gpus 16 --hardware a100 \\
         --response-length 2048 --prompt-length 1024 --batch 128 --samples-per-prompt 8 --json
+    python -m nereus_jax.plan --model llama3.1-8b --gpus 64 --calibration runs/demo
 
 Prints the plan as a table (per model-stage: tp, pp, dp, micro-batch, remat, devices and predicted
 seconds), memory per GPU, the predicted step latency and how long the decision took; ``--json`` prints
 one JSON object instead (``plan``, ``step_latency_s``, ``stage_latency_s``, ``memory_per_device_bytes``,
-``decision_ms``, ...). Every prompt and response has the given length (the worst case the cost model
-plans for). Exit status: 0 planned, 1 no plan fits (the message names the model-stage and bytes short),
-2 bad arguments (one line on stderr naming the flag and what to change; nothing is planned).
+``decision_ms``, ``calibration``, ...). ``--calibration RUN_DIR`` (or the run's calibration.json) plans with
+the efficiencies and size terms (n_1/2) a finished run calibrated instead of the hardware table's priors, on
+that run's hardware; the table's header and the JSON's ``calibration`` (null without one) name the file.
+Every prompt and response has the given length (the worst case the cost model plans for). Exit status:
+0 planned, 1 no plan fits (the message names the model-stage and bytes short), 2 bad arguments (one line on
+stderr naming the flag and what to change; nothing is planned).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from nereus_jax.config import ConfigError, available_models, resolve_model
+from nereus_jax.elastic.costs.calibration_file import CalibrationError, read_calibration
+from nereus_jax.elastic.costs.model import CostModel
 from nereus_jax.elastic.hardware import HARDWARE, HardwareError, get_hardware
 from nereus_jax.elastic.planner import InfeasiblePlanError, Planner, PlanResult
 from nereus_jax.elastic.workload import Workload, WorkloadError
@@ -47,7 +53,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="llama3.1-8b", help=f"model preset ({', '.join(available_models())})")
     p.add_argument("--algorithm", default="ppo", help=f"RL algorithm ({', '.join(ALGORITHMS)})")
     p.add_argument("--gpus", type=int, default=64, help="devices in the pool")
-    p.add_argument("--hardware", default="h200", help=f"hardware table entry ({', '.join(HARDWARE)})")
+    p.add_argument("--hardware", default=None,
+                   help=f"hardware table entry ({', '.join(HARDWARE)}; default: the calibration's, else h200)")
+    p.add_argument("--calibration", default=None, metavar="RUN_DIR",
+                   help="plan with the cost model a run calibrated: its directory (calibration.json in it) or the "
+                        "file; default: the hardware table's priors")
     p.add_argument("--response-length", type=int, default=4096, help="tokens per response")
     p.add_argument("--prompt-length", type=int, default=512, help="tokens per prompt")
     p.add_argument("--batch", type=int, default=512, help="prompts per RL step")
@@ -74,8 +84,9 @@ def _memory_lines(result: PlanResult) -> list[str]:
 def _report(result: PlanResult, args: argparse.Namespace, workload: Workload) -> str:
     lines = [f"{args.model} {args.algorithm} on {args.gpus} x {args.hardware}: {workload.prompts_per_step} prompts x "
              f"{workload.samples_per_prompt} samples, {workload.prompt_length.max} + {workload.response_length.max} "
-             "tokens", "", result.table(), "", "memory per GPU (peak: resident state of every model-stage on it + "
-             "the largest working set):", *_memory_lines(result), ""]
+             "tokens", _cost_model_line(args), "", result.table(), "",
+             "memory per GPU (peak: resident state of every model-stage on it + the largest working set):",
+             *_memory_lines(result), ""]
     for i, r in enumerate(result.runners_up, 1):
         changes = [f"{s} {c}" for s, c in r.choices.items() if c != result.choices[s]]
         if r.groups != result.groups:
@@ -86,9 +97,19 @@ def _report(result: PlanResult, args: argparse.Namespace, workload: Workload) ->
     return "\n".join(lines)
 
 
+def _cost_model_line(args: argparse.Namespace) -> str:
+    cal = args.calibration_data
+    if cal is None:
+        return f"cost model: the hardware table's priors for {args.hardware}"
+    made = ", ".join(f"{k} {cal[k]}" for k in ("model", "steps") if cal.get(k) is not None)
+    return f"cost model: calibration {cal['path']}" + (f" ({made})" if made else "")
+
+
 def _json(result: PlanResult, args: argparse.Namespace, workload: Workload) -> str:
     out = result.to_json()
+    cal = args.calibration_data
     out.update(model=args.model, algorithm=args.algorithm, gpus=args.gpus,
+               calibration=cal["path"] if cal is not None else None,
                workload={"prompts_per_step": workload.prompts_per_step,
                          "samples_per_prompt": workload.samples_per_prompt,
                          "prompt_length": workload.prompt_length.max,
@@ -128,10 +149,7 @@ def _problem(args: argparse.Namespace):
     if args.algorithm not in ALGORITHMS:
         raise PlanArgumentError(f"--algorithm: unknown algorithm '{args.algorithm}'; valid: {', '.join(ALGORITHMS)}")
     spec = algorithm_spec(args.algorithm)
-    try:
-        hardware = get_hardware(args.hardware)
-    except HardwareError as error:
-        raise PlanArgumentError(f"--hardware: {error}") from None
+    cost_model = _cost_model(args)
     _check_numbers(args)
     _check_context(args, cfg.max_position_embeddings)
     samples = args.samples_per_prompt or (8 if spec.needs_group else 1)
@@ -139,7 +157,32 @@ def _problem(args: argparse.Namespace):
         raise PlanArgumentError(f"--algorithm {args.algorithm} compares a prompt's samples: --samples-per-prompt >= 2")
     workload = Workload.fixed(args.batch, args.prompt_length, args.response_length, samples,
                               greedy_baseline=spec.needs_greedy_baseline)
-    return cfg, workload, Planner(hardware.name, headroom=args.headroom, runners_up=args.runners_up)
+    return cfg, workload, Planner(cost_model, headroom=args.headroom, runners_up=args.runners_up)
+
+
+def _cost_model(args: argparse.Namespace) -> CostModel:
+    """The hardware table's priors for --hardware, or --calibration's cost model (on the file's hardware, which
+    --hardware may only repeat). Sets ``args.hardware`` and ``args.calibration_data`` (None: no calibration)."""
+    args.calibration_data = None
+    try:
+        hardware = get_hardware(args.hardware) if args.hardware is not None else None
+    except HardwareError as error:
+        raise PlanArgumentError(f"--hardware: {error}") from None
+    if args.calibration is None:
+        hardware = hardware or get_hardware("h200")
+        args.hardware = hardware.name
+        return CostModel(hardware)
+    try:
+        cal = read_calibration(args.calibration)
+    except CalibrationError as error:
+        raise PlanArgumentError(f"--calibration: {error}") from None
+    if hardware is not None and hardware.name != cal["hardware"]:
+        raise PlanArgumentError(
+            f"--hardware {hardware.name} differs from the hardware of --calibration {cal['path']} "
+            f"({cal['hardware']}): drop --hardware to plan on {cal['hardware']}, or give a calibration from a run "
+            f"on {hardware.name}")
+    args.hardware, args.calibration_data = cal["hardware"], cal
+    return CostModel(cal["hardware"], cal["efficiency"], cal["half_sizes"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -174,6 +174,11 @@ def trace_yaml(changes: dict) -> str:
     return yaml.safe_dump(data)
 
 
+def calibration_json(**changes) -> str:
+    """A run's calibration.json (a100, GEMMs at 0.4 of peak) with ``changes``."""
+    return json.dumps({"format": 1, "hardware": "a100", "efficiency": {"gemm": 0.4}, "half_sizes": {}, **changes})
+
+
 def sim(name: str, changes: dict, *expect: str, subprocess: bool = False):
     """A simulate row over ``trace.yaml`` = TRACE with ``changes``; the error names the file and ``expect``."""
     return bad(name, "simulate", ["trace.yaml"], "trace.yaml", *expect, files={"trace.yaml": trace_yaml(changes)},
@@ -216,6 +221,17 @@ ROWS = [
     bad("headroom-1", "plan", ["--headroom", "1"], "--headroom"),
     bad("runners-up-negative", "plan", ["--runners-up", "-1"], "--runners-up"),
     bad("unknown-flag", "plan", ["--nodes", "8"], "--nodes"),
+    bad("calibration-missing", "plan", ["--calibration", "nope"], "--calibration", "nope"),
+    bad("calibration-run-dir-without-it", "plan", ["--calibration", "run"], "--calibration", "run",
+        "no calibration.json", files={"run": FOLDER}),
+    bad("calibration-malformed-json", "plan", ["--calibration", "run"], "--calibration", "run/calibration.json",
+        "not valid JSON", files={"run/calibration.json": '{"format": 1,'}, subprocess=True),
+    bad("calibration-format-2", "plan", ["--calibration", "c.json"], "--calibration", "c.json", "format 2",
+        files={"c.json": calibration_json(format=2)}),
+    bad("calibration-unknown-class", "plan", ["--calibration", "c.json"], "--calibration", "c.json", "tensor_cores",
+        files={"c.json": calibration_json(efficiency={"gemm": 0.5, "tensor_cores": 0.9})}),
+    bad("calibration-other-hardware", "plan", ["--hardware", "h100", "--calibration", "c.json"], "--hardware h100",
+        "c.json", "(a100)", "drop --hardware", files={"c.json": calibration_json()}),
     # ------------------------------------------------------ python -m nereus_jax.simulate: the file
     bad("missing-file", "simulate", ["nope.yaml"], "nope.yaml"),
     bad("directory", "simulate", ["adir"], "adir", files={"adir": FOLDER}),

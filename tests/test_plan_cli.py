@@ -4,6 +4,13 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+from nereus_jax.config import resolve_model
+from nereus_jax.elastic.costs.calibration_file import save_calibration
+from nereus_jax.elastic.costs.model import CostModel
+from nereus_jax.elastic.planner import Planner
+from nereus_jax.elastic.workload import Workload
 from nereus_jax.plan import main
 
 FLAGSHIP = ["--model", "llama3.1-8b", "--algorithm", "ppo", "--gpus", "64", "--hardware", "h200",
@@ -53,3 +60,74 @@ def test_help_runs_as_a_module():
     done = subprocess.run([sys.executable, "-m", "nereus_jax.plan", "--help"], capture_output=True, text=True,
                           timeout=120, check=False)
     assert done.returncode == 0 and "--response-length" in done.stdout and "--json" in done.stdout
+
+
+SMALL = ["--model", "llama3.2-1b", "--algorithm", "grpo", "--gpus", "16", "--response-length", "1024",
+         "--batch", "64"]
+
+
+def _slow_gemm_calibration(run_dir):
+    """A100's priors with GEMMs at a tenth of their efficiency and a GEMM size term, as a run would save them."""
+    prior = CostModel("a100")
+    eff = {**prior.efficiency, "gemm": prior.efficiency["gemm"] / 10}
+    half = {**prior.half_sizes, "gemm_rows": 48.0}
+    run_dir.mkdir()
+    save_calibration(run_dir, CostModel("a100", eff, half), steps=20, model="tiny")
+    return eff, half
+
+
+def test_calibration_from_a_run_replaces_the_priors(tmp_path, capsys):
+    eff, half = _slow_gemm_calibration(tmp_path / "run")
+    assert main([*SMALL, "--hardware", "a100", "--json"]) == 0
+    prior = json.loads(capsys.readouterr().out)
+    assert prior["calibration"] is None
+    assert main([*SMALL, "--calibration", str(tmp_path / "run"), "--json"]) == 0  # the run's hardware: a100
+    calibrated = json.loads(capsys.readouterr().out)
+    assert calibrated["calibration"] == str(tmp_path / "run" / "calibration.json")
+    assert calibrated["hardware"] == "a100"
+    assert calibrated["step_latency_s"] > 1.5 * prior["step_latency_s"]
+    reference = Planner(CostModel("a100", eff, half)).plan(resolve_model("llama3.2-1b"), "grpo",
+                                                           Workload.fixed(64, 512, 1024, 8), 16)
+    assert calibrated["step_latency_s"] == reference.step_latency_s
+    assert calibrated["plan"] == reference.to_json()["plan"]
+    # the file itself, with the same --hardware: the same plan; the table names the calibration
+    assert main([*SMALL, "--hardware", "a100", "--calibration", str(tmp_path / "run" / "calibration.json")]) == 0
+    out = capsys.readouterr().out
+    assert f"cost model: calibration {tmp_path / 'run' / 'calibration.json'} (model tiny, steps 20)" in out
+    assert f"{reference.step_latency_s:.3f}" in out
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("no-dir", "no such file or directory"),
+    ("empty-run-dir", "no calibration.json in this directory"),
+    ("not-json", "not valid JSON"),
+    ("format-2", "calibration format 2 is not supported"),
+    ("unknown-class", "unknown efficiency class ['tensor_cores']"),
+    ("other-hardware", "--hardware h100 differs from the hardware of --calibration"),
+])
+def test_bad_calibration_exits_2_with_one_line_naming_the_path(tmp_path, capsys, case, needle):
+    run = tmp_path / "run"
+    _slow_gemm_calibration(run)
+    file = run / "calibration.json"
+    data = json.loads(file.read_text())
+    where, extra = str(file), []
+    if case == "no-dir":
+        where = str(tmp_path / "nope")
+    elif case == "empty-run-dir":
+        (tmp_path / "empty").mkdir()
+        where = str(tmp_path / "empty")
+    elif case == "not-json":
+        file.write_text('{"format": 1, "hardware": ')
+    elif case == "format-2":
+        file.write_text(json.dumps({**data, "format": 2}))
+    elif case == "unknown-class":
+        file.write_text(json.dumps({**data, "efficiency": {**data["efficiency"], "tensor_cores": 0.5}}))
+    else:
+        extra = ["--hardware", "h100"]
+    assert main([*SMALL, *extra, "--calibration", where, "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    err = captured.err.strip()
+    assert "\n" not in err and err.startswith("error: --") and where in err and needle in err
+    if case == "other-hardware":
+        assert "a100" in err and "drop --hardware" in err

@@ -2,6 +2,9 @@
 
     summary = run_job(load_config("ppo_tiny"), run_dir="runs/demo")
 
+With the summary (summary.json) the run writes the cost model its controller calibrated, calibration.json
+(``python -m nereus_jax.plan --calibration runs/demo`` plans with it).
+
 Everything a user can get wrong (config, prompt file, tokenizer, checkpoint path, plan devices) is
 checked before any compute, with an error naming the input and the fix.
 """
@@ -16,6 +19,8 @@ from collections.abc import Callable, Iterator
 import jax
 
 from nereus_jax.config import Config, ConfigError
+from nereus_jax.elastic.costs.calibration_file import FILENAME as CALIBRATION_FILE
+from nereus_jax.elastic.costs.calibration_file import save_calibration
 from nereus_jax.elastic.sources import ParamSource
 from nereus_jax.engine import Generator, SamplingParams
 from nereus_jax.models import init_params
@@ -235,7 +240,7 @@ def _run(cfg: Config, run_dir: str, inputs: Inputs, report: RunReport, started: 
     job = adapter.job
     rl_s = time.perf_counter() - rl_start
     if stopped is not None:
-        return _stopped(cfg, job, report, ckpt.directory, stopped, started)
+        return _stopped(cfg, job, adapter, report, ckpt.directory, stopped, started)
     after = job.evaluate(held_out, samples)
     report.log(f"held-out after {cfg.trainer.steps} RL steps: {_scores_text(after, samples)}")
     exported = export_actor(job, os.path.join(run_dir, "hf"))
@@ -262,9 +267,19 @@ def _run(cfg: Config, run_dir: str, inputs: Inputs, report: RunReport, started: 
                "rl_seconds": rl_s, "warm_start_seconds": sft_s, "warm_start_cache_hit": hit,
                "hf_export": str(exported) if exported else None,
                "plan": repr(job.plan), "wall_s": time.perf_counter() - started}
+    _save_calibration(cfg, adapter, report, cfg.trainer.steps)
     report.finish(summary)
     job.close()
     return summary
+
+
+def _save_calibration(cfg: Config, adapter: Adapter, report: RunReport, steps: int) -> None:
+    """RUN_DIR/calibration.json (primary process): the controller's calibrated cost model after ``steps`` steps,
+    replaced atomically (a killed run leaves the previous file or this one)."""
+    if report.primary:
+        report.open()
+        save_calibration(os.path.join(report.run_dir, CALIBRATION_FILE), adapter.cost, steps=steps,
+                         model=cfg.model.name)
 
 
 def _scores_text(scores: dict[str, float], samples: int) -> str:
@@ -296,7 +311,8 @@ def _after_step(cfg: Config, job: Job, ckpt: Checkpointer, stop: GracefulStop, d
     return None
 
 
-def _stopped(cfg: Config, job: Job, report: RunReport, directory: str, stopped, started: float) -> dict:
+def _stopped(cfg: Config, job: Job, adapter: Adapter, report: RunReport, directory: str, stopped,
+             started: float) -> dict:
     """The summary of a run that a signal stopped after saving (no final evaluation)."""
     name, step = stopped
     report.log(f"stopped by {name} after step {step - 1}; saved {directory}/{step}. Resume: the same command "
@@ -304,6 +320,7 @@ def _stopped(cfg: Config, job: Job, report: RunReport, directory: str, stopped, 
     summary = {"algorithm": cfg.algorithm.name, "model": cfg.model.name, "task": cfg.task.name,
                "steps": cfg.trainer.steps, "stopped_by": name, "resume_step": step, "resume_from": directory,
                "plan": repr(job.plan), "wall_s": time.perf_counter() - started}
+    _save_calibration(cfg, adapter, report, step)
     report.finish(summary)
     return summary
 

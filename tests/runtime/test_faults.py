@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from nereus_jax.config import load_config
+from nereus_jax.elastic.costs.calibration_file import read_calibration
 from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
 from nereus_jax.runtime.checkpoint import (
@@ -211,9 +212,11 @@ def test_run_stopped_by_sigterm_and_resumed_logs_the_metrics_of_the_straight_run
     stopped = run_job(load_config(None, args), str(tmp_path / "b"))
     assert stopped["stopped_by"] == "SIGTERM" and stopped["resume_step"] == 2
     assert stopped["resume_from"] == str(ckdir) and read_metadata(str(ckdir))["step"] == 2
+    assert read_calibration(tmp_path / "b")["steps"] == 2  # written with the summary of a stopped run too
     monkeypatch.setattr(report_mod.RunReport, "step", step)
     resumed = run_job(load_config(None, args + [f"checkpoint.resume_from={ckdir}"]), str(tmp_path / "b"))
     assert "stopped_by" not in resumed
+    assert read_calibration(tmp_path / "b")["steps"] == 4
 
     b = _logged(tmp_path / "b")
     assert [m["step"] for m in b] == [0, 1, 2, 3]

@@ -10,6 +10,7 @@ from _tb_events import read_scalars
 from nereus_jax.config import load_config
 from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
+from nereus_jax.runtime import run as run_module
 from nereus_jax.runtime.job import Job
 from nereus_jax.runtime.plans import REWARD_INFER, plan_from_config
 from nereus_jax.runtime.report import scalars
@@ -61,7 +62,15 @@ def test_split_plan_puts_generation_on_its_own_devices():
     assert gen.devices == (0, 1, 2, 3) and others == {4, 5, 6, 7}
 
 
-def test_run_writes_metrics_summary_and_tensorboard(tmp_path):
+def test_run_writes_metrics_summary_and_tensorboard(tmp_path, monkeypatch):
+    adapters = []
+
+    class Recorded(run_module.Adapter):  # the run's controller, to compare calibration.json with its cost model
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            adapters.append(self)
+
+    monkeypatch.setattr(run_module, "Adapter", Recorded)
     cfg = load_config(None, BASE + ["trainer.steps=2", "trainer.warmup_sft_steps=2", "task.eval_size=16",
                                     f"logging.cache_dir={tmp_path / 'cache'}"])
     summary = run_job(cfg, str(tmp_path / "run"))
@@ -75,6 +84,10 @@ def test_run_writes_metrics_summary_and_tensorboard(tmp_path):
                 "tokens_per_s"):
         assert key in saved
     assert saved == json.loads(json.dumps(summary)) and 0 <= saved["accuracy_after"] <= 1
+    cost = adapters[0].cost  # the cost model the controller calibrated, as it was at the end of the run
+    assert json.loads((tmp_path / "run" / "calibration.json").read_text()) == {
+        "format": 1, "hardware": cost.hardware.name, "efficiency": cost.efficiency, "half_sizes": cost.half_sizes,
+        "steps": 2, "model": cfg.model.name}
     assert read_scalars(tmp_path / "run" / "tensorboard") == {  # every step's numbers, as float32
         (tag, m["step"]): float(np.float32(v)) for m in lines for tag, v in scalars(m).items()}
     assert run_job(cfg, str(tmp_path / "run2"))["warm_start_cache_hit"]
