@@ -129,7 +129,7 @@ class Adapter:
         self._workload: Workload | None = None
         self._pool_ex = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nereus-compile")
         self.async_mode = cfg.trainer.mode == "async"
-        self.before_move: Callable[[], None] | None = None  # async: pauses generation before state moves
+        self._before_move: list[Callable[[], None]] = []  # run before state moves (async: pause generation)
         self._mismatch: dict[str, float] = {}  # the last step's rollout/train mismatch
         self._after_move: dict[str, Any] | None = None  # a transition event awaiting the mismatch after it
         self._length: float | None = None  # the last measured mean response length (for a recovery's observation)
@@ -195,6 +195,11 @@ class Adapter:
             self.pending = pending
             if gone & set(self.job.plan.devices):  # the device is gone now: no time to compile ahead
                 self._execute(step, pending)
+
+    def on_before_move(self, listener: Callable[[], None]) -> None:
+        """Calls ``listener`` at every move, after its compile and before any state moves (the async runner
+        pauses generation there, so no engine reads parameters being moved)."""
+        self._before_move.append(listener)
 
     def request(self, plan: ExecutionPlan, *, wait: bool = True, reason: str = "requested") -> None:
         """Moves the job to ``plan`` (an operator's or a test's choice, not the controller's): compiled
@@ -310,8 +315,8 @@ class Adapter:
         waited = not pending.future.done()
         prepared: Prepared = pending.future.result()
         standalone = self._move_compile_s(self.job.plan, pending.target)  # the compile as priced (uncontended)
-        if self.before_move is not None:
-            self.before_move()
+        for listener in self._before_move:
+            listener()
         t1 = time.perf_counter()
         self.pending = None
         try:  # the job holds none of the moved units meanwhile: what the executor frees is free

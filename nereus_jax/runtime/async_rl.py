@@ -59,7 +59,7 @@ class AsyncRunner:
         self._sync: WeightSync | None = None
         self._sync_plan = None
         if adapter is not None:
-            adapter.before_move = self._pause
+            adapter.on_before_move(self._pause)
 
     # ------------------------------------------------------------------------------- generator
     def _generate_loop(self, steps: int, first: int) -> None:

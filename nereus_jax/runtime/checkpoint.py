@@ -88,12 +88,14 @@ class Checkpointer:
     def due(self, steps_done: int) -> bool:
         return self.every_steps > 0 and steps_done > 0 and steps_done % self.every_steps == 0
 
-    def maybe_save(self, job: Job, steps_done: int) -> bool:
+    def maybe_save(self, job: Job, steps_done: int, *, controller: Mapping[str, Any] | None = None) -> bool:
         """Saves when ``steps_done`` is a multiple of ``every_steps``; True if a save started."""
-        return self.save(job, steps_done) if self.due(steps_done) else False
+        return self.save(job, steps_done, controller=controller) if self.due(steps_done) else False
 
-    def save(self, job: Job, steps_done: int, *, wait: bool = False) -> bool:
-        """Starts saving ``job`` after ``steps_done`` steps (the step it resumes at); ``wait``: until written."""
+    def save(self, job: Job, steps_done: int, *, controller: Mapping[str, Any] | None = None,
+             wait: bool = False) -> bool:
+        """Starts saving ``job`` after ``steps_done`` steps (the step it resumes at) with the controller's state
+        (``Adapter.state_dict()``, or None without one); ``wait``: until written."""
         if steps_done in self.manager.all_steps():
             return False  # this step's state is already saved (e.g. the periodic save, then a stop)
         if jax.process_count() == 1:
@@ -101,7 +103,8 @@ class Checkpointer:
         else:
             state = {str(ms): shared_host_leaves(units) for ms, units in job.units.items()}
         _check_finite(state)
-        meta = _to_json({**job_metadata(job, steps_done), "checksums": {k: checksums(v) for k, v in state.items()}})
+        meta = _to_json({**job_metadata(job, steps_done, controller),
+                         "checksums": {k: checksums(v) for k, v in state.items()}})
         self.manager.save(steps_done, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                               meta=ocp.args.JsonSave(meta)))
         if wait or self.export_hf:
@@ -180,11 +183,11 @@ def shared_host_leaves(units: Sequence[EMU]) -> list[np.ndarray]:
     return [np.asarray(x) for x in multihost_utils.broadcast_one_to_all(leaves, is_source=jax.process_index() == owner)]
 
 
-def job_metadata(job: Job, steps_done: int) -> dict[str, Any]:
-    """Everything besides arrays that a resumed job needs to continue exactly where this one stopped."""
+def job_metadata(job: Job, steps_done: int, controller: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Everything besides arrays that a resumed job needs to continue exactly where this one stopped
+    (``controller``: the controller's state, ``Adapter.state_dict()``, when one runs the job)."""
     cfg = job.cfg
     model = cfg.model.to_dict()
-    adapter = getattr(job, "adapter", None)
     return {
         "format": FORMAT, "step": steps_done, "prompts_per_step": cfg.trainer.prompts_per_step,
         "data_position": steps_done * cfg.trainer.prompts_per_step, "policy_version": job.version,
@@ -195,7 +198,7 @@ def job_metadata(job: Job, steps_done: int) -> dict[str, Any]:
                    "bos_id": job.tok.bos_id, "pad_id": job.tok.pad_id},
         "stages": {str(ms): [[list(leaf.shape), str(leaf.dtype)] for leaf in job.specs[ms].leaves]
                    for ms in job.units},
-        "controller": adapter.state_dict() if adapter is not None and hasattr(adapter, "state_dict") else None,
+        "controller": None if controller is None else dict(controller),
         "schedules": _schedules(cfg),
         "process_count": jax.process_count(), "jax": jax.__version__, "written_at": time.time(),
     }
@@ -376,7 +379,6 @@ def restore_into(job: Job, meta: Mapping[str, Any]) -> None:
     _verify(meta, state, job)
     units = {ms: _units(job, ms, state[str(ms)], targets[str(ms)][1]) for ms in job.units}
     install(job, units, int(meta["policy_version"]))
-    load_controller(job, meta)
 
 
 def restore_actor(path: str) -> tuple[Any, dict, dict[str, Any]]:
@@ -478,11 +480,11 @@ def _leaf_name(spec, i: int) -> str:
     return f"optimizer state leaf {i - spec.n_params}"
 
 
-def load_controller(job: Job, meta: Mapping[str, Any]) -> bool:
-    """Gives ``job.adapter`` (when there is one) the saved controller state, if the checkpoint was written on
-    as many devices as the job has (a controller's pool and references describe that cluster); True if so."""
-    adapter = getattr(job, "adapter", None)
-    if meta.get("controller") is None or adapter is None or not hasattr(adapter, "load_state_dict"):
+def load_controller(adapter, job: Job, meta: Mapping[str, Any]) -> bool:
+    """Gives ``adapter`` (the job's controller in the loop) the saved controller state, if the checkpoint has
+    one and was written on as many devices as the job has (a controller's pool and references describe that
+    cluster); True if so."""
+    if meta.get("controller") is None:
         return False
     if meta["num_devices"] != len(job.devices):
         return False

@@ -217,8 +217,7 @@ def _run(cfg: Config, run_dir: str, inputs: Inputs, report: RunReport, started: 
     before = job.evaluate(held_out, samples)
     report.log(f"held-out before RL: {_scores_text(before, samples)}")
     adapter = Adapter(job, log=report.log)
-    job.adapter = adapter
-    if meta is not None and not load_controller(job, meta):
+    if meta is not None and not load_controller(adapter, job, meta):
         report.log("the controller starts afresh (the checkpoint was written on another device count)")
     ckpt = Checkpointer(checkpoint_dir(cfg, run_dir), every_steps=cfg.checkpoint.every_steps,
                         keep=cfg.checkpoint.keep, export_hf=cfg.checkpoint.export_hf)
@@ -231,7 +230,7 @@ def _run(cfg: Config, run_dir: str, inputs: Inputs, report: RunReport, started: 
                 tokens, step_s = tokens + metrics["response_tokens"], step_s + metrics["step_seconds"]
                 over_cap += metrics.get("over_memory_cap", False)
                 report.step(metrics)
-                stopped = _after_step(cfg, job, ckpt, stop, metrics["step"] + 1)
+                stopped = _after_step(cfg, job, adapter, ckpt, stop, metrics["step"] + 1)
                 if stopped is not None:
                     break
         finally:
@@ -299,14 +298,15 @@ def _start_job(cfg: Config, inputs: Inputs, warm, report: RunReport) -> tuple[Jo
     return job, meta["step"], meta
 
 
-def _after_step(cfg: Config, job: Job, ckpt: Checkpointer, stop: GracefulStop, done: int):
-    """Periodic and end-of-run checkpoints; after SIGTERM / SIGINT (on any process) a save, and
-    (signal name, step to resume at) to stop the loop."""
-    ckpt.maybe_save(job, done)
+def _after_step(cfg: Config, job: Job, adapter: Adapter, ckpt: Checkpointer, stop: GracefulStop, done: int):
+    """Periodic and end-of-run checkpoints (with the controller's state); after SIGTERM / SIGINT (on any
+    process) a save, and (signal name, step to resume at) to stop the loop."""
+    controller = adapter.state_dict()
+    ckpt.maybe_save(job, done, controller=controller)
     if done == cfg.trainer.steps and cfg.checkpoint.every_steps:
-        ckpt.save(job, done)
+        ckpt.save(job, done, controller=controller)
     if done < cfg.trainer.steps and stop_agreed(stop):
-        ckpt.save(job, done)
+        ckpt.save(job, done, controller=controller)
         return stop.signal or "a signal to another process", done
     return None
 

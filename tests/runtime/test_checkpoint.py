@@ -190,3 +190,37 @@ def test_an_empty_checkpoint_folder_is_refused(tmp_path):
     (tmp_path / "3.orbax-checkpoint-tmp-123").mkdir()
     with pytest.raises(CheckpointError, match="no complete checkpoint.*unfinished saves"):
         _restore(str(tmp_path))
+
+
+def test_the_controller_state_saved_with_a_checkpoint_is_the_one_a_resumed_controller_starts_from(warm, tmp_path):
+    """The controller's state goes into the checkpoint as an argument of save (not through the job), and
+    load_controller gives it to the resumed run's controller: its references, horizons, calibrated
+    efficiencies and n_1/2, and compile figures equal the saved controller's; on another device count the
+    resumed controller starts afresh."""
+    from nereus_jax.runtime.adapt import Adapter
+    from nereus_jax.runtime.checkpoint import load_controller
+    from nereus_jax.runtime.plans import job_pricing
+
+    cfg = _cfg("controller.enabled=true")
+    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
+    adapter = Adapter(job, log=lambda _: None)
+    try:
+        metrics = None
+        for s in range(3):
+            adapter.boundary(s, metrics)
+            metrics = job.step(s).metrics
+        saved = adapter.state_dict()
+        ckpt = Checkpointer(str(tmp_path / "ck"), every_steps=0)
+        ckpt.save(job, 3, controller=saved, wait=True)
+        ckpt.close()
+    finally:
+        adapter.close()
+    assert saved["compile_by_stage"] and saved["efficiency"] != job_pricing(cfg).cost.efficiency  # it calibrated
+    resumed, meta = restore_job(cfg, make_task(cfg.task), CharTokenizer(), str(tmp_path / "ck"))
+    fresh = Adapter(resumed, log=lambda _: None)
+    try:
+        assert load_controller(fresh, resumed, meta)
+        assert read_metadata(str(tmp_path / "ck"))["controller"] == fresh.state_dict() == saved
+        assert not load_controller(fresh, resumed, {**meta, "num_devices": 4})
+    finally:
+        fresh.close()
