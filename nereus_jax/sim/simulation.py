@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from nereus_jax.config import resolve_model
 from nereus_jax.elastic.controller import Controller, Decision, Observation
 from nereus_jax.elastic.costs import CostModel
+from nereus_jax.elastic.costs.stage import split_stage
 from nereus_jax.elastic.graph import TransitionGraph, transition_seconds
 from nereus_jax.elastic.hardware import get_hardware
 from nereus_jax.elastic.topology import Topology
@@ -70,7 +71,7 @@ class Simulation:
         self.topology = Topology.of_job(trace.algorithm, reward_model=True)  # the job with a reward model
         self.phases = self.topology.phases
         self.stages = list(self.topology.stages)
-        roles = sorted({s.split("-")[0] for s in self.stages})
+        roles = sorted({split_stage(s)[0] for s in self.stages})
         missing = [r for r in roles if r not in trace.models]
         if missing:
             raise ValueError(f"trace '{trace.name}': models needs a preset for role(s) {missing}")
@@ -94,7 +95,7 @@ class Simulation:
                     layouts=layouts, planner=self.trace.planner, cost_model=cost_model)
 
     def cfg(self, stage: str):
-        return self.models[stage.split("-")[0]]
+        return self.models[split_stage(stage)[0]]
 
     def measure(self, plan: SimPlan, wl: Workload, step: int) -> tuple[float, dict[str, float]]:
         """Ground-truth step latency and per-stage seconds of ``plan`` at ``step``."""

@@ -30,6 +30,7 @@ import yaml
 
 from nereus_jax._typed_tree import parse_yaml, show
 from nereus_jax.config import ConfigError, config_dir, resolve_model
+from nereus_jax.elastic.costs.stage import split_stage
 from nereus_jax.elastic.hardware import HardwareError, get_hardware
 from nereus_jax.elastic.planner import phases_for
 from nereus_jax.elastic.workload import LengthStats, Workload, WorkloadError
@@ -284,7 +285,7 @@ def _models(value: Any, algorithm: str) -> dict[str, str]:
 
 def _roles(algorithm: str) -> list[str]:
     """The roles whose models the algorithm's model-stages run."""
-    return sorted({stage.split("-")[0] for phase in phases_for(algorithm) for stage in phase})
+    return sorted({split_stage(stage)[0] for phase in phases_for(algorithm) for stage in phase})
 
 
 def _preset(name: Any, key: str):

@@ -32,6 +32,7 @@ import numpy as np
 from nereus_jax.config import STAGE_NAMES, ModelConfig
 from nereus_jax.elastic.costs import StageChoice, stage_latency, stage_memory
 from nereus_jax.elastic.costs.latency import Breakdown
+from nereus_jax.elastic.costs.stage import split_stage
 from nereus_jax.elastic.hardware import EFFICIENCY_CLASSES, Hardware
 from nereus_jax.elastic.workload import Workload
 
@@ -104,7 +105,7 @@ class GroundTruth:
     # ---------------------------------------------------------------------------------- stages
     def efficiency(self, cfg: ModelConfig, stage: str, choice: StageChoice, wl: Workload) -> dict[str, float]:
         """Achieved fraction of peak per class for this stage's operation sizes."""
-        kind = stage.split("-")[1]
+        kind = split_stage(stage)[1]
         tokens = wl.mean_tokens if wl.packed else wl.max_tokens
         if kind == "gen":
             rows = min(choice.micro_batch, wl.generated_sequences / choice.dp)  # decode rows per step
