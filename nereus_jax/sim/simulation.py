@@ -95,7 +95,8 @@ class Simulation:
                     layouts=layouts, planner=self.trace.planner, cost_model=cost_model)
 
     def cfg(self, stage: str):
-        return self.models[split_stage(stage)[0]]
+        """The network of a model-stage (``actor-gen``) or a role (``actor``)."""
+        return self.models[stage.partition("-")[0]]
 
     def measure(self, plan: SimPlan, wl: Workload, step: int) -> tuple[float, dict[str, float]]:
         """Ground-truth step latency and per-stage seconds of ``plan`` at ``step``."""
