@@ -72,6 +72,7 @@ from nereus_jax.runtime.distributed import agree, all_processes
 from nereus_jax.runtime.job import Job, Prepared, engine_replicas_across_processes
 from nereus_jax.runtime.move import MoveError, move
 from nereus_jax.runtime.plans import ACTOR_GEN, job_pricing, plan_from_config
+from nereus_jax.runtime.pool import DevicePool
 
 _MEASURED = ("step_seconds", "stage_seconds", "response_length_mean", "response_length_p95")  # clock/length reads
 _MISMATCH = ("mismatch_kl", "mismatch_ratio_max", "mismatch_outside_fraction")  # logged before/after a move
@@ -104,7 +105,7 @@ class Adapter:
         self.pricing = job_pricing(cfg)
         self.cost, self.topology = self.pricing.cost, self.pricing.topology
         self.planner = Planner(self.cost, headroom=cfg.controller.memory_headroom)
-        self.pool = tuple(range(cfg.cluster.num_devices))
+        self.device_pool = DevicePool(range(cfg.cluster.num_devices), cfg.cluster.schedule, log)
         self.controller = Controller(self._candidates, self._latency, self._transition_seconds,
                                      gamma=cfg.controller.gamma, length_drift=cfg.controller.length_drift,
                                      devices=self.pool, error_margin=cfg.controller.error_margin)
@@ -137,6 +138,11 @@ class Adapter:
         # not one consistent state); moves out of that plan start from the survivors
         self._failed: tuple[ExecutionPlan, ExecutionPlan | None] | None = None
 
+    @property
+    def pool(self) -> tuple[int, ...]:
+        """The device ids the job may use now (``DevicePool``)."""
+        return self.device_pool.devices
+
     # ------------------------------------------------------------------------------ the boundary
     def boundary(self, step: int, metrics: dict[str, Any] | None) -> None:
         """Run before ``step``; ``metrics`` are the previous step's (None before the first step)."""
@@ -146,7 +152,7 @@ class Adapter:
             self._length = metrics["response_length_mean"]
             self._learn(metrics)
             self._note_mismatch(step, metrics)
-        gone = self._apply_schedule(step)
+        gone = self.device_pool.apply(step)
         if not self.enabled:
             if gone & set(self.job.plan.devices):
                 raise RuntimeError(f"step {step}: devices {sorted(gone)} leave but controller.enabled=false: "
@@ -167,7 +173,7 @@ class Adapter:
         if metrics is None and not gone:
             return
         achieved = statistics.median(self._priced_s) if len(self._priced_s) >= 3 and not compiled else None
-        obs = Observation(step=step, plan=self.job.plan, devices=self._planning_pool(step),
+        obs = Observation(step=step, plan=self.job.plan, devices=self.device_pool.planning(step),
                           response_length=metrics["response_length_mean"] if metrics else (self._ref_length() or 1.0),
                           step_seconds=achieved, peak_memory_bytes=self.peak_bytes(self.job.plan),
                           memory_cap_bytes=self.pricing.trigger_bytes(self.cost.hardware.memory_bytes),
@@ -237,11 +243,11 @@ class Adapter:
             self.pending = None
             self.controller.forget_move()
         job = self.job
-        self.pool = tuple(d for d in self.pool if d not in lost)
+        self.device_pool.remove(lost)
         rec = self._recover(job, lost, step, before, checkpoint_dir) if self.enabled else None
         if rec is None:
             rec = recover_from_device_loss(job, lost, step, before, checkpoint_dir)
-            self.controller.devices = self._planning_pool(step)  # re-planned for this pool already
+            self.controller.devices = self.device_pool.planning(step)  # re-planned for this pool already
         self.events.append({"event": "recovery", "step": step, "lost": sorted(lost), "how": rec.how,
                             "reason": rec.reason, "plan": _short(rec.job.plan)})
         self.job = rec.job
@@ -253,7 +259,7 @@ class Adapter:
                  checkpoint_dir: str | None) -> Recovery | None:
         """The controller's urgent path after a failure (see :meth:`lose`); None: it has no candidate."""
         left, reason = surviving_state(job, lost, step, before)
-        obs = Observation(step=step, plan=job.plan, devices=self._planning_pool(step),
+        obs = Observation(step=step, plan=job.plan, devices=self.device_pool.planning(step),
                           response_length=self._length or self._ref_length() or 1.0,
                           peak_memory_bytes=self.peak_bytes(job.plan),
                           memory_cap_bytes=self.pricing.trigger_bytes(self.cost.hardware.memory_bytes),
@@ -289,25 +295,6 @@ class Adapter:
     def close(self) -> None:
         """Stops taking work; a compile still running finishes in the background (its result is unused)."""
         self._pool_ex.shutdown(wait=False, cancel_futures=True)
-
-    # ------------------------------------------------------------------------------------- pool
-    def _apply_schedule(self, step: int) -> set[int]:
-        """Applies the changes taking effect at ``step``; returns the devices that leave now."""
-        gone: set[int] = set()
-        pool = set(self.pool)
-        for change in self.job.cfg.cluster.schedule:
-            if change.step == step:
-                gone |= set(change.leave) & pool
-                pool = (pool - set(change.leave)) | set(change.join)
-                self.log(f"step {step}: device pool change: leave {list(change.leave)} join {list(change.join)} "
-                         f"-> {len(pool)} devices")
-        self.pool = tuple(sorted(pool))
-        return gone
-
-    def _planning_pool(self, step: int) -> tuple[int, ...]:
-        """The pool minus devices whose leave has been announced (notice) but not yet happened."""
-        leaving = {d for c in self.job.cfg.cluster.schedule if c.step - c.notice <= step < c.step for d in c.leave}
-        return tuple(d for d in self.pool if d not in leaving)
 
     # ------------------------------------------------------------------------------- execution
     def _execute(self, step: int, pending: _Pending) -> None:
@@ -564,7 +551,7 @@ class Adapter:
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.controller.load_state_dict(d)
-        self.pool = tuple(d["pool"])
+        self.device_pool.devices = tuple(d["pool"])
         self.cost = CostModel(self.cost.hardware, d["efficiency"], d.get("half_sizes"))
         self.planner.cost_model = self.pricing.cost = self.cost
         self._compile_s, self.transitions = d["compile_s"], d["transitions"]
