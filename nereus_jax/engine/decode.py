@@ -1,5 +1,5 @@
 """The engine's model path: the decoder of ``nereus_jax.models`` with per-layer weights and per-layer KV
-caches, the arrangement XLA:CPU decodes fastest (../shared/DESIGN.md, "Decode speed on XLA:CPU").
+caches, the arrangement XLA:CPU decodes fastest.
 
 The parameter tree is the model's, except that ``layers`` is a tuple of per-layer dicts (the stacked
 arrays sliced once, in :func:`unstack_layers`), so the unrolled layer loop never slices stacked weights
