@@ -147,13 +147,10 @@ MI250X = Hardware(
     workspace_bytes=2 * _GIB,  # estimate
 )
 
-# Measured on this machine (AMD EPYC, 2 cores, 23 GiB RAM, jax 0.12, 8 virtual devices), 2026-09:
-# f32 matmul 1024x1024 at M>=512: 203-214 GFLOP/s on one device and 185-210 aggregate over 8 devices
-# (so the cores are shared, not multiplied); M=32: 120. Elementwise stream: 5.9 GB/s (1 device), 4.1 (8).
-# All-reduce of 16 MB per device over 8 devices: 10 ms (~2.8 GB/s bus bandwidth). A trivial program:
-# 4 us on 1 device, 220 us on 8; a scan step: 1.4 us per layer on 1 device, 14.4 us on 8.
-# 2026-11, tools/bench_cost_model.py: the same matmul at 440-448 GFLOP/s when the host was quiet (67-104
-# under other jobs' load; the 2026-09 figures were taken under load), so the peak is the quiet one.
+# `cpu`: the "measured" constants are measurements on this machine (AMD EPYC, 2 cores, 23 GiB RAM, jax 0.12,
+# 8 virtual devices); the figures they come from, with their dates, are in docs/results.md ("Figures moved from
+# code comments"). The 8 devices share the cores (their aggregate matmul rate is one device's), and the peak is
+# the quiet host's rate: other jobs' load slows the same matmul several times over.
 CPU = Hardware(
     name="cpu",
     description="this machine: 8 virtual XLA CPU devices sharing 2 cores (shared compute)",
@@ -173,8 +170,8 @@ CPU = Hardware(
     shared_compute=True,
     fused_attention=False,  # our XLA einsum attention materialises [t, s] scores in float32
     efficiency={"gemm": 1.0, "memory": 1.0, "collective_intra": 1.0, "host": 1.0},  # peaks are measurements
-    # measured: [R, 512] @ [512, 1536] f32 (the bench_cost_model MLP), CPU time over the 2 cores: 149 / 175
-    # GFLOP/s at R = 128 / 1024 rows, 113 at 64, 92 at 32: n_1/2 ~ 25 rows
+    # measured: [R, 512] @ [512, 1536] f32 (the bench_cost_model MLP), CPU time over the 2 cores, R = 32 to
+    # 1,024 rows: n_1/2 ~ 25 rows
     half_sizes={"gemm_rows": 25.0},
 )
 
