@@ -55,25 +55,9 @@ Figures (medians over runs; seconds are wall seconds of the RL phase, ``rl_secon
   mean step latency per policy (async: the interval between weight syncs) and the reductions. Null with
   ``--sim-steps 0``.
 
-Reading it (this 2-core host is shared with other jobs; each line is one command, modes interleaved):
-
-- now (learner Python cut, ``insert_many``, one thread per engine), default flags, machine_overlap 1.93-1.94 (two
-  free cores), two commands: speedup 0.98 / 0.93 (steady 0.91 / 0.90) against an ideal of 1.41 and a core bound of
-  1.27 (sync keeps 1.57 cores busy); sync_s 9.19 / 9.32, async_s 9.34 / 10.00. The same
-  command on the code of 6f32738 (a few minutes earlier): sync_s 12.93, async_s 12.53, speedup 1.03. Both
-  modes got faster (sync 1.41x, async 1.34x), async relative to sync did not.
-- where async loses it: beside the learner, generation runs 1.7x longer (gen_work_s 3.2 -> 5.4 s) and the learner
-  1.34x longer (5.6 -> 7.5 s). The learner's SPMD programs occupy both cores, and every small decode call then
-  waits for a core and for the GIL: cutting Python helps both modes alike.
-- before the engine threads, ``--decode-steps-per-call 8``: 1.06-1.11 (sync_s 9.5-9.6); 32 (one call per
-  generation): 1.01, sync generation gets as much faster as async's.
-- before these cuts (6f32738), ``--single-thread-devices`` on a quiet host: 1.02 (steady 0.90) against an ideal of
-  1.45; at load average 9 (machine_overlap 1.2): 0.80-1.03.
-
-Why not 1.15: generation is about a third of a sync step, so perfect overlap gives ~1.3-1.45 (the ideal figures),
-and 1.15 needs half of that. Two cores leave little room: sync alone keeps 1.57 of them busy (``cores_used``), so
-the most any overlap can give is 2 / 1.57 = 1.27 (``core_bound_speedup``), and async's own costs (the threads
-waiting on each other's cores and on the GIL: +5% CPU seconds) take the rest.
+Reading it: the speedup is bounded by ``ideal_speedup`` (the overlap the stage times allow) and by
+``core_bound_speedup`` (the cores sync leaves idle); async's own costs (the two threads waiting for each
+other's cores and for the GIL) come off those. Measured figures: docs/results.md, "Asynchronous RL".
 """
 
 from __future__ import annotations

@@ -24,9 +24,8 @@ Each program is compiled and run once (warm-up), then run ``--reps`` times in ea
 over all layouts (interleaved, so a burst of load from other processes does not land on one layout only).
 Two stage times are kept: wall seconds (the least disturbed run) and host-seconds, this process's CPU time
 over all its threads divided by the host's cores (least of the runs). On 2 cores shared with other jobs
-the wall clock mostly measures the neighbours (the same program varies 2x between runs); the CPU time is
-the work the stage did, and when the host is quiet a stage's wall time is close to it (checked: quiet runs
-give wall ~1.05x host-seconds, since the programs keep both cores busy). One ``CostModel("cpu")`` observes
+the wall clock mostly measures the neighbours; the CPU time is the work the stage did, and when the host
+is quiet a stage's wall time is close to it, since the programs keep both cores busy. One ``CostModel("cpu")`` observes
 every stage's host-seconds on the calibration layouts (default the first two: 1x1 and 2x2) and predicts
 all layouts; the mean absolute percentage error per stage is over the layouts NOT calibrated on. The
 uncalibrated prior's error, and the same calibration on wall seconds (``wall_mape_by_stage``), are

@@ -2,8 +2,8 @@
 random bf16 checkpoint (written by ``save_hf``, sharded) laid out on 8 CPU devices as actor-train
 (tp=2 x dp=4, float32 master weights), actor-gen (tp=2 x dp=4) and ref-infer (tp=4 x dp=2, kv heads stored
 twice) in the compute dtype (bfloat16), the way ``Job._initial_units`` does it: each device reads its own
-shard with ``units_from_source`` (streaming). Against it, in the same run, the naive path the job used
-before: ``load_hf`` of the whole checkpoint to host numpy, then ``EMU.create`` per replica from that tree.
+shard with ``units_from_source`` (streaming). Against it, in the same run, the naive path:
+``load_hf`` of the whole checkpoint to host numpy, then ``EMU.create`` per replica from that tree.
 
     python tools/bench_load.py                       # 4 of the preset's 28 layers (fits 24 GiB, baseline included)
     python tools/bench_load.py --num-layers 2        # quicker
@@ -282,7 +282,7 @@ def _stream_stage(spec, layout, replicas, ckpt, name):
 
 
 def _naive_stage(spec, layout, replicas, host, name):
-    """What ``Job._initial_units`` did before: the whole host tree, cast per inference stage, one
+    """The naive load: the whole host tree, cast per inference stage, one
     ``EMU.create`` (a device_put from host) per replica; actor-train's optimizer state initialised on host."""
     import jax
     import numpy as np

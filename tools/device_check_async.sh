@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 10's overlap check on a host with free cores. The device machine has 16 CPU cores and one GPU; async
+# The async overlap check on a host with free cores. The device machine has 16 CPU cores and one GPU; async
 # needs two device sets, so this runs the CPU benchmark there (JAX_PLATFORMS=cpu, 8 virtual devices) where
 # cores, not the 2 of a dev box, bound the overlap. Writes $OUT/bench_async.json (the bench's JSON line) and
 # $OUT/bench_async.log; extra arguments go to tools/bench_async.py.

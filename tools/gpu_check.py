@@ -1,4 +1,4 @@
-"""One-command GPU check (issue 21): the runtime's headline figures on the device it runs on, each against the
+"""One-command GPU check: the runtime's headline figures on the device it runs on, each against the
 physical limit measured in the same run. Writes ONE JSON file, ``$OUT/gpu_check.json`` (``$OUT`` unset:
 ``runs/gpu_check``), rewritten after every section so a run cut short keeps what it measured, and prints the
 same JSON object as its last line.

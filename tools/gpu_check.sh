@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-command GPU check (issue 21): decode tokens/s against the HBM roofline, prefill tokens/s, the train step's
+# One-command GPU check: decode tokens/s against the HBM roofline, prefill tokens/s, the train step's
 # MFU and device <-> pinned_host bandwidth through the transition executor, each against a ceiling measured in
 # the same run (tools/gpu_check.py says what and how). Writes $OUT/gpu_check.json (OUT unset: runs/gpu_check)
 # and $OUT/gpu_check.log, and prints the JSON object as the last line. Runs from the checkout, no install

@@ -20,7 +20,6 @@ _EXPORTS = {
     "schedule": ("Infeasible",),
     "executor": ("ChecksumMismatch", "InjectedFailure", "TransitionExecutor", "TransitionFailed"),
     "weight_sync": ("WeightSync",),
-    "batching": ("BatchError", "BatchSplit", "batch_splits", "choose_batch_split", "valid_dp_degrees"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)

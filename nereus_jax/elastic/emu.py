@@ -101,7 +101,7 @@ class EMU:
 
     def __getattr__(self, name: str) -> Any:
         """Only for attributes not set: a unit from :func:`split_replicas` builds its ``leaves`` (views of the
-        whole state's buffers, ~0.1 ms each) on first use, so a training step that assembles its units
+        whole state's buffers, which take host time to build) on first use, so a training step that assembles its units
         again without reading them pays nothing."""
         lazy = self.__dict__.get("_lazy")
         if name == "leaves" and lazy is not None:

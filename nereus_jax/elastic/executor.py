@@ -1,6 +1,6 @@
 """Runs a TransitionGraph on real arrays: the EMUs of the old plan in, the EMUs of the new plan out.
 
-Primitives map to JAX as DESIGN.md measured them:
+Primitives map to JAX as follows:
 
 * Split / Merge / Relayout / Derive: a jitted identity (kv-head re-repetition and, for Derive, the cast
   to the target dtypes inside) from one sharding to another on the SAME device list, donating its input

@@ -1,7 +1,7 @@
 """The hardware table of the cost model: per-device compute, memory and links, one entry per device kind.
 
-Each constant names its source: vendor datasheets, the cluster table of ../shared/PAPER.md (Nereus,
-arXiv 2609.34645) or a measurement on this machine (`cpu`). Bandwidths are bytes/s in ONE direction;
+Each constant names its source: vendor datasheets, the cluster table of the Nereus paper (arXiv
+2609.34645; "paper" below) or a measurement on this machine (`cpu`). Bandwidths are bytes/s in ONE direction;
 vendors quote NVLink and Infinity Fabric as the sum of both directions, so those are halved here.
 ``inter_node_bandwidth`` is what one node's NICs carry together; a device's share is that divided by
 ``devices_per_node`` when the whole node talks at once (the normal case for DP gradient sync).
@@ -96,12 +96,12 @@ H100 = Hardware(
 H200 = Hardware(
     name="h200",
     description="NVIDIA H200 SXM 141GB, 8 per node, NVLink 4, 1x HDR InfiniBand per node (PAPER.md cluster #3)",
-    memory_bytes=141 * 10**9,  # H200 datasheet and PAPER.md cluster #3: 141 GB HBM3e
+    memory_bytes=141 * 10**9,  # H200 datasheet and paper cluster #3: 141 GB HBM3e
     peak_flops=989.4e12,  # H200 SXM datasheet: 1,979 TFLOPS bf16 with sparsity -> 989.4 dense
     memory_bandwidth=4.8e12,  # datasheet: 4.8 TB/s HBM3e
-    devices_per_node=8,  # PAPER.md cluster #3: 8 nodes / 64 GPUs
-    intra_node_bandwidth=450 * _GB,  # PAPER.md: NVLink 4.0 900 GB/s (both directions) -> 450 per direction
-    inter_node_bandwidth=25 * _GB,  # PAPER.md cluster #3: 1x HDR InfiniBand, 25+25 GB/s per node
+    devices_per_node=8,  # paper cluster #3: 8 nodes / 64 GPUs
+    intra_node_bandwidth=450 * _GB,  # paper: NVLink 4.0 900 GB/s (both directions) -> 450 per direction
+    inter_node_bandwidth=25 * _GB,  # paper cluster #3: 1x HDR InfiniBand, 25+25 GB/s per node
     host_bandwidth=64 * _GB,  # PCIe Gen5 x16: 64 GB/s per direction (nominal)
     intra_node_latency_s=5e-6,  # estimate, as h100
     inter_node_latency_s=10e-6,  # estimate, as h100
@@ -114,12 +114,12 @@ H200 = Hardware(
 A100 = Hardware(
     name="a100",
     description="NVIDIA A100 SXM4 64GB, 4 per node, NVLink 3, 4x HDR100 InfiniBand (PAPER.md cluster #2)",
-    memory_bytes=64 * 10**9,  # PAPER.md cluster #2: 4 NVIDIA A100, 64 GB
+    memory_bytes=64 * 10**9,  # paper cluster #2: 4 NVIDIA A100, 64 GB
     peak_flops=312e12,  # A100 datasheet: 312 TFLOPS bf16 dense
     memory_bandwidth=1.63e12,  # estimate: 4 of the 80 GB part's 5 HBM2e stacks (2.039 TB/s x 4/5)
-    devices_per_node=4,  # PAPER.md cluster #2: 64 nodes / 256 GPUs
-    intra_node_bandwidth=300 * _GB,  # PAPER.md: NVLink 3.0 600 GB/s (both directions) -> 300 per direction
-    inter_node_bandwidth=4 * 12.5 * _GB,  # PAPER.md: 4x HDR100 InfiniBand, 12.5+12.5 GB/s each
+    devices_per_node=4,  # paper cluster #2: 64 nodes / 256 GPUs
+    intra_node_bandwidth=300 * _GB,  # paper: NVLink 3.0 600 GB/s (both directions) -> 300 per direction
+    inter_node_bandwidth=4 * 12.5 * _GB,  # paper: 4x HDR100 InfiniBand, 12.5+12.5 GB/s each
     host_bandwidth=32 * _GB,  # PCIe Gen4 x16: 32 GB/s per direction (nominal)
     intra_node_latency_s=6e-6,  # estimate
     inter_node_latency_s=12e-6,  # estimate
@@ -132,12 +132,12 @@ A100 = Hardware(
 MI250X = Hardware(
     name="mi250x",
     description="AMD MI250X, one GCD (64 GB), 8 GCDs per node, Infinity Fabric, 4x Slingshot-11 (cluster #1)",
-    memory_bytes=64 * 10**9,  # PAPER.md cluster #1 and AMD datasheet: 128 GB HBM2e per MI250X = 64 per GCD
+    memory_bytes=64 * 10**9,  # paper cluster #1 and AMD datasheet: 128 GB HBM2e per MI250X = 64 per GCD
     peak_flops=191.5e12,  # AMD datasheet: 383 TFLOPS bf16 per MI250X (2 GCDs)
     memory_bandwidth=1.6384e12,  # AMD datasheet: 3.2768 TB/s per MI250X (2 GCDs)
-    devices_per_node=8,  # PAPER.md cluster #1: 128 nodes / 1,024 GCDs
-    intra_node_bandwidth=200 * _GB,  # PAPER.md: Infinity Fabric 400 GB/s (both directions) -> 200
-    inter_node_bandwidth=4 * 25 * _GB,  # PAPER.md: 4x Slingshot-11, 25+25 GB/s each
+    devices_per_node=8,  # paper cluster #1: 128 nodes / 1,024 GCDs
+    intra_node_bandwidth=200 * _GB,  # paper: Infinity Fabric 400 GB/s (both directions) -> 200
+    inter_node_bandwidth=4 * 25 * _GB,  # paper: 4x Slingshot-11, 25+25 GB/s each
     host_bandwidth=36 * _GB,  # Frontier node: CPU-GCD Infinity Fabric 36+36 GB/s
     intra_node_latency_s=8e-6,  # estimate: RCCL over Infinity Fabric
     inter_node_latency_s=15e-6,  # estimate: Slingshot
@@ -147,13 +147,10 @@ MI250X = Hardware(
     workspace_bytes=2 * _GIB,  # estimate
 )
 
-# Measured on this machine (AMD EPYC, 2 cores, 23 GiB RAM, jax 0.12, 8 virtual devices), 2026-09:
-# f32 matmul 1024x1024 at M>=512: 203-214 GFLOP/s on one device and 185-210 aggregate over 8 devices
-# (so the cores are shared, not multiplied); M=32: 120. Elementwise stream: 5.9 GB/s (1 device), 4.1 (8).
-# All-reduce of 16 MB per device over 8 devices: 10 ms (~2.8 GB/s bus bandwidth). A trivial program:
-# 4 us on 1 device, 220 us on 8; a scan step: 1.4 us per layer on 1 device, 14.4 us on 8.
-# 2026-11, tools/bench_cost_model.py: the same matmul at 440-448 GFLOP/s when the host was quiet (67-104
-# under other jobs' load; the 2026-09 figures were taken under load), so the peak is the quiet one.
+# `cpu`: the "measured" constants are measurements on this machine (AMD EPYC, 2 cores, 23 GiB RAM, jax 0.12,
+# 8 virtual devices); the figures they come from, with their dates, are in docs/results.md ("Figures moved from
+# code comments"). The 8 devices share the cores (their aggregate matmul rate is one device's), and the peak is
+# the quiet host's rate: other jobs' load slows the same matmul several times over.
 CPU = Hardware(
     name="cpu",
     description="this machine: 8 virtual XLA CPU devices sharing 2 cores (shared compute)",
@@ -173,8 +170,8 @@ CPU = Hardware(
     shared_compute=True,
     fused_attention=False,  # our XLA einsum attention materialises [t, s] scores in float32
     efficiency={"gemm": 1.0, "memory": 1.0, "collective_intra": 1.0, "host": 1.0},  # peaks are measurements
-    # measured: [R, 512] @ [512, 1536] f32 (the bench_cost_model MLP), CPU time over the 2 cores: 149 / 175
-    # GFLOP/s at R = 128 / 1024 rows, 113 at 64, 92 at 32: n_1/2 ~ 25 rows
+    # measured: [R, 512] @ [512, 1536] f32 (the bench_cost_model MLP), CPU time over the 2 cores, R = 32 to
+    # 1,024 rows: n_1/2 ~ 25 rows
     half_sizes={"gemm_rows": 25.0},
 )
 

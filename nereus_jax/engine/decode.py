@@ -1,5 +1,5 @@
 """The engine's model path: the decoder of ``nereus_jax.models`` with per-layer weights and per-layer KV
-caches, the arrangement XLA:CPU decodes fastest (../shared/DESIGN.md, "Decode speed on XLA:CPU").
+caches, the arrangement XLA:CPU decodes fastest.
 
 The parameter tree is the model's, except that ``layers`` is a tuple of per-layer dicts (the stacked
 arrays sliced once, in :func:`unstack_layers`), so the unrolled layer loop never slices stacked weights
@@ -130,7 +130,8 @@ def _finish(x, out_bthe, lp, cfg):
 
 
 def _attend_one(q_b1he: jax.Array, k_bkse: jax.Array, v_bkse: jax.Array, mask_b1s: jax.Array) -> jax.Array:
-    """``layers.attention`` for one query token per row, in the layout XLA:CPU runs ~2x faster."""
+    """``layers.attention`` for one query token per row, without its query-length axis: a layout XLA:CPU
+    runs faster."""
     b, _, h, e = q_b1he.shape
     k = k_bkse.shape[1]
     q = q_b1he.reshape(b, k, h // k, e)

@@ -194,7 +194,7 @@ class JaxEngine:
         """Parameters already laid out for this engine (its layout, on its mesh, kv heads stored as the
         layout stores them), e.g. a generation unit's after the weight sync: only cast to the compute
         dtype and unstacked, on device, with no host round trip."""
-        if self._stored_shapes is None:  # abstract_params traces the model: ~12 ms, once per engine
+        if self._stored_shapes is None:  # abstract_params traces the model: once per engine
             self._stored_shapes = stored_shapes(self.cfg, self.layout)
         want = self._stored_shapes
         got = jax.tree.map(lambda x: tuple(np.shape(x)), dict(params))

@@ -191,6 +191,6 @@ def attend(q_bhe: jax.Array, k_pool: jax.Array, v_pool: jax.Array, items: Items)
 
 def gather_pages(pool: jax.Array, pages_n: jax.Array) -> jax.Array:
     """Pages ``pages_n`` of a pool, [n, kv_heads, page_size, head_dim] (ids are clipped into the pool).
-    Gathered as rows of a 2-d view: XLA:CPU copies whole rows then, ~3x faster than a 4-d gather."""
+    Gathered as rows of a 2-d view: XLA:CPU copies whole rows then, faster than a 4-d gather."""
     rows = jnp.take(pool.reshape(pool.shape[0], -1), pages_n, axis=0, mode="clip")
     return rows.reshape(pages_n.shape + pool.shape[1:])

@@ -125,7 +125,7 @@ def sample(logits_nv: jax.Array, requests: Requests, index_n: jax.Array) -> tupl
 
 
 def _argmax(x_nv: jax.Array) -> jax.Array:
-    """First index of the maximum (jnp.argmax's variadic reduce is ~10x slower on XLA:CPU)."""
+    """First index of the maximum (jnp.argmax's variadic reduce is slower on XLA:CPU)."""
     iota = jnp.arange(x_nv.shape[-1], dtype=jnp.int32)
     return jnp.min(jnp.where(x_nv == jnp.max(x_nv, -1, keepdims=True), iota, x_nv.shape[-1]), axis=-1)
 

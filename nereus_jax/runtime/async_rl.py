@@ -152,7 +152,7 @@ class AsyncRunner:
         metrics = None
         last = time.perf_counter()
         # The decode loop hands the GIL back at every decode step; with the default 5 ms switch interval
-        # each handback can wait that long while the learner runs Python (measured: generation 2-3x slower)
+        # each handback can wait that long while the learner runs Python, which slows generation down
         switch = sys.getswitchinterval()
         sys.setswitchinterval(min(switch, 5e-4))
         try:

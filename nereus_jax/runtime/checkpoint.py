@@ -460,7 +460,7 @@ def _host_checksum(x: np.ndarray) -> int:
 def _verify(meta: Mapping[str, Any], state: Mapping[str, list], job: Job) -> None:
     """Compares every restored array with the checksum written with it; names the first that differs."""
     saved = meta.get("checksums")
-    if saved is None:  # written before checksums existed
+    if saved is None:  # a checkpoint written without checksums: nothing to compare
         return
     for name, leaves in state.items():
         got = checksums(leaves)

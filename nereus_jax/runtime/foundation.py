@@ -1,5 +1,5 @@
-"""The foundation check the job runs until the RL loop lands: a sharded forward and gradient of the
-configured model on the configured devices, each compared with a single-device run."""
+"""The sharding check ``python -m nereus_jax.train --check-sharding`` runs: a sharded forward and gradient of
+the configured model on the configured devices, each compared with a single-device run."""
 
 from __future__ import annotations
 

@@ -39,8 +39,8 @@ replicated; in GPipe the output head (a large matmul for real vocabularies) runs
 every stage taking 1/pp of the rows, instead of on the last stage alone; in 1F1B it runs on the last stage,
 one micro-batch at a time.
 
-Generation stays pp = 1: the planner proposes no other layout for actor-gen, and the cached forward here
-(GPipe, no backward) serves tests and tools.
+Generation stays pp = 1: the planner proposes no other layout for actor-gen, so the job never calls the
+cached forward here (GPipe, no backward); tests hold it equal to :func:`~nereus_jax.models.forward_with_cache`.
 
 Example::
 

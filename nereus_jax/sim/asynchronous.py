@@ -1,49 +1,14 @@
 """Asynchronous (one-step-off) RL in the simulator, as ``runtime/async_rl.py`` runs it with max_staleness 1 and
-a weight sync after every update: actor-gen on its own devices generates batch g+1 with the weights of
-update g-1 while scoring and training consume batch g on the other devices; then the actor's new weights move
-to the generator (the weight sync) and the next interval starts.
-
-- Step latency = the interval between weight syncs (the paper's async definition):
-  max(actor-gen of batch g+1, scoring + training of batch g) + weight sync. The ground truth prices it the
-  same way (its own stage seconds; its link speeds for the sync), the controller's cost model likewise.
-  The first interval also generates batch 0 alone (pipeline fill, ``StepRecord.fill_s``); the last one
-  generates nothing.
-- Plans keep actor-gen disjoint from every other model-stage: the pool is split (actor-gen on the first k
-  devices, the rest on the others; k on a grid of eighths of the pool, in whole nodes once the pool has two)
-  and the planner solves each side alone; the split with the lowest predicted interval wins (the others are
-  its runners-up). adapt.py filters the real job's candidates the same way (async generation needs its own
-  devices). Where no split fits (e.g. 8 A100s of 64 GB cannot hold PPO's four 8B models' training state on
-  fewer than 8), the job runs that step colocated and synchronously (the planner's ordinary plans:
-  ``SimPlan.overlapped`` False, counted as ``sync_fallback_steps``), as a real job without spare devices would.
-- The controller observes and moves state only at weight syncs: every step boundary here is one
-  (sync_every 1), so a transition is admitted only between intervals.
-
-- Memory for the batch in flight: an interval generates the batch after the one it trains, two batches past
-  the last one the controller observed, so the planner sizes actor-gen (and the memory trigger checks it) for
-  that batch: the observed lengths grown by the last observed step-to-step growth, twice (growth only;
-  ``AsyncPlanningModel.in_flight``). Planning actor-gen for the observed batch ran out of memory once on
-  paper_drift (step 5: lengths grew 15% a step and the plan had been sized two steps earlier).
-
-Policies: ``async_fixed`` (the planner's first disjoint plan's tp/pp kept, dp and the split re-planned: the
-paper's async baseline from Laminar, fixed parallelism with DP scaling; the first disjoint plan is the one at
-the first step whose pool admits a split, with the hardware table's priors) and ``async_nereus`` (Eq. 2 admission).
-:func:`async_oracle` is the hindsight bound: each interval the truly fastest plan (disjoint or colocated) among
-the oracle planner's picks for that interval's exact batches and every plan another policy ran there, with
-free transitions, pipeline fills priced exactly (a dynamic program over "is this step's batch generated").
-
-Why async_nereus gains ~2.5% over async_fixed on paper_drift, not the paper's 37.3% (measured, seed 0): under
-this ground truth actor-gen is 22% of a synchronous step (sync nereus), and its work scales with the mean
-length (packed sequences, continuous batching), so nothing idles while the longest response finishes. An
-interval is then bound by scoring + training on the 3/4 of the pool left to them (actor-gen 168-186 s beside
-~300 s intervals), and splitting the pool costs more than the overlap saves: sync nereus runs 251 s/step
-against async_nereus's 301, and the async oracle, free to pick a colocated plan, picks one in 23 of 26
-intervals (245 s/step, 1.2% under the sync oracle). Pinning the generator's share of the pool at the first
-disjoint plan's 1/4 (a fixed rollout/trainer split) moves async_fixed by <0.1%, so the baseline's re-planned
-split is not the reason. The paper's async runs sit on Laminar, built for the opposite regime: long-tail
-generation (p99 about 10x the median) that dominates a step, trajectory-level asynchrony (each trajectory
-generated and consumed on its own, weights pulled from relay workers at any time) and repacking of long-tail
-trajectories onto a few rollout replicas; re-sizing the rollout and trainer pools as lengths drift 16x is
-where a planner gains there. Ours is batch-level one-step-off with one global weight sync per interval.
+a weight sync after every update: actor-gen, on devices of its own, generates batch g+1 while scoring and
+training consume batch g. Step latency = the interval between weight syncs (the paper's async definition):
+max(actor-gen of g+1, scoring + training of g) + the sync, priced so by the ground truth and by the controller's
+cost model; the first interval also generates batch 0 (``StepRecord.fill_s``). A plan splits the pool (actor-gen
+on the first k devices, k on a grid of eighths, whole nodes once the pool has two), the planner solves each side
+and the lowest predicted interval wins; where no split fits, the step runs colocated and synchronously
+(``sync_fallback_steps``). Actor-gen is sized for the batch it generates, two past the last observed, lengths
+grown by the last observed growth (``AsyncPlanningModel.in_flight``). The controller moves state only at weight
+syncs. Policies: ``async_fixed`` (the first disjoint plan's tp/pp kept, dp and the split re-planned: the paper's
+async baseline) and ``async_nereus`` (Eq. 2); :func:`async_oracle` is the hindsight bound.
 """
 
 from __future__ import annotations

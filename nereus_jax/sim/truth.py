@@ -50,9 +50,8 @@ ATTENTION_HALF_LENGTH = 512.0  # FlashAttention-2 paper, Fig. 4: throughput roug
 MEMORY_EFFICIENCY = 0.85
 # NCCL: nccl-tests all_reduce bus bandwidth on DGX A100 NVLink ~230 of 300 GB/s at large messages (~0.77);
 # InfiniBand reaches ~90% of line rate. Small messages are latency-bound; the work count already charges a
-# per-hop latency (alpha-beta model), so the efficiency applies to large-message bandwidth only. (A first
-# version also scaled small messages down by size: that counted the latency twice and made a Llama-8B TP8
-# decode step spend ~80 ms in all-reduces, against ~10-15 ms whole decode steps in public vLLM benchmarks.)
+# per-hop latency (alpha-beta model), so the efficiency applies to large-message bandwidth only (scaling small
+# messages down by size as well would count their latency twice).
 COLLECTIVE_INTRA_EFFICIENCY = 0.77
 COLLECTIVE_INTER_EFFICIENCY = 0.90
 HOST_EFFICIENCY = 0.80        # CUDA bandwidthTest pinned PCIe Gen4 x16: ~25 of 32 GB/s

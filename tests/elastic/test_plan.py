@@ -1,20 +1,9 @@
-"""Execution plans (validated, hashable, printable) and the fixed-global-batch rule for DP changes."""
+"""Execution plans (validated, hashable, printable)."""
 
 import pytest
 from elastic_helpers import ACTOR_GEN, ACTOR_TRAIN, REF
 
-from nereus_jax.elastic import (
-    HOST,
-    BatchError,
-    BatchSplit,
-    ExecutionPlan,
-    ModelStage,
-    PlanError,
-    StagePlan,
-    batch_splits,
-    choose_batch_split,
-    valid_dp_degrees,
-)
+from nereus_jax.elastic import HOST, ExecutionPlan, ModelStage, PlanError, StagePlan
 from nereus_jax.sharding import Layout
 
 
@@ -45,13 +34,3 @@ def test_execution_plan_is_hashable_compares_by_value_and_prints_a_table():
     assert rows[1].split()[:4] == ["actor-gen", "tp1xpp1", "4", "device"]
     assert rows[2].endswith("[0,1] [2,3]")
     assert a.devices == (0, 1, 2, 3)
-
-
-def test_dp_changes_keep_the_global_batch_fixed():
-    assert valid_dp_degrees(24, max_dp=8) == [1, 2, 3, 4, 6, 8]
-    assert valid_dp_degrees(24, max_dp=8, max_per_replica=2) == [1, 2, 3, 4, 6, 8]
-    assert choose_batch_split(64, dp=4, max_per_replica=8) == BatchSplit(dp=4, per_replica=8, accumulation=2)
-    for split in batch_splits(48, 6):
-        assert split.global_batch == 48
-    with pytest.raises(BatchError, match="dp=5 cannot keep the global batch of 24 fixed"):
-        choose_batch_split(24, dp=5)

@@ -1,5 +1,5 @@
 """The planner: for every model-stage a layout, its replicas, a micro-batch and (training) remat, chosen to
-minimise the predicted step latency under per-device memory and the device pool (PAPER.md, Eq. 1).
+minimise the predicted step latency under per-device memory and the device pool (the Nereus paper, Eq. 1).
 
 Search space. A step runs in phases whose data dependencies are complete (every score needs the rollouts,
 every update needs every score): actor-gen -> {actor, ref, reward, critic}-infer -> {actor, critic}-train.
