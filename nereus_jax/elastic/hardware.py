@@ -95,7 +95,7 @@ H100 = Hardware(
 
 H200 = Hardware(
     name="h200",
-    description="NVIDIA H200 SXM 141GB, 8 per node, NVLink 4, 1x HDR InfiniBand per node (PAPER.md cluster #3)",
+    description="NVIDIA H200 SXM 141GB, 8 per node, NVLink 4, 1x HDR InfiniBand per node (paper cluster #3)",
     memory_bytes=141 * 10**9,  # H200 datasheet and paper cluster #3: 141 GB HBM3e
     peak_flops=989.4e12,  # H200 SXM datasheet: 1,979 TFLOPS bf16 with sparsity -> 989.4 dense
     memory_bandwidth=4.8e12,  # datasheet: 4.8 TB/s HBM3e
@@ -113,7 +113,7 @@ H200 = Hardware(
 
 A100 = Hardware(
     name="a100",
-    description="NVIDIA A100 SXM4 64GB, 4 per node, NVLink 3, 4x HDR100 InfiniBand (PAPER.md cluster #2)",
+    description="NVIDIA A100 SXM4 64GB, 4 per node, NVLink 3, 4x HDR100 InfiniBand (paper cluster #2)",
     memory_bytes=64 * 10**9,  # paper cluster #2: 4 NVIDIA A100, 64 GB
     peak_flops=312e12,  # A100 datasheet: 312 TFLOPS bf16 dense
     memory_bandwidth=1.63e12,  # estimate: 4 of the 80 GB part's 5 HBM2e stacks (2.039 TB/s x 4/5)

@@ -64,7 +64,7 @@ def run_foundation_check(cfg: Config) -> dict:
     logit_err = float(np.max(np.abs(np.asarray(logits) - np.asarray(ref_logits))))
     grad_err = _max_grad_error(grads, ref_grads, m)
     summary = {
-        "job": "foundation-check (the RL job is not implemented yet)",
+        "job": "sharding-check (sharded forward and gradient vs one device; no RL steps)",
         "model": m.name, "params": count_params(params), "devices": len(devices),
         "layout": str(layout), "dp": dp, "batch": int(tokens.shape[0]), "seq_len": int(tokens.shape[1]),
         "loss": float(loss), "loss_single_device": float(ref_loss),
