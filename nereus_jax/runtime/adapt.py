@@ -62,17 +62,12 @@ from nereus_jax.elastic.plan import ExecutionPlan
 from nereus_jax.elastic.planner import InfeasiblePlanError, Planner, PlanResult
 from nereus_jax.elastic.pricing import CALIBRATION_WINDOW
 from nereus_jax.elastic.workload import LengthStats, Workload
-from nereus_jax.runtime.checkpoint import (
-    Recovery,
-    recover_from_device_loss,
-    restore_after_loss,
-    surviving_state,
-)
 from nereus_jax.runtime.distributed import agree, all_processes
 from nereus_jax.runtime.job import Job, Prepared, engine_replicas_across_processes
 from nereus_jax.runtime.move import MoveError, move
 from nereus_jax.runtime.plans import ACTOR_GEN, job_pricing, plan_from_config
 from nereus_jax.runtime.pool import DevicePool
+from nereus_jax.runtime.recovery import Recovery, recover_from_device_loss, restore_after_loss, surviving_state
 
 _MEASURED = ("step_seconds", "stage_seconds", "response_length_mean", "response_length_p95")  # clock/length reads
 _MISMATCH = ("mismatch_kl", "mismatch_ratio_max", "mismatch_outside_fraction")  # logged before/after a move

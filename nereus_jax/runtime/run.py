@@ -35,11 +35,11 @@ from nereus_jax.runtime.checkpoint import (
     load_controller,
     restore_job,
     stop_agreed,
-    training_snapshot,
 )
 from nereus_jax.runtime.distributed import is_primary
 from nereus_jax.runtime.export import export_actor
 from nereus_jax.runtime.job import DeviceLost, Job, JobError, StepResult, prompt_ids
+from nereus_jax.runtime.recovery import training_snapshot
 from nereus_jax.runtime.report import RunReport
 from nereus_jax.runtime.warmstart import SFT_INDEX_OFFSET, cached_warm_start, run_sft
 from nereus_jax.sharding import Layout, make_mesh, shard_params

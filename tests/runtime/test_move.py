@@ -34,10 +34,11 @@ from nereus_jax.elastic.schedule import Infeasible
 from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
 from nereus_jax.runtime.adapt import Adapter
-from nereus_jax.runtime.checkpoint import CheckpointError, training_snapshot
+from nereus_jax.runtime.checkpoint import CheckpointError
 from nereus_jax.runtime.job import Job, JobError, Prepared
 from nereus_jax.runtime.move import InMove, move
 from nereus_jax.runtime.plans import ACTOR_GEN, REF_INFER
+from nereus_jax.runtime.recovery import training_snapshot
 from nereus_jax.sharding import Layout, device_index
 
 BASE = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=16",
