@@ -93,9 +93,9 @@ def _run(cfg: Config, run_dir: str, start: float) -> dict:
 
 
 def _check_sharding(cfg: Config, run_dir: str) -> dict:
-    from nereus_jax.runtime.foundation import run_foundation_check
+    from nereus_jax.runtime.sharding_check import run_sharding_check
 
-    summary = run_foundation_check(cfg)
+    summary = run_sharding_check(cfg)
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

@@ -16,7 +16,7 @@ _EXPORTS = {
     "emu": ("EMU", "assemble_replicas", "split_replicas"),
     "ledger": ("CapExceeded", "Ledger"),
     "graph": ("TransitionError", "TransitionGraph", "plan_usage"),
-    "compile": ("align_ranks",),
+    "recipe": ("align_ranks",),
     "schedule": ("Infeasible",),
     "executor": ("ChecksumMismatch", "InjectedFailure", "TransitionExecutor", "TransitionFailed"),
     "weight_sync": ("WeightSync",),

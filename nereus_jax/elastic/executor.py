@@ -48,7 +48,7 @@ from .graph import TransitionGraph
 from .ledger import CapExceeded, Ledger
 from .measured import cross_check, local_usage, measure
 from .plan import DEVICE, ExecutionPlan, ModelStage, StagePlan
-from .steps import DERIVE, DESTROY, MERGE, RELAYOUT, SPLIT, Step, Unit
+from .primitives import DERIVE, DESTROY, MERGE, RELAYOUT, SPLIT, Step, Unit
 
 DONATING = (SPLIT, MERGE, RELAYOUT)  # may donate their inputs to XLA (when another copy of the state exists)
 

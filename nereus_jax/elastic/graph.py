@@ -23,11 +23,11 @@ from typing import Any
 
 from nereus_jax.layout import LayoutError
 
-from .compile import compile_stage
 from .ledger import Ledger, describe_key, fmt_bytes, key
 from .plan import DEVICE, ExecutionPlan, ModelStage
+from .primitives import COPIES, DESTROY, OFFLOAD, ONLOAD, Builder, Step, Unit
+from .recipe import compile_stage
 from .schedule import Infeasible, Scheduler, replay_peak
-from .steps import COPIES, DESTROY, OFFLOAD, ONLOAD, Builder, Step, Unit
 
 LinkSeconds = Callable[[str, float], float]  # (link type, bytes per device) -> seconds
 

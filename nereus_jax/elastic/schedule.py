@@ -18,7 +18,7 @@ import heapq
 
 from .ledger import Ledger, describe_key, fmt_bytes
 from .plan import DEVICE, HOST
-from .steps import COPIES, DESTROY, OFFLOAD, ONLOAD, Builder, Step, Unit, copy_op
+from .primitives import COPIES, DESTROY, OFFLOAD, ONLOAD, Builder, Step, Unit, copy_op
 
 
 class Infeasible(ValueError):

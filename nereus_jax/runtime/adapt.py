@@ -53,7 +53,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from nereus_jax.config import ConfigError
-from nereus_jax.elastic.compile import align_ranks
 from nereus_jax.elastic.controller import Candidate, Controller, Decision, Observation, Priced
 from nereus_jax.elastic.costs import CostModel, link_bandwidth
 from nereus_jax.elastic.executor import TransitionFailed
@@ -61,6 +60,7 @@ from nereus_jax.elastic.graph import TransitionGraph
 from nereus_jax.elastic.plan import ExecutionPlan
 from nereus_jax.elastic.planner import InfeasiblePlanError, Planner, PlanResult
 from nereus_jax.elastic.pricing import CALIBRATION_WINDOW
+from nereus_jax.elastic.recipe import align_ranks
 from nereus_jax.elastic.workload import LengthStats, Workload
 from nereus_jax.runtime.distributed import agree, all_processes
 from nereus_jax.runtime.job import Job, Prepared, engine_replicas_across_processes

@@ -9,10 +9,10 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from nereus_jax.config import Config, ConfigError
-from nereus_jax.elastic.compile import align_ranks
 from nereus_jax.elastic.executor import TransitionFailed
 from nereus_jax.elastic.graph import TransitionGraph
 from nereus_jax.elastic.plan import ExecutionPlan, StagePlan
+from nereus_jax.elastic.recipe import align_ranks
 from nereus_jax.runtime.checkpoint import CheckpointError, latest_step, restore_job
 from nereus_jax.runtime.job import Job
 from nereus_jax.runtime.move import MoveError, move

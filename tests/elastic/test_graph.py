@@ -15,7 +15,7 @@ from nereus_jax.elastic import (
     plan_usage,
     transition_bytes,
 )
-from nereus_jax.elastic.steps import DESTROY, EXTEND, MERGE, RELAYOUT, SPLIT
+from nereus_jax.elastic.primitives import DESTROY, EXTEND, MERGE, RELAYOUT, SPLIT
 from nereus_jax.sharding import Layout
 
 MiB = 2**20

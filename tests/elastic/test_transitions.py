@@ -15,7 +15,7 @@ from nereus_jax.elastic import (
     TransitionGraph,
     align_ranks,
 )
-from nereus_jax.elastic.steps import MERGE, OFFLOAD, ONLOAD, SPLIT
+from nereus_jax.elastic.primitives import MERGE, OFFLOAD, ONLOAD, SPLIT
 from nereus_jax.sharding import Layout
 
 C = StagePlan.contiguous

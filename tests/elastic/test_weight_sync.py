@@ -8,7 +8,7 @@ import pytest
 from elastic_helpers import ACTOR_GEN, ACTOR_TRAIN, TINY, assert_plan_units, assert_state
 
 from nereus_jax.elastic import EMU, ExecutionPlan, StagePlan, StateSpec, TransitionExecutor, WeightSync, plan_usage
-from nereus_jax.elastic.steps import DERIVE, DESTROY, EXTEND
+from nereus_jax.elastic.primitives import DERIVE, DESTROY, EXTEND
 from nereus_jax.sharding import Layout
 
 C = StagePlan.contiguous

@@ -41,7 +41,7 @@ def _batch(cfg: Config, batch: int):
     return np.asarray(tokens), mask
 
 
-def run_foundation_check(cfg: Config) -> dict:
+def run_sharding_check(cfg: Config) -> dict:
     """Runs the check, prints a table, returns a JSON-able summary (``ok`` when both match)."""
     m, plan = cfg.model, cfg.plan.default
     layout = Layout(tp=plan.tp, pp=plan.pp)
@@ -83,7 +83,7 @@ def _max_grad_error(grads, ref_grads, cfg) -> float:
 
 
 def _print(summary: dict) -> None:
-    table = Table(title="nereus_jax foundation check (sharded vs single device)")
+    table = Table(title="nereus_jax sharding check (sharded vs single device)")
     table.add_column("quantity")
     table.add_column("value", justify="right")
     for key, value in summary.items():

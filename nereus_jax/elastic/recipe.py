@@ -27,7 +27,7 @@ from nereus_jax.layout import Layout
 
 from .factor import STRIDED, common_layout, mode_options, sub_replicas
 from .plan import DEVICE, HOST, ExecutionPlan, ModelStage, StagePlan
-from .steps import DERIVE, MERGE, OFFLOAD, ONLOAD, RELAYOUT, SPLIT, Builder, Unit
+from .primitives import DERIVE, MERGE, OFFLOAD, ONLOAD, RELAYOUT, SPLIT, Builder, Unit
 
 IDENTITY = None  # "no split": the unit itself is its only piece
 
