@@ -119,7 +119,7 @@ def host_batch(cfg: ModelConfig) -> dict:
 
 
 def put(micro: dict, mesh) -> dict:
-    """As ``runtime.job._put``: [accum, rows, ...] arrays split over dp on the rows axis."""
+    """As ``runtime.stages._put``: [accum, rows, ...] arrays split over dp on the rows axis."""
     rows = NamedSharding(mesh, PartitionSpec(None, "dp"))
     whole = NamedSharding(mesh, PartitionSpec())
     return {k: jax.device_put(v, rows if np.ndim(v) > 1 else whole) for k, v in micro.items()}

@@ -1,7 +1,7 @@
 """Benchmark the loading cost of starting a job from a Hugging Face checkpoint: a ``qwen2.5-1.5b``-shaped
 random bf16 checkpoint (written by ``save_hf``, sharded) laid out on 8 CPU devices as actor-train
 (tp=2 x dp=4, float32 master weights), actor-gen (tp=2 x dp=4) and ref-infer (tp=4 x dp=2, kv heads stored
-twice) in the compute dtype (bfloat16), the way ``Job._initial_units`` does it: each device reads its own
+twice) in the compute dtype (bfloat16), the way ``StageState.place`` does it: each device reads its own
 shard with ``units_from_source`` (streaming). Against it, in the same run, the naive path:
 ``load_hf`` of the whole checkpoint to host numpy, then ``EMU.create`` per replica from that tree.
 
@@ -121,7 +121,7 @@ def _stage_layouts(args) -> dict[str, tuple[int, int]]:
 
 
 def _specs(args, cfg) -> dict:
-    """Each stage's StateSpec as the job builds them (``job._specs``); actor-train's optimizer on request."""
+    """Each stage's StateSpec as the job builds them (``runtime.stages._specs``); actor-train's optimizer on request."""
     from nereus_jax.elastic.spec import StateSpec
     from nereus_jax.runtime import steps
 

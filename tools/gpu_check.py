@@ -44,7 +44,7 @@ whether the run got to the end.
 - ``host``: device <-> pinned_host through the transition executor: the ``infer`` state of a 4-layer
   ``llama3.2-1b``-shaped model (float32, ~2 GiB) parked and brought back with the graphs
   ``TransitionGraph.build`` makes between plans that differ only in ``memory`` (device vs pinned_host), as
-  ``Job._move`` does, run by ``TransitionExecutor``; against a raw ``jax.device_put`` of the same leaves to
+  ``StageState._move`` does, run by ``TransitionExecutor``; against a raw ``jax.device_put`` of the same leaves to
   the same shardings. ``host_bandwidth``: ``executor_gb_s`` and ``device_put_gb_s`` (both directions' bytes
   over both directions' time, the best of 3 alternating rounds), ``ratio`` (executor / device_put), and each
   direction. Null with a reason where the device has no pinned_host memory.

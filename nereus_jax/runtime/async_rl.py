@@ -98,7 +98,7 @@ class AsyncRunner:
     def _adopt(self, units, version: int) -> None:
         job = self.job
         job.units[ACTOR_GEN] = units
-        for gen, unit in zip(job._engines, units, strict=True):
+        for gen, unit in zip(job.rollout.engines, units, strict=True):
             gen.set_params(gen.engine.adopt_params(unit.params), version=version)
 
     def _pause(self) -> None:
@@ -132,7 +132,7 @@ class AsyncRunner:
             self._sync = WeightSync(job.plan, job.specs[ACTOR_TRAIN], job.specs[ACTOR_GEN],
                                     caps=job.cfg.cluster.device_memory_bytes, keep_old=True)
             self._sync_plan = job.plan
-        units = self._sync(job._use(ACTOR_TRAIN), job.units[ACTOR_GEN])
+        units = self._sync(job.stages.use(ACTOR_TRAIN), job.units[ACTOR_GEN])
         job.park(ACTOR_TRAIN)
         with self.cond:
             if self.partial == "resume":

@@ -413,7 +413,7 @@ def evaluate_params(job: Job, params: dict, problems) -> float:
         gen = Generator(actor_gen.engine, actor_gen.engine.load_params(params), pad_id=job.tok.pad_id)
         return gen.generate(prompts, sampling)
 
-    out = job._on_engines([(0, run)])[0]  # with several processes: on its owner, shared with every process
+    out = job.rollout.on_engines([(0, run)])[0]  # with several processes: on its owner, shared with every process
     texts = [job.tok.decode(out.tokens[i, : out.lengths[i]]) for i in range(len(problems))]
     return float(job.rewarder.score(list(problems), texts).correct.mean())
 

@@ -95,7 +95,7 @@ def test_an_announced_leave_is_compiled_ahead_and_the_move_is_data_movement_only
             adapter.boundary(s, metrics)
             if adapter.pending is not None:
                 adapter.pending.future.result()  # deterministic: the compile finishes before the next boundary
-            before, engines = dict(job._programs), list(job._engines)
+            before, engines = dict(job.stages.programs), list(job.rollout.engines)
             metrics = job.step(s).metrics
             if adapter.transitions:
                 break
@@ -104,7 +104,8 @@ def test_an_announced_leave_is_compiled_ahead_and_the_move_is_data_movement_only
     move = next(e for e in adapter.events if e["event"] == "transition")
     assert move["compile_hidden"] and move["wait_for_compile_s"] < 0.05 and move["step"] < 5
     assert 7 not in job.plan.devices
-    assert job._programs == before and job._engines == engines  # the step after the move built nothing
+    # the step after the move built nothing
+    assert job.stages.programs == before and list(job.rollout.engines) == engines
 
 
 def test_a_predicted_memory_violation_is_an_urgent_trigger_toward_a_plan_that_fits():
@@ -170,13 +171,13 @@ def test_a_move_of_one_model_stage_keeps_the_others_programs_and_engines_and_pri
         assert partial_moves(moved.plan, target) == [target]
         priced = adapter._transition_seconds(moved.plan, target)
         assert priced.seconds == pytest.approx(adapter._movement_s(priced.move) + by_stage["ref-infer"])
-        engines, programs = list(moved._engines), dict(moved._programs)
+        engines, programs = list(moved.rollout.engines), dict(moved.stages.programs)
         adapter.request(target, wait=True)
         prepared = adapter.pending.future.result()
         assert prepared.engines is None and {key[1] for key in prepared.programs} == {ref}
         adapter.boundary(3, metrics)
-        assert moved.plan == target and moved._engines == engines and moved.plan[gen] == still.plan[gen]
-        assert all(moved._programs[k] is v for k, v in programs.items() if k[1] != ref)
+        assert moved.plan == target and list(moved.rollout.engines) == engines and moved.plan[gen] == still.plan[gen]
+        assert all(moved.stages.programs[k] is v for k, v in programs.items() if k[1] != ref)
         a, b = moved.step(3), still.step(3)
     finally:
         adapter.close()

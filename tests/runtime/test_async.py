@@ -105,5 +105,5 @@ def test_the_last_weight_sync_reaches_actor_gen_when_the_run_ends():
     """finish mode applies a sync at the next batch; after the last update there is none, so the runner
     applies it on the way out: evaluation after the run sees the final policy."""
     job, _, _ = _run(["trainer.mode=async", "trainer.max_staleness=1"], steps=2)
-    pending = [g._pending[1] if g._pending is not None else g.version for g in job._engines]
-    assert job.version == 2 and pending == [2] * len(job._engines)
+    pending = [g._pending[1] if g._pending is not None else g.version for g in job.rollout.engines]
+    assert job.version == 2 and pending == [2] * len(job.rollout.engines)

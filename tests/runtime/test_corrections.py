@@ -17,6 +17,7 @@ from nereus_jax.rl.rewards import RewardBatch, Rewarder
 from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
 from nereus_jax.runtime.job import EXTRA_INDEX_OFFSET, Job
+from nereus_jax.runtime.learner import Learner
 from nereus_jax.runtime.plans import ACTOR_TRAIN
 
 BASE = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=16",
@@ -54,7 +55,7 @@ def _weights(corrector, stale):
     batch = RolloutBatch(zeros, zeros, zeros, mask, np.zeros((3, 5), np.float32), np.zeros(3), np.zeros(3),
                          np.zeros(3, np.int32))
     adv = alg.Advantages(np.ones((3, 5), np.float32) * mask, np.ones((3, 5), np.float32))
-    out, metrics = Job._correct(corrector, adv, batch, old * mask, np.array(stale))
+    out, metrics = Learner.correct(corrector, adv, batch, old * mask, np.array(stale))
     return np.asarray(out.advantages_bt), metrics
 
 
@@ -81,7 +82,7 @@ def test_no_correction_on_fresh_rows_leaves_the_advantages_untouched():
     corrector = _corrector("none")
     batch = RolloutBatch(*(np.zeros((3, 5), np.int32),) * 3, np.ones((3, 5), np.int32), np.zeros((3, 5), np.float32),
                          np.zeros(3), np.zeros(3), np.zeros(3, np.int32))
-    out, metrics = Job._correct(corrector, adv, batch, np.full((3, 5), -0.1, np.float32), np.zeros(3))
+    out, metrics = Learner.correct(corrector, adv, batch, np.full((3, 5), -0.1, np.float32), np.zeros(3))
     assert out is adv and metrics["mismatch_kl"] > 0 and metrics["mismatch_outside_fraction"] == 0.0
 
 
@@ -99,7 +100,7 @@ def bf16_runs(warm):
         out[name] = (job.step(0), _actor(job))
         job.close()
     job = _job(BF16, warm)
-    advantages = job._advantages
+    advantages = job.learner.advantages
 
     def by_hand(step, batch, scores, scored):
         adv = advantages(step, batch, scores, scored)
@@ -107,7 +108,7 @@ def bf16_runs(warm):
         w = (np.minimum(r, 1.0) * batch.response_mask_br).astype(np.float32)
         return alg.Advantages(np.asarray(adv.advantages_bt) * w, adv.returns_bt)
 
-    job._advantages = by_hand
+    job.learner.advantages = by_hand
     out["by_hand"] = (job.step(0), _actor(job))
     job.close()
     return out
@@ -216,7 +217,7 @@ def _sample(informative, cap, step=3):
         batch = job.generate(problems, positions, 1.0)
         scores = job.rewards(problems, batch)[0]
         seconds = {"actor-gen": 0.0}
-        return job._dynamic_sampling(step, problems, batch, scores, seconds), seconds
+        return job.learner.dynamic_sampling(step, problems, batch, scores, seconds), seconds
     finally:
         job.close()
 

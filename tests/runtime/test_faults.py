@@ -76,7 +76,7 @@ def _lose_during_step(tmp_path, warm, lost, where):
     _inject(job, lost, where)
     with pytest.raises(DeviceLost) as failure:
         job.step(2)
-    vars(job).pop("rewards", None), vars(job).pop("_train_stage", None)  # the injection is over
+    vars(job.learner).pop("rewards", None), vars(job.learner).pop("train_stage", None)  # the injection is over
     rec = recover_from_device_loss(job, failure.value.device_ids, 2, before, ckpt.directory)
     ckpt.close()
     return rec, [rec.job.step(s) for s in range(rec.next_step, 4)], job
@@ -87,16 +87,16 @@ def _inject(job, lost, where):
         def fail(*a, **k):
             raise DeviceLost(lost)
 
-        job.rewards = fail
+        job.learner.rewards = fail
     else:  # after actor-train stepped, while the critic trains
-        original = job._train_stage
+        original = job.learner.train_stage
 
         def train_stage(ms, data):
             if ms == CRITIC_TRAIN:
                 raise DeviceLost(lost)
             return original(ms, data)
 
-        job._train_stage = train_stage
+        job.learner.train_stage = train_stage
 
 
 @pytest.fixture(scope="module")

@@ -139,8 +139,8 @@ def test_minibatches_split_the_batch_in_token_budget_micro_batches(four_minibatc
     """16 x 2 rows in 4 mini-batches of 8 on dp 8 (one row per replica per mini-batch); the token budget is
     applied inside a mini-batch: a budget of one row still runs (one micro-batch of 1 row per replica)."""
     job, _ = four_minibatches
-    assert job.mini_rows == 8 and job._accum("train", 8) == 1 and job._accum("infer", 8) == 1
-    keys = [k for k in job._programs if k[0] == "train"]
+    assert job.mini_rows == 8 and job.stages.accum("train", 8) == 1 and job.stages.accum("infer", 8) == 1
+    keys = [k for k in job.stages.programs if k[0] == "train"]
     assert keys and all(k[4] == 1 for k in keys)
 
 
@@ -196,7 +196,7 @@ def test_an_announced_leave_with_minibatches_is_compiled_ahead(tmp_path):
             adapter.boundary(s, metrics)
             if adapter.pending is not None:
                 adapter.pending.future.result()
-            before = dict(job._programs)
+            before = dict(job.stages.programs)
             metrics = job.step(s).metrics
             if adapter.transitions:
                 break
@@ -204,7 +204,7 @@ def test_an_announced_leave_with_minibatches_is_compiled_ahead(tmp_path):
         adapter.close()
         job.close()
     assert adapter.transitions == 1 and 7 not in job.plan.devices
-    assert job._programs == before
+    assert job.stages.programs == before
 
 
 def test_minibatch_rows_are_placed_on_the_replicas_they_belong_to(devices):

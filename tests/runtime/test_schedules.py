@@ -70,7 +70,7 @@ def test_steps_report_the_device_memory_they_held():
     try:
         m = job.step(0).metrics
         held = device_bytes_in_use(job.devices)
-        pool = job._engines[0].engine.kv_cache_bytes
+        pool = job.rollout.engines[0].engine.kv_cache_bytes
     finally:
         job.close()
     # the same count read again after the step (temporaries of the step's end may differ by a few KiB)

@@ -1,0 +1,343 @@
+"""A job's learner side: from a step's rollouts to updated parameters and the step's metrics.
+
+:class:`Learner` rewards the rollouts (the task's reward, or reward-infer's model), tops a batch up by dynamic
+sampling, scores it (actor-infer, ref-infer, critic-infer), estimates the advantages, corrects them for the
+rollout/train mismatch and staleness (the order: :mod:`nereus_jax.runtime.job`), trains actor-train and
+critic-train, stops after ``trainer.max_nonfinite_steps`` non-finite steps in a row, and reports the metrics.
+It runs the programs of the stage state (:class:`~nereus_jax.runtime.stages.StageState`) and generates the
+extra rollouts it needs (dynamic sampling, ReMax's greedy baseline) through the rollout side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nereus_jax.config import Config
+from nereus_jax.elastic.emu import split_replicas
+from nereus_jax.elastic.plan import ExecutionPlan, ModelStage
+from nereus_jax.rl import algorithms as alg
+from nereus_jax.rl.batch import RolloutBatch
+from nereus_jax.rl.registry import AlgorithmSpec
+from nereus_jax.rl.tasks import Problem
+from nereus_jax.runtime.plans import ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER, REWARD_INFER
+from nereus_jax.runtime.rollout import Rollout
+from nereus_jax.runtime.stages import JobError, StageState, infer_program, stage_forward
+from nereus_jax.sharding import is_local, to_numpy, tree_to_numpy
+
+# dynamic sampling's extra prompts: a part of the data stream steps never reach, whose sampling keys
+# (position mod 2**31) start at 2**30, away from the steps' own
+EXTRA_INDEX_OFFSET = (1 << 42) + (1 << 30)
+
+
+class NonFiniteTraining(JobError):
+    """Training stopped: a model-stage's updates were non-finite ``trainer.max_nonfinite_steps`` times in a
+    row (each was skipped, so the state and its checkpoints stay finite)."""
+
+
+@dataclasses.dataclass
+class StepResult:
+    metrics: dict[str, Any]
+    batch: RolloutBatch
+
+
+class Learner:
+    """Rewards, scores, advantages, corrections and training of a step (see the module docstring); holds the
+    training counts (``updates``, ``nonfinite``, ``skipped``) and the last packed stage's fill."""
+
+    def __init__(self, cfg: Config, stages: StageState, rollout: Rollout, rewarder, algo: AlgorithmSpec,
+                 settings: alg.Settings):
+        self.cfg, self.stages, self.rollout, self.rewarder = cfg, stages, rollout, rewarder
+        self.algo, self.settings = algo, settings
+        self.P, self.R, self.n, self.rows = stages.P, stages.R, rollout.n, stages.rows
+        self.updates: dict[ModelStage, int] = {}  # successful training updates per model-stage (this Job)
+        self.packing_fill: float | None = None  # with trainer.packing: the last packed stage's real tokens / slots
+        self.nonfinite: dict[ModelStage, int] = {}  # consecutive skipped (non-finite) updates per stage
+        self.skipped: dict[ModelStage, int] = {}  # skipped updates per stage in all
+
+    def learn(self, step: int, problems: Sequence[Problem], batch: RolloutBatch, seconds: dict[str, float],
+              sync) -> StepResult:
+        """Reward, score, train on ``batch`` (the rollouts of step ``step``), then ``sync()`` the weights
+        (see :meth:`nereus_jax.runtime.job.Job.learn`)."""
+        t = time.perf_counter()
+        scores, reward_metrics = self.rewards(problems, batch)
+        seconds["reward-infer" if self.stages.reward_model is not None else "reward"] = time.perf_counter() - t
+        sampled = {}
+        if self.settings.dynamic_sampling:
+            problems, batch, scores, sampled = self.dynamic_sampling(step, problems, batch, scores, seconds)
+        staleness = self.stages.version - batch.policy_version_b
+        stale = {"rollout_staleness_max": int(staleness.max()), "rollouts_dropped": 0}
+        if self.cfg.trainer.stale_rollouts == "drop" and (staleness > self.cfg.trainer.max_staleness).any():
+            keep = (staleness <= self.cfg.trainer.max_staleness).astype(batch.response_mask_br.dtype)
+            stale["rollouts_dropped"] = int((1 - keep).sum())
+            batch = batch._replace(response_mask_br=batch.response_mask_br * keep[:, None])
+        if self.settings.overlong_buffer:
+            budget = self.rollout.response_budget(step)  # the buffer: overlong_buffer or its fraction of it
+            buffer = alg.settings(self.cfg.algorithm, budget).overlong_buffer
+            penalty = alg.overlong_penalty(batch.response_mask_br.sum(1), budget, buffer,
+                                           self.cfg.algorithm.overlong_penalty)
+            scores, sampled["overlong_penalty_mean"] = scores + penalty, float(penalty.mean())
+        scored = self.score(batch, seconds)
+        adv = self.advantages(step, batch, scores, scored)
+        adv, corrected = self.correct(adv, batch, scored["old_logp"], staleness)
+        train_metrics = self.train(batch, scored, adv, seconds)
+        t = time.perf_counter()
+        sync()
+        seconds["weight-sync"] = time.perf_counter() - t
+        metrics = self.metrics(step, batch, scores, scored, train_metrics, seconds) | reward_metrics
+        metrics["accuracy"] = reward_metrics.get("answer_correct_fraction", metrics["accuracy"])
+        return StepResult(metrics | stale | corrected | sampled, batch)
+
+    def dynamic_sampling(self, step: int, problems: Sequence[Problem], batch: RolloutBatch, scores: np.ndarray,
+                         seconds: dict[str, float]):
+        """DAPO's dynamic sampling: keep the prompts whose samples' rewards differ; while fewer than
+        ``trainer.prompts_per_step`` are kept, generate another round of as many prompts, at most
+        ``algorithm.dynamic_sampling_max_rounds`` rounds. Round r of step s reads data positions
+        EXTRA_INDEX_OFFSET + (s * rounds + r - 1) * B + i: a function of the step, so a resumed run draws the
+        same. The batch keeps its size: the first B kept prompts in round order, then (a batch still short
+        after the cap) dropped prompts whose rows are masked out of the loss. The step's reward metrics stay
+        those of its own prompts (round 0), comparable with every other algorithm's."""
+        b, n, cap = self.cfg.trainer.prompts_per_step, self.n, self.cfg.algorithm.dynamic_sampling_max_rounds
+        rounds = [(list(problems), batch, scores)]
+        while sum(int(alg.informative_groups(sc, n).sum()) for *_, sc in rounds) < b and len(rounds) <= cap:
+            positions = EXTRA_INDEX_OFFSET + (step * cap + len(rounds) - 1) * b + np.arange(b, dtype=np.int64)
+            extra = [self.rollout.task_at(step).problem(int(p)) for p in positions]
+            t = time.perf_counter()
+            rollouts = self.rollout.generate(extra, positions, self.cfg.rollout.temperature, step=step)
+            seconds["actor-gen"] = seconds.get("actor-gen", 0.0) + time.perf_counter() - t
+            t = time.perf_counter()
+            rounds.append((extra, rollouts, self.rewards(extra, rollouts)[0]))
+            key = "reward-infer" if self.stages.reward_model is not None else "reward"
+            seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - t
+        groups = [p for ps, *_ in rounds for p in ps]
+        whole = RolloutBatch(*(np.concatenate(parts) for parts in zip(*(r[1] for r in rounds), strict=True)))
+        informative = np.concatenate([alg.informative_groups(sc, n) for *_, sc in rounds])
+        order = np.concatenate([np.flatnonzero(informative), np.flatnonzero(~informative)])[:b]
+        rows = (order[:, None] * n + np.arange(n)).reshape(-1)
+        out = whole.select(rows)
+        filler = np.repeat(~informative[order], n)
+        out = out._replace(response_mask_br=out.response_mask_br * (~filler[:, None]).astype(np.int32))
+        metrics = {"dynamic_sampling_rounds": len(rounds) - 1, "dynamic_sampling_filled": int(filler.sum()) // n,
+                   "dynamic_sampling_kept_fraction": float(informative.mean())}
+        return [groups[g] for g in order], out, np.concatenate([r[2] for r in rounds])[rows], metrics
+
+    def rewards(self, problems: Sequence[Problem], batch: RolloutBatch) -> tuple[np.ndarray, dict[str, float]]:
+        """[rows] sequence rewards and their metrics: the reward model's scores (reward-infer), else the
+        task's reward (exact, math or a user function; ``problems`` has one entry per prompt)."""
+        if self.stages.reward_model is not None:
+            scores = self._infer(REWARD_INFER, "scores", batch)
+            if not np.all(np.isfinite(scores)):
+                raise JobError(f"the reward model task.reward_model_path={self.cfg.task.reward_model_path!r} gave "
+                               f"{int((~np.isfinite(scores)).sum())} non-finite scores: check that its vocabulary "
+                               "covers the tokenizer's and that its weights are finite")
+            return scores, {"reward_mean": float(scores.mean())}
+        n = len(batch.response_br) // len(problems)
+        out = self.rewarder.score([p for p in problems for _ in range(n)], self.rollout.texts(batch))
+        return out.rewards, out.metrics()
+
+    # ------------------------------------------------------------------------- scoring and training
+    def score(self, batch: RolloutBatch, seconds: dict[str, float]) -> dict[str, np.ndarray]:
+        """actor-infer's and ref-infer's log-probs of the responses (``old_logp``, ``ref_logp``), and with a
+        critic its values (``values``), each [rows, R]."""
+        out = {}
+        t = time.perf_counter()
+        out["old_logp"] = self._infer(ACTOR_TRAIN, "logprobs", batch)
+        seconds["actor-infer"] = time.perf_counter() - t
+        t = time.perf_counter()
+        out["ref_logp"] = self._infer(REF_INFER, "logprobs", batch)
+        seconds["ref-infer"] = time.perf_counter() - t
+        if self.algo.uses_critic:
+            t = time.perf_counter()
+            out["values"] = self._infer(CRITIC_TRAIN, "values", batch)
+            seconds["critic-infer"] = time.perf_counter() - t
+        return out
+
+    def _infer(self, ms: ModelStage, what: str, batch: RolloutBatch) -> np.ndarray:
+        stages, spec = self.stages, self.stages.specs[ms]
+        data = {"tokens": batch.tokens(), "mask": batch.attention_mask()}
+        leaves, mesh, key, micro, layout = stages.stage_inputs(ms, data, ("infer", ms, what))
+        order = self._packed(layout)
+        params = spec.unflatten(leaves)["params"]
+        fn = stages.program(key, lambda: infer_program(spec.model, self.P, what, stage_forward(mesh, spec.kind)))
+        out = to_numpy(fn(params, micro))
+        if ms.kind == "infer":
+            stages.park(ms)
+        out = out.reshape(self.rows, -1)
+        if order is not None:
+            out = out[np.argsort(order)]
+        if what == "scores":
+            return out.reshape(self.rows).astype(np.float32)
+        return out * batch.response_mask_br
+
+    def _packed(self, layout) -> np.ndarray | None:
+        """A packed program's row order (None: padded, rows as given); records its fill for the metrics."""
+        if layout is None:
+            return None
+        self.packing_fill = layout.packed_tokens / layout.tokens.size  # real tokens / token slots run
+        return layout.order
+
+    def advantages(self, step: int, batch: RolloutBatch, scores: np.ndarray, scored: dict) -> alg.Advantages:
+        """The algorithm's advantages (and GAE's returns) of ``batch``; ReMax generates its greedy baseline."""
+        a = self.cfg.algorithm
+        if self.algo.advantage in ("gae", "grpo", "dr_grpo", "rloo"):  # one jitted program, not a chain of eager ops
+            values = scored["values"] if self.algo.advantage == "gae" else np.zeros_like(scored["old_logp"])
+            return _advantage_program(scores, batch.response_mask_br, scored["old_logp"], scored["ref_logp"],
+                                      values, advantage=self.algo.advantage, estimator=a.kl_estimator,
+                                      kl_in_reward=a.kl_in_reward, kl_coef=a.kl_coef, gamma=a.gamma, lam=a.lam,
+                                      n=self.n)
+        mask = jnp.asarray(batch.response_mask_br)
+        problems = [self.rollout.task_at(step).problem(int(p)) for p in batch.prompt_index_b[:: self.n]]
+        greedy = self.rollout.generate(problems, batch.prompt_index_b[:: self.n], 0.0, n=1, step=step)
+        base = self.rewarder.score(problems, self.rollout.texts(greedy)).rewards
+        return alg.remax(jnp.asarray(scores), mask, jnp.asarray(np.repeat(base, self.n)))
+
+    def correct(self, adv: alg.Advantages, batch: RolloutBatch, old_logp: np.ndarray,
+                staleness: np.ndarray) -> tuple[alg.Advantages, dict[str, float]]:
+        """Steps 2-5 of the off-policy corrections (the job's module docstring): one weight per token from
+        r = pi_old / pi_behaviour on the advantages, and the mismatch metrics of every step."""
+        s, t = self.settings, self.cfg.trainer
+        mask = batch.response_mask_br
+        mode = self.cfg.algorithm.rollout_correction
+        metrics = alg.mismatch_metrics(old_logp, batch.behaviour_logp_br, mask, s.correction_low, s.correction_clip)
+        stale = (staleness > 0) if t.stale_rollouts == "reweight" else np.zeros(len(staleness), bool)
+        if mode == "none" and not stale.any():
+            return adv, metrics
+        ratio = alg.behaviour_ratio(old_logp, batch.behaviour_logp_br, mask)
+        w = alg.correction_weights(ratio, mode, s.correction_low, s.correction_clip)
+        if stale.any():
+            lag = np.minimum(ratio, t.importance_clip)
+            w = np.where(stale[:, None], np.where(w > 0, lag, 0.0) if mode == "icepop" else lag, w)
+            metrics["importance_weight_mean"] = float((w * mask)[stale].sum() / max(1, mask[stale].sum()))
+        w = (w * mask).astype(np.float32)
+        if mode != "none":
+            metrics["correction_weight_mean"] = float(w.sum() / max(1, mask.sum()))
+            metrics["correction_masked_fraction"] = float(((w == 0) & (mask > 0)).sum() / max(1, mask.sum()))
+        return alg.Advantages(jnp.asarray(adv.advantages_bt) * w, adv.returns_bt), metrics
+
+    def train(self, batch, scored, adv, seconds) -> dict[str, float]:
+        """actor-train's (then critic-train's) training program on ``batch``; their metrics."""
+        data = {"tokens": batch.tokens(), "mask": batch.attention_mask(), "response_mask": batch.response_mask_br,
+                "old_logp": scored["old_logp"], "ref_logp": scored["ref_logp"],
+                "advantages": np.asarray(adv.advantages_bt, np.float32)}
+        t = time.perf_counter()
+        metrics = self.train_stage(ACTOR_TRAIN, data)
+        seconds["actor-train"] = time.perf_counter() - t
+        if self.algo.uses_critic:
+            data = {**data, "old_values": scored["values"], "returns": np.asarray(adv.returns_bt, np.float32)}
+            t = time.perf_counter()
+            metrics |= self.train_stage(CRITIC_TRAIN, data)
+            seconds["critic-train"] = time.perf_counter() - t
+        return metrics
+
+    def train_stage(self, ms: ModelStage, data: dict) -> dict[str, float]:
+        """One training program: mini_batches x ppo_epochs updates of the stage on ``data`` ([rows, ...]).
+        Logged: each metric's mean over the updates (``*_max`` / ``*_min``: the extreme), and with more than
+        one update ``<model>_per_update``, the policy's ratio and clipping statistics update by update."""
+        stages, spec = self.stages, self.stages.specs[ms]
+        leaves, mesh, key, micro, layout = stages.stage_inputs(ms, data, ("train", ms), self.cfg.trainer.mini_batches)
+        self._packed(layout)
+        fn = stages.program(key, lambda: stages.train_program(ms, spec, mesh))
+        new_leaves, metrics = fn(leaves, micro)
+        stages.units[ms] = split_replicas(new_leaves, mesh, ms, spec)
+        self.updates[ms] = self.updates.get(ms, 0) + 1
+        if ms != ACTOR_TRAIN:  # the actor's state is read again by the weight sync
+            stages.park(ms)
+        per_update = {k: np.asarray(v, np.float64) for k, v in tree_to_numpy(metrics).items()}  # a collective
+        skipped = int(per_update.pop("nonfinite").sum())
+        metrics = {k: float(_REDUCE.get(k.rsplit("_", 1)[-1], np.mean)(v)) for k, v in per_update.items()}
+        self._check_finite(ms, skipped, metrics)
+        metrics[f"{ms.model}_updates_skipped"] = self.skipped.get(ms, 0)
+        if len(next(iter(per_update.values()))) > 1:
+            metrics[f"{ms.model}_per_update"] = {k: v.tolist() for k, v in per_update.items() if k in _PER_UPDATE}
+        return metrics
+
+    def _check_finite(self, ms: ModelStage, skipped: int, metrics: dict[str, float]) -> None:
+        """Counts consecutive training steps with an update skipped as non-finite (the program kept the old
+        state; ``skipped``: how many of the step's updates); after ``trainer.max_nonfinite_steps`` such steps
+        in a row the job stops, naming the stage and the cause."""
+        self.nonfinite[ms] = self.nonfinite.get(ms, 0) + 1 if skipped else 0
+        self.skipped[ms] = self.skipped.get(ms, 0) + skipped
+        limit = self.cfg.trainer.max_nonfinite_steps
+        if self.nonfinite[ms] >= limit:
+            lr = self.cfg.trainer.actor_lr if ms.model == "actor" else self.cfg.trainer.critic_lr
+            raise NonFiniteTraining(
+                f"{ms}: {limit} consecutive training steps gave a non-finite loss, gradient norm or update (last "
+                f"loss {metrics.get('loss')}, gradient norm {metrics.get('grad_norm')}); their updates were skipped "
+                f"and no checkpoint holds them. Likely cause: the learning rate (trainer.{ms.model}_lr={lr}) or the "
+                "loss coefficients; lower it and resume from the last checkpoint")
+
+    # ------------------------------------------------------------------------------------ metrics
+    def metrics(self, step, batch, scores, scored, train_metrics, seconds) -> dict[str, Any]:
+        """The step's metrics: rewards, KL, response lengths, timings, memory, training, policy and plan."""
+        mask = batch.response_mask_br
+        kl = float(_k1_mean(scored["old_logp"], scored["ref_logp"], mask))
+        step_s = sum(seconds.values())
+        tokens = int(mask.sum())
+        # rows masked out of the loss (dynamic sampling's filler, dropped stale rows) are not responses of length 0
+        lengths = mask.sum(1)[mask.sum(1) > 0] if mask.any() else np.zeros(1)
+        held = max(device_bytes_in_use(self.stages.devices).values(), default=0)
+        cap = self.cfg.cluster.device_memory_bytes
+        plan = self.stages.plan
+        return {"step": step, "device_bytes_max": held, "over_memory_cap": bool(cap and held > cap),
+                "reward_mean": float(scores.mean()), "accuracy": float(np.mean(scores >= 1.0)),
+                "kl": kl, "response_length_mean": float(lengths.mean()),
+                "response_length_p95": float(np.percentile(lengths, 95)), "response_tokens": tokens,
+                "step_seconds": step_s, "tokens_per_s": tokens / max(step_s, 1e-9),
+                "stage_seconds": {k: round(v, 4) for k, v in seconds.items()}, **train_metrics,
+                "policy_version": self.stages.version, "plan": repr(plan), "plan_short": plan_short(plan),
+                **({"packing_fill": self.packing_fill} if self.packing_fill is not None else {})}
+
+
+def device_bytes_in_use(devices: Sequence[jax.Device]) -> dict[int, int]:
+    """Bytes each of ``devices`` holds now (parameters, optimizer state, the engines' KV caches, anything
+    alive): the allocator's count where the backend keeps one (GPU, TPU), else the live arrays' shards on it
+    (CPU). Shards that share a buffer count once."""
+    stats = {d.id: (d.memory_stats() or {}).get("bytes_in_use") for d in devices if is_local(d)}
+    if all(v is not None for v in stats.values()):
+        return stats
+    held, seen = dict.fromkeys(stats, 0), set()
+    for array in jax.live_arrays():
+        try:  # another thread (async generation, a move) may delete an array while we look
+            shards = [(s.device.id, s.data.unsafe_buffer_pointer(), s.data.nbytes) for s in array.addressable_shards]
+        except RuntimeError:
+            continue
+        for device, pointer, nbytes in shards:
+            if device in held and (device, pointer) not in seen:
+                seen.add((device, pointer))
+                held[device] += nbytes
+    return held
+
+
+def plan_short(plan: ExecutionPlan) -> str:
+    return " ".join(f"{ms}:{sp.layout}x{sp.dp}" for ms, sp in plan.items())
+
+
+@functools.partial(jax.jit, static_argnames=("advantage", "estimator", "kl_in_reward", "kl_coef", "gamma", "lam",
+                                             "n"))
+def _advantage_program(scores, mask, old_logp, ref_logp, values, *, advantage: str, estimator: str,
+                       kl_in_reward: bool, kl_coef: float, gamma: float, lam: float, n: int) -> alg.Advantages:
+    """PPO's whitened GAE (token rewards: the score on the last token, minus the KL when ``kl_in_reward``), or
+    GRPO's / RLOO's grouped advantages; ``values`` is read by GAE only."""
+    if advantage != "gae":
+        return alg.ADVANTAGES[advantage](scores, mask, n)
+    kl = alg.kl_estimate(old_logp, ref_logp, estimator)
+    rewards = alg.token_rewards(scores, mask, kl if kl_in_reward else None, kl_coef)
+    out = alg.gae(rewards, values, mask, gamma, lam)
+    return alg.Advantages(alg.masked_whiten(out.advantages_bt, mask), out.returns_bt)
+
+
+@jax.jit
+def _k1_mean(old_logp, ref_logp, mask) -> jax.Array:
+    """The logged ``kl``: the k1 estimate's mean over response tokens."""
+    return alg.masked_mean(alg.kl_estimate(old_logp, ref_logp, "k1"), mask)
+
+
+_REDUCE = {"max": np.max, "min": np.min}  # a per-update metric named *_max / *_min; the rest: the mean
+_PER_UPDATE = ("clip_fraction", "approx_kl", "ratio_mean", "ratio_max", "ratio_min", "grad_norm")
