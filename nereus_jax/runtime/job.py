@@ -70,6 +70,7 @@ from nereus_jax.runtime.stages import (
     stage_forward,
     stage_value_and_grad,
 )
+from nereus_jax.runtime.xla_workarounds import serialize_cpu_compile_cache
 
 __all__ = ["EXTRA_INDEX_OFFSET", "DeviceLost", "Job", "JobError", "NonFiniteTraining", "Prepared", "StepResult",
            "device_bytes_in_use", "engine_replicas_across_processes", "plan_short", "prompt_ids", "stage_forward",
@@ -129,6 +130,7 @@ class Job:
         source (a Hugging Face checkpoint, read slice by slice into each stage's shardings), a canonical host
         tree, or None for random weights. ``rewarder``: the task's reward (default: built from the config;
         the job does not close one it was given)."""
+        serialize_cpu_compile_cache()  # engines, the compile-ahead thread and the loop compile concurrently
         self.cfg, self.task, self.tok = cfg, task, tokenizer
         self.algo = alg.algorithm_spec(cfg.algorithm.name)
         self.settings = alg.settings(cfg.algorithm, cfg.rollout.max_response_length)
