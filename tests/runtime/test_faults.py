@@ -156,7 +156,10 @@ def straight(tmp_path_factory):
     return args, _logged(tmp / "a")
 
 
-@pytest.mark.parametrize("fail, how", [((6, 7), "the surviving units"), ((0, 1), "checkpoint")])
+# the checkpoint case is left to -m long for CI time: test_device_loss_without_a_surviving_copy_restores_the_last_
+# checkpoint covers the restore path, this one the same path through run_job
+@pytest.mark.parametrize("fail, how", [((6, 7), "the surviving units"),
+                                       pytest.param((0, 1), "checkpoint", marks=pytest.mark.long)])
 def test_run_job_survives_devices_failing_mid_step(tmp_path, straight, monkeypatch, fail, how):
     """run_job with ``cluster.schedule`` failing devices during step 2 (after its generation): losing 6 and
     7 leaves a replica of every model-stage, so the job moves onto the survivors; losing 0 and 1 takes

@@ -139,7 +139,8 @@ def test_grpo_raises_held_out_accuracy_over_the_warm_start(tmp_path):
     assert summary["accuracy_after"] >= summary["accuracy_before"] + 0.10, summary
 
 
-@pytest.mark.parametrize("packing", [False, True])
+# packed: -m long (CI time); tests/runtime/test_packing.py holds packed scoring equal to padded
+@pytest.mark.parametrize("packing", [False, pytest.param(True, marks=pytest.mark.long)])
 def test_reward_model_stage_scores_rollouts_like_a_direct_forward(tmp_path, packing):
     """reward-infer with a (random) Hugging Face-format reward model: the job's rewards are the model's
     score at each row's last real token, computed data-parallel over the stage's replicas, padded or packed."""
