@@ -50,6 +50,7 @@ class Pricing:
         self.window: collections.deque[list[Measurement]] = collections.deque(maxlen=window)
         self.memory: dict[tuple[str, StageChoice], collections.deque[Measurement]] = {}
         self._ratios: dict[tuple[str, StageChoice], float] = {}  # residuals at the current fit and window
+        self._ratios_of: CostModel | None = None  # the cost model _ratios were computed with (it may be replaced)
         self._window_keys: set[tuple[str, StageChoice]] = set()
 
     @property
@@ -113,6 +114,9 @@ class Pricing:
         """Measured / predicted seconds (median) of a call the job ran and whose measurements have left the
         calibration window; 1 for the calls in the window (the fit prices them) and for calls never run."""
         key = (stage, choice)
+        if self._ratios_of is not self.cost:
+            self._ratios.clear()
+            self._ratios_of = self.cost
         if key not in self._ratios:
             self._ratios[key] = statistics.median(
                 m.seconds / self.cost.stage_latency(m.model, m.stage, m.choice, m.workload).total

@@ -518,7 +518,6 @@ class Adapter:
             total += per * len(sp.replicas) if ms == ACTOR_GEN else per
         return total
 
-
     def _movement_s(self, graph: TransitionGraph) -> float:
         """The graph's predicted data movement (the simulator prices its moves with the same object)."""
         return self.pricing.movement_seconds(graph)
@@ -557,7 +556,7 @@ class Adapter:
 def partial_moves(current: ExecutionPlan, best: ExecutionPlan) -> list[ExecutionPlan]:
     """The current plan with one model-stage moved to its place in ``best``, for every model-stage that
     ``best`` moves: cheaper transitions (fewer arrays to move, fewer programs to compile) that may keep
-    most of the gain. Only when the pool is the same (every model-stage of ``current`` is in ``best``)."""
+    most of the gain. None when the two plans do not hold the same model-stages."""
     if set(current) != set(best):
         return []
     return [ExecutionPlan({**current, ms: best[ms]}) for ms in best if best[ms] != current[ms]]

@@ -301,14 +301,14 @@ def _start_job(cfg: Config, inputs: Inputs, warm, report: RunReport) -> tuple[Jo
 def _after_step(cfg: Config, job: Job, adapter: Adapter, ckpt: Checkpointer, stop: GracefulStop, done: int):
     """Periodic and end-of-run checkpoints (with the controller's state); after SIGTERM / SIGINT (on any
     process) a save, and (signal name, step to resume at) to stop the loop."""
-    controller = adapter.state_dict()
-    ckpt.maybe_save(job, done, controller=controller)
-    if done == cfg.trainer.steps and cfg.checkpoint.every_steps:
-        ckpt.save(job, done, controller=controller)
-    if done < cfg.trainer.steps and stop_agreed(stop):
-        ckpt.save(job, done, controller=controller)
-        return stop.signal or "a signal to another process", done
-    return None
+    stopping = done < cfg.trainer.steps and stop_agreed(stop)  # every process asks every step (a collective)
+    final = done == cfg.trainer.steps and cfg.checkpoint.every_steps > 0
+    if ckpt.due(done) or final or stopping:  # the controller's state is read only for a save
+        controller = adapter.state_dict()
+        ckpt.maybe_save(job, done, controller=controller)
+        if final or stopping:
+            ckpt.save(job, done, controller=controller)  # a no-op when the periodic save took this step
+    return (stop.signal or "a signal to another process", done) if stopping else None
 
 
 def _stopped(cfg: Config, job: Job, adapter: Adapter, report: RunReport, directory: str, stopped,

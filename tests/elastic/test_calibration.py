@@ -104,8 +104,7 @@ def test_a_layout_run_before_is_priced_from_its_measurements_after_it_leaves_the
     sd_known = pricing.gain_sd(current, {"actor-train": a}, WL)
     sd_guess = pricing.gain_sd(current, {"actor-train": never}, WL)
     assert 0 < sd_known < sd_guess
-    pricing.cost = CostModel(HW, TRUE_EFF, TRUE_HALF)
-    pricing.remember([])  # a step that measured nothing: the residuals are recomputed against the new fit
+    pricing.cost = CostModel(HW, TRUE_EFF, TRUE_HALF)  # a fit that moved on: residuals follow the new model
     assert pricing.residual("actor-train", a) == pytest.approx(1.3) and pricing.residual("actor-train", never) == 1.0
     assert pricing.stage_seconds({"actor-train": a}, WL)["actor-train"] == pytest.approx(biased, rel=1e-9)
     longer = Workload.fixed(64, 256, 512)

@@ -50,8 +50,7 @@ def calibration_data(cost_model: CostModel, **meta: Any) -> dict[str, Any]:
 def save_calibration(path: str | os.PathLike, cost_model: CostModel, **meta: Any) -> str:
     """Write ``cost_model``'s calibration to ``path`` (a directory: ``path``/calibration.json) atomically;
     returns the file's path."""
-    path = os.fspath(path)
-    target = os.path.join(path, FILENAME) if os.path.isdir(path) else path
+    target = calibration_path(path)
     text = json.dumps(calibration_data(cost_model, **meta), indent=2, allow_nan=False) + "\n"
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp",
                                dir=os.path.dirname(target) or ".")
