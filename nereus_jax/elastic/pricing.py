@@ -38,6 +38,10 @@ from nereus_jax.elastic.workload import Workload
 
 CALIBRATION_WINDOW = 8  # steps of measurements the efficiencies are fitted to
 REMEMBERED = 8  # measurements kept per (model-stage, call) for the per-layout memory
+# Relative sd a prediction gains per doubling of tp or pp away from the nearest layout the job has measured
+# for that model-stage: the fitted efficiencies are shared across layouts, so their covariance says nothing
+# about effects the features do not model (e.g. a wider tensor-parallel all-reduce than any measured).
+EXTRAPOLATION_SD = 0.05
 
 
 class Pricing:
@@ -52,6 +56,7 @@ class Pricing:
         self._ratios: dict[tuple[str, StageChoice], float] = {}  # residuals at the current fit and window
         self._ratios_of: CostModel | None = None  # the cost model _ratios were computed with (it may be replaced)
         self._window_keys: set[tuple[str, StageChoice]] = set()
+        self._layouts: dict[str, set[tuple[int, int]]] = {}  # model-stage -> (tp, pp) it has been measured on
 
     @property
     def hardware(self):
@@ -108,7 +113,18 @@ class Pricing:
         diff = current_features - self.features({s: c for s, c in target.items() if s not in known}, workload)
         noise = sum((NOISE_FLOOR * self.cost.stage_latency(self.model_for(s), s, c, workload).total
                      * self.residual(s, c)) ** 2 for s, c in known.items())
-        return math.sqrt(max(0.0, self.cost.variance(diff)) + noise)
+        unmeasured = sum((EXTRAPOLATION_SD * self.layout_distance(s, c)
+                          * self.cost.stage_latency(self.model_for(s), s, c, workload).total) ** 2
+                         for s, c in target.items() if s not in known)
+        return math.sqrt(max(0.0, self.cost.variance(diff)) + noise + unmeasured)
+
+    def layout_distance(self, stage: str, choice: StageChoice) -> float:
+        """Doublings of tp plus doublings of pp from ``choice`` to the nearest layout the job has measured
+        ``stage`` on (0 when it has measured none: the prior's uncertainty covers an unmeasured stage)."""
+        seen = self._layouts.get(stage)
+        if not seen:
+            return 0.0
+        return min(abs(math.log2(choice.tp / tp)) + abs(math.log2(choice.pp / pp)) for tp, pp in seen)
 
     def residual(self, stage: str, choice: StageChoice) -> float:
         """Measured / predicted seconds (median) of a call the job ran and whose measurements have left the
@@ -175,6 +191,7 @@ class Pricing:
         self.window.append(step)
         for m in step:
             self.memory.setdefault((m.stage, m.choice), collections.deque(maxlen=REMEMBERED)).append(m)
+            self._layouts.setdefault(m.stage, set()).add((m.choice.tp, m.choice.pp))
         self._window_keys = {(m.stage, m.choice) for step in self.window for m in step}
         self._ratios.clear()
 

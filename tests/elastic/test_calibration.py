@@ -110,3 +110,29 @@ def test_a_layout_run_before_is_priced_from_its_measurements_after_it_leaves_the
     longer = Workload.fixed(64, 256, 512)
     assert pricing.stage_seconds({"actor-train": a}, longer)["actor-train"] == pytest.approx(
         1.3 * truth.stage_latency(LLAMA8B, "actor-train", a, longer).total)
+
+
+def test_a_layout_far_from_any_measured_one_carries_more_uncertainty(truth):
+    """The fit's covariance says nothing about effects its features miss (a tensor-parallel width never
+    measured), so each doubling of tp or pp away from the nearest measured layout adds EXTRAPOLATION_SD of
+    the call's seconds to the sd of a gain toward it. Reference: the term computed by hand from the layouts
+    measured."""
+    from nereus_jax.elastic.pricing import EXTRAPOLATION_SD, Pricing
+    from nereus_jax.elastic.topology import Topology
+
+    pricing = Pricing(CostModel(HW), Topology.of_job("grpo"), {r: LLAMA8B for r in ("actor", "ref")}, 80e9)
+    measured = StageChoice(2, 1, 4, 4)
+    assert pricing.layout_distance("actor-train", StageChoice(8, 1, 1, 4)) == 0.0  # nothing measured: the prior
+    pricing.calibrate([Measurement(LLAMA8B, "actor-train", measured, WL,
+                                   truth.stage_latency(LLAMA8B, "actor-train", measured, WL).total)])
+    near, far = StageChoice(2, 2, 2, 4), StageChoice(8, 2, 1, 4)  # 1 and 3 doublings from tp2 pp1
+    assert pricing.layout_distance("actor-train", near) == 1.0 and pricing.layout_distance("actor-train", far) == 3.0
+    assert pricing.layout_distance("actor-train", StageChoice(2, 1, 8, 2)) == 0.0  # dp and micro-batch: the fit's
+    assert pricing.layout_distance("ref-infer", far) == 0.0  # a model-stage never measured: the prior's
+
+    current = pricing.features({"actor-train": measured}, WL)
+    for choice, d in ((near, 1.0), (far, 3.0)):
+        seconds = pricing.cost.stage_latency(LLAMA8B, "actor-train", choice, WL).total
+        parametric = pricing.cost.variance(current - pricing.features({"actor-train": choice}, WL))
+        assert pricing.gain_sd(current, {"actor-train": choice}, WL) == pytest.approx(
+            np.sqrt(parametric + (EXTRAPOLATION_SD * d * seconds) ** 2), rel=1e-12)
