@@ -1,7 +1,7 @@
 """The job's prices: what a plan costs per step, how much memory it needs per device, what moving to it
 costs, and the calibration that keeps those prices honest; importable without JAX.
 
-One :class:`Pricing` object serves the running job (``runtime.adapt``) and the simulator
+One :class:`Pricing` object serves the running job (``runtime.job_pricer``) and the simulator
 (``sim.model``), so the same plan and workload get the same prediction in both:
 
 - per model-stage seconds and bytes from the (calibrated) :class:`~nereus_jax.elastic.costs.CostModel`,

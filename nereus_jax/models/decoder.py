@@ -24,7 +24,7 @@ Usage::
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -35,13 +35,6 @@ from nereus_jax.models.layers import apply_rope, attention, constrain, project_h
 
 Head = Literal["lm", "value"]
 _INIT_STD = 0.02
-
-
-class KVCache(NamedTuple):
-    """Per-layer keys and values, [layers, batch, kv_heads, max_len, head_dim]; slot index == position."""
-
-    k: jax.Array
-    v: jax.Array
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple, dtype, init: str = "normal") -> nnx.Param:
@@ -151,12 +144,6 @@ def count_params(params: dict) -> int:
     return sum(int(x.size) for x in jax.tree.leaves(params))
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, kv_heads: int | None = None) -> KVCache:
-    """An empty KV cache; ``kv_heads`` defaults to the model's (a layout may replicate kv heads)."""
-    shape = (cfg.num_layers, batch, kv_heads or cfg.num_kv_heads, max_len, cfg.head_dim)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-
-
 def default_positions(tokens_bt: jax.Array, attention_mask_bt: jax.Array | None) -> jax.Array:
     """Positions counting only real tokens (left padding gets position 0), as HF generation does."""
     if attention_mask_bt is None:
@@ -179,15 +166,6 @@ def forward(params: dict, cfg: ModelConfig, tokens_bt: jax.Array, positions_bt: 
     mask_bts = causal_mask(tokens_bt.shape[1], attention_mask_bt, segment_ids_bt)
     x = apply_layers(params["layers"], cfg, embed_tokens(params, tokens_bt), positions_bt, mask_bts)
     return output_head(params, cfg, x, return_hidden=return_hidden)
-
-
-def forward_with_cache(params: dict, cfg: ModelConfig, tokens_bt: jax.Array, positions_bt: jax.Array,
-                       cache: KVCache, *, return_hidden: bool = False) -> tuple[jax.Array, KVCache]:
-    """Prefill or decode against a KV cache. Row b's tokens sit at the contiguous positions
-    ``positions_bt[b]`` (written to those cache slots); they attend to cache slots <= their position.
-    The caller keeps ``positions_bt[b, -1] < max_len``."""
-    x, cache = apply_layers_cached(params["layers"], cfg, embed_tokens(params, tokens_bt), positions_bt, cache)
-    return output_head(params, cfg, x, return_hidden=return_hidden), cache
 
 
 def embed_tokens(params: dict, tokens_bt: jax.Array) -> jax.Array:
@@ -213,26 +191,15 @@ def causal_mask(t: int, attention_mask_bt: jax.Array | None, segment_ids_bt: jax
 def apply_layers(layers: dict, cfg: ModelConfig, x_btd: jax.Array, positions_bt: jax.Array,
                  mask_bts: jax.Array) -> jax.Array:
     """Runs a stack of layers (any number: a pipeline stage passes its slice of the ``layers`` axis)."""
-    def kv_fn(q, k_new, v_new, cache, i):
-        return attention(q, k_new.transpose(0, 2, 1, 3), v_new.transpose(0, 2, 1, 3), mask_bts), cache
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
-    x, _ = _scan_layers(layers, cfg, x_btd, positions_bt, kv_fn, None)
+    def body(x, layer):
+        return _block(x, layer, cfg, positions_bt, inv_freq, mask_bts), None
+
+    if cfg.remat:
+        body = jax.checkpoint(body)
+    x, _ = jax.lax.scan(body, x_btd, layers)
     return x
-
-
-def apply_layers_cached(layers: dict, cfg: ModelConfig, x_btd: jax.Array, positions_bt: jax.Array,
-                        cache: KVCache) -> tuple[jax.Array, KVCache]:
-    """A stack of layers against its slice of the KV cache (see :func:`forward_with_cache`)."""
-    mask_bts = jnp.arange(cache.k.shape[3])[None, None, :] <= positions_bt[:, :, None]
-    start_b = positions_bt[:, 0]
-
-    def kv_fn(q, k_new, v_new, cache, i):
-        k_layer = _write_rows(cache.k[i], k_new.transpose(0, 2, 1, 3), start_b)
-        v_layer = _write_rows(cache.v[i], v_new.transpose(0, 2, 1, 3), start_b)
-        cache = KVCache(cache.k.at[i].set(k_layer), cache.v.at[i].set(v_layer))
-        return attention(q, k_layer, v_layer, mask_bts), cache
-
-    return _scan_layers(layers, cfg, x_btd, positions_bt, kv_fn, cache)
 
 
 def output_head(params: dict, cfg: ModelConfig, x_btd: jax.Array, *, return_hidden: bool = False) -> jax.Array:
@@ -249,26 +216,7 @@ def output_head(params: dict, cfg: ModelConfig, x_btd: jax.Array, *, return_hidd
     return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
 
 
-def _write_rows(cache_bkse: jax.Array, new_bkte: jax.Array, start_b: jax.Array) -> jax.Array:
-    new_bkte = new_bkte.astype(cache_bkse.dtype)
-    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (0, s, 0)))(cache_bkse, new_bkte, start_b)
-
-
-def _scan_layers(layers, cfg, x, positions_bt, kv_fn, cache):
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-
-    def body(carry, layer):
-        x, cache, i = carry
-        x, cache = _block(x, layer, cfg, positions_bt, inv_freq, lambda q, k, v, c: kv_fn(q, k, v, c, i), cache)
-        return (x, cache, i + 1), None
-
-    if cfg.remat:
-        body = jax.checkpoint(body)
-    (x, cache, _), _ = jax.lax.scan(body, (x, cache, jnp.int32(0)), layers)
-    return x, cache
-
-
-def _block(x, lp, cfg, positions_bt, inv_freq, kv_fn, cache):
+def _block(x, lp, cfg, positions_bt, inv_freq, mask_bts):
     a = lp["attn"]
     h = rms_norm(x, lp["attn_norm"]["scale"], cfg.rms_norm_eps)
     q_norm, k_norm = (a["q_norm"]["scale"], a["k_norm"]["scale"]) if cfg.qk_norm else (None, None)
@@ -277,10 +225,10 @@ def _block(x, lp, cfg, positions_bt, inv_freq, kv_fn, cache):
     v = project_heads(h, a["wv"], a.get("bv"))
     q = constrain(apply_rope(q, positions_bt, inv_freq), ("batch", "length", "heads", "head_dim"))
     k = apply_rope(k, positions_bt, inv_freq)
-    out, cache = kv_fn(q, k, v, cache)
+    out = attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask_bts)
     x = x + jnp.einsum("bthe,hed->btd", out, a["wo"])
     x = constrain(x, ("batch", "length", "embed"))
     m = lp["mlp"]
     h = rms_norm(x, lp["mlp_norm"]["scale"], cfg.rms_norm_eps)
-    return x + swiglu(h, m["w_gate"], m["w_up"], m["w_down"]), cache
+    return x + swiglu(h, m["w_gate"], m["w_up"], m["w_down"])
 

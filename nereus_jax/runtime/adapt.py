@@ -8,7 +8,7 @@
 At each boundary, in order:
 
 1. Calibration: the previous step's measured stage seconds refit the cost model's efficiencies
-   (``CostModel.observe`` over a window of recent steps; steps that compiled are left out).
+   (``JobPricer.learn``: ``CostModel.observe`` over a window of recent steps; steps that compiled are left out).
 2. The device pool: ``cluster.schedule`` changes take effect at their step; a leave with ``notice`` > 0
    is announced ``notice`` steps early, and the controller plans without those devices from then on.
    A leave is graceful (the device stays readable until its step, as with a preemption notice); an
@@ -27,45 +27,29 @@ With several processes every process runs the same adapter and must take the sam
 measured inputs (step and stage seconds, lengths) are process 0's, shared at each boundary, and a
 compile-ahead counts as finished when it has finished on every process.
 
-Candidates come from the planner for the pool at hand; each is mapped to the job's model-stages
-(actor-infer and critic-infer run on the training units, so they are priced with the training stage's
-layout) and priced with the calibrated cost model. A transition's predicted cost is the transition
-graph's makespan on the hardware's links; on shared-compute hardware (cpu) the compile competes with
-the steps for the same cores (and the interpreter), so the compile a move needs is added to it: the
-first step's measured compile time of each model-stage whose devices or layout change (actor-gen's per
-engine), times the steps' measured loss per compile-second at the last hidden compile
-(``compile_contention``, 1 before one). On GPUs the compile runs on host cores while the devices step,
-and is hidden. Besides the planner's plans, the current plan with one model-stage moved to its place in
-the best plan is a candidate (``partial_moves``): a cheaper transition that may keep most of the gain;
-so is every plan the job has run on devices it still has, priced from its remembered measurements
-(``Pricing.residual``).
+Prices (step latency, peak memory, candidates, transition seconds) and the calibration they rest on
+are :class:`~nereus_jax.runtime.job_pricer.JobPricer`'s: the adapter owns one, feeds it each step's
+measurements and hands its methods to the :class:`~nereus_jax.elastic.controller.Controller`.
 """
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
-import contextlib
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
-from nereus_jax.config import ConfigError
-from nereus_jax.elastic.controller import Candidate, Controller, Decision, Observation, Priced
-from nereus_jax.elastic.costs import CostModel, link_bandwidth
+from nereus_jax.elastic.controller import Controller, Decision, Observation
 from nereus_jax.elastic.executor import TransitionFailed
 from nereus_jax.elastic.graph import TransitionGraph
 from nereus_jax.elastic.plan import ExecutionPlan
-from nereus_jax.elastic.planner import InfeasiblePlanError, Planner, PlanResult
-from nereus_jax.elastic.pricing import CALIBRATION_WINDOW
 from nereus_jax.elastic.recipe import align_ranks
-from nereus_jax.elastic.workload import LengthStats, Workload
 from nereus_jax.runtime.distributed import agree, all_processes
-from nereus_jax.runtime.job import Job, Prepared, engine_replicas_across_processes
+from nereus_jax.runtime.job import Job, Prepared
+from nereus_jax.runtime.job_pricer import JobPricer
 from nereus_jax.runtime.move import MoveError, move
-from nereus_jax.runtime.plans import ACTOR_GEN, job_pricing, plan_from_config
 from nereus_jax.runtime.pool import DevicePool
 from nereus_jax.runtime.recovery import Recovery, recover_from_device_loss, restore_after_loss, surviving_state
 
@@ -97,41 +81,18 @@ class Adapter:
         self.job, self.log = job, log
         cfg = job.cfg
         self.enabled = cfg.controller.enabled
-        self.pricing = job_pricing(cfg)
-        self.cost, self.topology = self.pricing.cost, self.pricing.topology
-        self.planner = Planner(self.cost, headroom=cfg.controller.memory_headroom)
+        self.pricer = JobPricer(job, log)  # measurements and prices; the controller calls back into it
         self.device_pool = DevicePool(range(cfg.cluster.num_devices), cfg.cluster.schedule, log)
-        self.controller = Controller(self._candidates, self._latency, self._transition_seconds,
+        self.controller = Controller(self.pricer.candidates, self.pricer.latency, self.pricer.transition_seconds,
                                      gamma=cfg.controller.gamma, length_drift=cfg.controller.length_drift,
                                      devices=self.pool, error_margin=cfg.controller.error_margin)
         self.events: list[dict[str, Any]] = []  # decisions and transitions, for the run's log
         self.transitions = 0
         self.pending: _Pending | None = None
-        self._compiled_last_step = True  # the first step compiles everything
-        self._compile_s: float | None = None  # measured compile time of a whole plan
-        self._compile_step_s: float | None = None
-        self._compile_stage_seconds: dict[str, float] = {}  # the compiling step's seconds per stage
-        # measured compile seconds per model-stage (its programs, or its engines for actor-gen): a move pays
-        # for the model-stages whose devices or layout change; the others keep their compiled programs
-        self._compile_by_stage: dict[str, float] | None = None
-        # on shared compute: step seconds lost per second of a compile ahead (measured at each hidden compile;
-        # 1 until then: the compile counted whole)
-        self.compile_contention = 1.0
-        self._ran: dict[ExecutionPlan, None] = {}  # plans the job has stepped on, oldest first: candidates again
-        self._steady_s: collections.deque[float] = collections.deque(maxlen=CALIBRATION_WINDOW)
-        # the priced stages' measured seconds per step (since the last plan change), for the efficiency
-        # trigger: their median over a few steps, because single steps on a shared host are noisy
-        self._priced_s: collections.deque[float] = collections.deque(maxlen=5)
-        self._workload: Workload | None = None
         self._pool_ex = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nereus-compile")
-        self.async_mode = cfg.trainer.mode == "async"
         self._before_move: list[Callable[[], None]] = []  # run before state moves (async: pause generation)
         self._mismatch: dict[str, float] = {}  # the last step's rollout/train mismatch
         self._after_move: dict[str, Any] | None = None  # a transition event awaiting the mismatch after it
-        self._length: float | None = None  # the last measured mean response length (for a recovery's observation)
-        # during a device-loss recovery: (the job's plan, the plan of its surviving units or None when they are
-        # not one consistent state); moves out of that plan start from the survivors
-        self._failed: tuple[ExecutionPlan, ExecutionPlan | None] | None = None
 
     @property
     def pool(self) -> tuple[int, ...]:
@@ -141,11 +102,10 @@ class Adapter:
     # ------------------------------------------------------------------------------ the boundary
     def boundary(self, step: int, metrics: dict[str, Any] | None) -> None:
         """Run before ``step``; ``metrics`` are the previous step's (None before the first step)."""
-        compiled = self._compiled_last_step  # the previous step compiled programs: its time is not a step's
+        compiled = self.pricer.compiled_last_step  # the previous step compiled programs: its time is not a step's
         if metrics is not None:
             metrics = {**metrics, **agree({k: metrics[k] for k in _MEASURED if k in metrics})}
-            self._length = metrics["response_length_mean"]
-            self._learn(metrics)
+            self.pricer.learn(metrics)
             self._note_mismatch(step, metrics)
         gone = self.device_pool.apply(step)
         if not self.enabled:
@@ -167,12 +127,9 @@ class Adapter:
             return
         if metrics is None and not gone:
             return
-        achieved = statistics.median(self._priced_s) if len(self._priced_s) >= 3 and not compiled else None
-        obs = Observation(step=step, plan=self.job.plan, devices=self.device_pool.planning(step),
-                          response_length=metrics["response_length_mean"] if metrics else (self._ref_length() or 1.0),
-                          step_seconds=achieved, peak_memory_bytes=self.peak_bytes(self.job.plan),
-                          memory_cap_bytes=self.pricing.trigger_bytes(self.cost.hardware.memory_bytes),
-                          steps_left=max(1, self.job.cfg.trainer.steps - step))
+        achieved = None if compiled else self.pricer.achieved_step_s()
+        length = metrics["response_length_mean"] if metrics else (self.controller.reference_length or 1.0)
+        obs = self._observation(step, self.job, length, achieved)
         checked = len(self.controller.move_checks)
         decision = self.controller.observe(obs)
         for check in self.controller.move_checks[checked:]:
@@ -188,7 +145,7 @@ class Adapter:
             return
         if decision.admitted:
             target, graph = self._priced_move(decision)
-            steady = statistics.median(self._steady_s) if self._steady_s else None
+            steady = self.pricer.steady_step_s()
             # an urgent move (memory, devices) runs at the next boundary even if it must wait for the compile:
             # stepping on while the plan is predicted not to fit would risk an out-of-memory error
             pending = _Pending(decision, target, graph, self._pool_ex.submit(self.job.prepare, target),
@@ -209,14 +166,14 @@ class Adapter:
         reaches (a layout the model cannot take, caps it cannot fit) raises here, naming it, with nothing
         changed."""
         target = align_ranks(self.job.plan, plan)
-        graph = self._graph(self.job.plan, target)
+        graph = self.pricer.graph(self.job.plan, target)
         self.job.check_plan(target)
         decision = Decision(step=-1, trigger="request", urgent=True, target=target, admitted=True, reason=reason,
                             current_latency_s=None, target_latency_s=None, horizon=1.0, move=graph)
         if self.pending is not None:
             self.pending.future.cancel()
         self.controller.forget_move()  # the next plan change is this request, not the controller's last move
-        steady = statistics.median(self._steady_s) if self._steady_s else None
+        steady = self.pricer.steady_step_s()
         self.pending = _Pending(decision, target, graph, self._pool_ex.submit(self.job.prepare, target),
                                 time.perf_counter(), -1, steady, wait=wait)
         self.log(f"transition requested ({reason}) -> {_short(target)}")
@@ -245,32 +202,24 @@ class Adapter:
             self.controller.devices = self.device_pool.planning(step)  # re-planned for this pool already
         self.events.append({"event": "recovery", "step": step, "lost": sorted(lost), "how": rec.how,
                             "reason": rec.reason, "plan": _short(rec.job.plan)})
-        self.job = rec.job
-        self._compiled_last_step = True
-        self._priced_s.clear()
+        self.job = self.pricer.job = rec.job
+        self.pricer.plan_changed()
         return rec
 
     def _recover(self, job: Job, lost: set[int], step: int, before: dict[str, int],
                  checkpoint_dir: str | None) -> Recovery | None:
         """The controller's urgent path after a failure (see :meth:`lose`); None: it has no candidate."""
         left, reason = surviving_state(job, lost, step, before)
-        obs = Observation(step=step, plan=job.plan, devices=self.device_pool.planning(step),
-                          response_length=self._length or self._ref_length() or 1.0,
-                          peak_memory_bytes=self.peak_bytes(job.plan),
-                          memory_cap_bytes=self.pricing.trigger_bytes(self.cost.hardware.memory_bytes),
-                          steps_left=max(1, job.cfg.trainer.steps - step))
-        self._failed = (job.plan, left)
-        try:
+        obs = self._observation(step, job, self.pricer.response_length or self.controller.reference_length or 1.0)
+        with self.pricer.survivors(job.plan, left):  # moves out of the job's plan start from the survivors
             decision = self.controller.observe(obs)
-        finally:
-            self._failed = None
         if decision is not None:
             self._log_decision(decision)
         if decision is not None and decision.admitted and left is not None:
             try:
                 graph = decision.move
                 if not (isinstance(graph, TransitionGraph) and graph.old_plan == left):  # priced without a graph
-                    graph = self._graph(left, align_ranks(left, decision.target))
+                    graph = self.pricer.graph(left, align_ranks(left, decision.target))
                 moved = move(job, graph)
             except (TransitionFailed, MoveError, ValueError) as e:  # ValueError: Infeasible, a plan it cannot run
                 self.controller.forget_move()
@@ -296,7 +245,7 @@ class Adapter:
         t0 = time.perf_counter()
         waited = not pending.future.done()
         prepared: Prepared = pending.future.result()
-        standalone = self._move_compile_s(self.job.plan, pending.target)  # the compile as priced (uncontended)
+        standalone = self.pricer.move_compile_s(self.job.plan, pending.target)  # the compile as priced (uncontended)
         for listener in self._before_move:
             listener()
         t1 = time.perf_counter()
@@ -317,25 +266,23 @@ class Adapter:
             return
         t3 = time.perf_counter()
         graph = pending.graph
-        self._priced_s.clear()
+        self.pricer.plan_changed()
         self.transitions += 1
-        self._compiled_last_step = True
         overlapped = pending.step_seconds
         slowdown = statistics.median(overlapped) / pending.steady_s if overlapped and pending.steady_s else None
         # what the compile cost the steps: their time past the steady step, plus any wait for it at the boundary
         compile_cost = None
         if pending.steady_s and not pending.decision.urgent:
             compile_cost = sum(max(0.0, s - pending.steady_s) for s in overlapped) + (t1 - t0)
-            if standalone > 0 and self.cost.hardware.shared_compute:
-                self.compile_contention = compile_cost / standalone
+            self.pricer.note_compile_cost(compile_cost, standalone)
         event = {"event": "transition", "step": step, "trigger": pending.decision.trigger,
                  "admitted_at_step": pending.step, "pause_s": t3 - t0, "wait_for_compile_s": t1 - t0,
                  "movement_s": moved.movement_s, "switch_s": moved.switch_s, "compile_s": prepared.seconds,
                  "compile_hidden": not waited, "steps_during_compile": len(overlapped),
                  "step_slowdown_during_compile": slowdown, "compile_cost_s": compile_cost,
-                 "predicted_compile_s": standalone, "compile_contention": self.compile_contention,
+                 "predicted_compile_s": standalone, "compile_contention": self.pricer.compile_contention,
                  "predicted_transition_s": pending.decision.transition_s,
-                 "predicted_movement_s": self._movement_s(graph), "plan": _short(pending.target),
+                 "predicted_movement_s": self.pricer.movement_s(graph), "plan": _short(pending.target),
                  **{f"{k}_before": v for k, v in self._mismatch.items()}}
         self.events.append(event)
         self._after_move = event
@@ -360,11 +307,6 @@ class Adapter:
                           for k, v in self._mismatch.items())
         self.log(f"step {step - 1}: rollout/train mismatch across the transition at step {event['step']}: {shown}")
 
-    def _graph(self, old: ExecutionPlan, new: ExecutionPlan) -> TransitionGraph:
-        bw, lat = link_bandwidth("intra", self.cost.hardware)
-        return TransitionGraph.build(old, new, self.job.specs, caps=self.job.cfg.cluster.device_memory_bytes,
-                                     bandwidth=bw, latency=lat)
-
     def _priced_move(self, decision: Decision) -> tuple[ExecutionPlan, TransitionGraph]:
         """The admitted target (ranks aligned) and the graph it was priced with; built here only when the
         controller priced it without one (a transition function that answers in seconds)."""
@@ -372,155 +314,15 @@ class Adapter:
         if isinstance(graph, TransitionGraph) and graph.old_plan == self.job.plan:
             return decision.target, graph
         target = align_ranks(self.job.plan, decision.target)
-        return target, self._graph(self.job.plan, target)
+        return target, self.pricer.graph(self.job.plan, target)
 
-    def _live_source(self, plan: ExecutionPlan) -> ExecutionPlan | None:
-        """The plan a move out of ``plan`` starts from: ``plan`` itself, or during a device-loss recovery
-        the job's surviving units (None: they are not one consistent state, so no live move exists)."""
-        if self._failed is not None and plan == self._failed[0]:
-            return self._failed[1]
-        return plan
-
-    # --------------------------------------------------------------------------- calibration
-    def _learn(self, metrics: dict[str, Any]) -> None:
-        job = self.job
-        # padded programs run every row at R; packed ones at the lengths the next step's budget allows
-        budget = job.response_budget(metrics["step"] + 1) if job.cfg.trainer.packing else job.R
-        mean = min(max(1.0, metrics["response_length_mean"]), budget)
-        p95 = min(max(mean, metrics.get("response_length_p95", mean)), budget)
-        self._workload = Workload(job.cfg.trainer.prompts_per_step, LengthStats.fixed(job.P),
-                                  LengthStats(mean, p95, budget), job.n,
-                                  packed=job.cfg.trainer.packing,  # packed: FLOPs follow the mean length
-                                  mini_batches=job.cfg.trainer.mini_batches, epochs=job.cfg.trainer.ppo_epochs,
-                                  pipeline_schedule=job.cfg.trainer.pipeline_schedule)
-        if self._compiled_last_step:  # this step compiled its programs: time it, do not calibrate on it
-            self._compile_step_s = metrics["step_seconds"]
-            self._compile_stage_seconds = dict(metrics["stage_seconds"])
-            self._compiled_last_step = False
-            return
-        self._steady_s.append(metrics["step_seconds"])
-        self._ran.pop(job.plan, None)
-        self._ran[job.plan] = None
-        if self._compile_s is None and self._compile_step_s is not None:
-            self._compile_s = max(0.0, self._compile_step_s - statistics.median(self._steady_s))
-            self._compile_by_stage = compile_by_stage(self._compile_stage_seconds, metrics["stage_seconds"],
-                                                      job.plan)
-            if str(ACTOR_GEN) in self._compile_by_stage:  # per engine: each replica compiles its own programs
-                self._compile_by_stage[str(ACTOR_GEN)] /= len(job.plan[ACTOR_GEN].replicas)
-        seconds = dict(metrics["stage_seconds"])
-        seconds["actor-infer"] = seconds.get("actor-infer", 0.0) + seconds.get("weight-sync", 0.0)  # as priced
-        ms = self.pricing.measurements(self.pricing.choices(job.plan, self._workload), self._workload, seconds)
-        # achieved step latency: async, the wall interval between updates (generation overlapped)
-        self._priced_s.append(metrics["step_seconds"] if self.async_mode else sum(m.seconds for m in ms))
-        self.pricing.calibrate(ms)
-
-    def _ref_length(self) -> float | None:
-        return self.controller.reference_length
-
-    # ---------------------------------------------------------------------------------- pricing
-    def _latency(self, plan: ExecutionPlan, obs: Observation | None = None) -> float | None:
-        """Predicted step latency of a job plan as the job runs it (``elastic.pricing``); None before the
-        first measured workload or for a plan the job's batch cannot be split over."""
-        if self._workload is None:
-            return None
-        try:
-            return self.pricing.latency(plan, self.pricing.choices(plan, self._workload), self._workload)
-        except (ValueError, KeyError):
-            return None
-
-    @property
-    def memory_cap_bytes(self) -> float:
-        """Usable bytes per device: the cap (cluster.device_memory_bytes or the hardware's) less the headroom."""
-        return self.pricing.usable_bytes
-
-    def peak_bytes(self, plan: ExecutionPlan) -> float | None:
-        """Predicted peak bytes per device of a job plan on the observed workload: on each device, the
-        resident state of every model-stage there plus the largest working set (they run in turn)."""
-        if self._workload is None:
-            return None
-        return self.pricing.peak_bytes(plan, self.pricing.choices(plan, self._workload), self._workload)
-
-    def _candidates(self, obs: Observation) -> list[Candidate]:
-        """The planner's plans for the job's topology (best and runners-up; async: actor-gen on its own
-        devices) and the configured layouts on the pool, fastest first. The planner prices and checks
-        memory as the job does (``elastic.pricing``), so its plans fit; a plan the job cannot run across
-        processes, or a configured one that does not fit, is left out."""
-        workload = self._workload or Workload.from_config(self.job.cfg)
-        plans = [r.plan for r in self._planned(obs, workload)]
-        if plans:
-            plans += partial_moves(obs.plan, plans[0])
-        # plans the job ran on devices it still has: the per-layout memory prices them as measured
-        plans += [p for p in self._ran if set(p.devices) <= set(obs.devices)]
-        with contextlib.suppress(ConfigError):  # the configured layouts on the devices present: a candidate
-            plans.append(plan_from_config(self.job.cfg, device_ids=list(obs.devices)))
-        try:
-            current = self.pricing.features(self.pricing.choices(obs.plan, workload), workload)
-        except ValueError:  # the current plan cannot split this batch: nothing to compare a gain against
-            current = None
-        out: dict[ExecutionPlan, Candidate] = {}
-        for plan in plans:
-            if plan in out or not self._runnable(plan):
-                continue
-            try:
-                choices = self.pricing.choices(plan, workload)
-            except ValueError:  # dp does not split the batch (a configured plan on another pool)
-                continue
-            if self.pricing.peak_bytes(plan, choices, workload) <= self.memory_cap_bytes:
-                sd = 0.0 if current is None else self.pricing.gain_sd(current, choices, workload)
-                out[plan] = Candidate(plan, self.pricing.latency(plan, choices, workload), sd)
-        return sorted(out.values(), key=lambda c: c.step_latency_s)
-
-    def _planned(self, obs: Observation, workload: Workload) -> list[PlanResult]:
-        cfg, models = self.job.cfg, self.pricing.models
-        try:
-            if self.async_mode:
-                return self.planner.split(models, cfg.algorithm.name, workload, workload, obs.devices, self.topology)
-            result = self.planner.plan(models, cfg.algorithm.name, workload, obs.devices, topology=self.topology)
-        except InfeasiblePlanError as e:
-            self.log(f"step {obs.step}: the planner found no plan for {len(obs.devices)} devices: {e}")
-            return []
-        return [result, *result.runners_up]
-
-    def _runnable(self, plan: ExecutionPlan) -> bool:
-        """What the job needs beyond time and memory: an engine's replicas each in one process, and async
-        generation on devices of its own."""
-        if engine_replicas_across_processes(plan):
-            return False
-        gen = set(plan[ACTOR_GEN].devices)
-        return not (self.async_mode and any(gen & set(sp.devices) for ms, sp in plan.items() if ms != ACTOR_GEN))
-
-    def _transition_seconds(self, old: ExecutionPlan, new: ExecutionPlan) -> Priced | None:
-        """The predicted seconds of the move to ``new`` (ranks aligned to where it starts), with that target
-        and its graph, which an admitted decision carries to the move; None when no transition reaches it."""
-        source = self._live_source(old)
-        if source is None:
-            return None
-        target = align_ranks(source, new)
-        try:
-            graph = self._graph(source, target)
-        except ValueError:
-            return None
-        compile_s = self._move_compile_s(source, target) if self.cost.hardware.shared_compute else 0.0
-        return Priced(self._movement_s(graph) + compile_s * self.compile_contention, target, graph)
-
-    def _move_compile_s(self, source: ExecutionPlan, target: ExecutionPlan) -> float:
-        """Measured compile seconds of what a move to ``target`` compiles (``Job.prepare`` keeps the programs
-        and engines of model-stages whose devices and layout stay): the changed model-stages' share of the
-        first step's compile, actor-gen's per engine (every replica compiles its own); the whole plan's
-        before the per-stage figures exist."""
-        if self._compile_by_stage is None:
-            return self._compile_s or 0.0
-        total = 0.0
-        for ms, sp in target.items():
-            if ms in source and source[ms] == sp:
-                continue
-            per = self._compile_by_stage.get(str(ms), 0.0)
-            total += per * len(sp.replicas) if ms == ACTOR_GEN else per
-        return total
-
-    def _movement_s(self, graph: TransitionGraph) -> float:
-        """The graph's predicted data movement (the simulator prices its moves with the same object)."""
-        return self.pricing.movement_seconds(graph)
+    def _observation(self, step: int, job: Job, length: float, achieved: float | None = None) -> Observation:
+        """What the controller sees at ``step``: ``job``'s plan, the pool planned for, the mean response
+        length, the achieved step seconds (None: not measured) and the predicted peak against the trigger."""
+        return Observation(step=step, plan=job.plan, devices=self.device_pool.planning(step),
+                           response_length=length, step_seconds=achieved,
+                           peak_memory_bytes=self.pricer.peak_bytes(job.plan),
+                           memory_cap_bytes=self.pricer.trigger_bytes, steps_left=max(1, job.cfg.trainer.steps - step))
 
     # ------------------------------------------------------------------------------------ log
     def _log_decision(self, d: Decision) -> None:
@@ -536,45 +338,16 @@ class Adapter:
             self.log(f"    rejected {_short(plan)}: {why}")
 
     def state_dict(self) -> dict[str, Any]:
-        """For checkpoints: the controller's state (references, horizons, pool, efficiency window) and the
-        adapter's (pool, calibrated efficiencies, compile time, transitions)."""
-        return {**self.controller.state_dict(), "pool": list(self.pool), "efficiency": self.cost.efficiency,
-                "compile_s": self._compile_s, "compile_by_stage": self._compile_by_stage,
-                "compile_contention": self.compile_contention,
-                "half_sizes": dict(self.cost.half_sizes), "transitions": self.transitions}
+        """For checkpoints: the controller's state (references, horizons, pool, efficiency window), the
+        pool, the pricer's (calibrated efficiencies, compile times) and the transitions."""
+        return {**self.controller.state_dict(), "pool": list(self.pool), **self.pricer.state_dict(),
+                "transitions": self.transitions}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.controller.load_state_dict(d)
         self.device_pool.devices = tuple(d["pool"])
-        self.cost = CostModel(self.cost.hardware, d["efficiency"], d.get("half_sizes"))
-        self.planner.cost_model = self.pricing.cost = self.cost
-        self._compile_s, self.transitions = d["compile_s"], d["transitions"]
-        self._compile_by_stage = d.get("compile_by_stage")
-        self.compile_contention = float(d.get("compile_contention", 1.0))
-
-
-def partial_moves(current: ExecutionPlan, best: ExecutionPlan) -> list[ExecutionPlan]:
-    """The current plan with one model-stage moved to its place in ``best``, for every model-stage that
-    ``best`` moves: cheaper transitions (fewer arrays to move, fewer programs to compile) that may keep
-    most of the gain. None when the two plans do not hold the same model-stages."""
-    if set(current) != set(best):
-        return []
-    return [ExecutionPlan({**current, ms: best[ms]}) for ms in best if best[ms] != current[ms]]
-
-
-def compile_by_stage(compiling: Mapping[str, float], steady: Mapping[str, float],
-                     plan: ExecutionPlan) -> dict[str, float]:
-    """Compile seconds per model-stage of ``plan``: the compiling step's seconds of each timed stage less a
-    steady step's. A scoring stage runs on its role's training (or only) model-stage (``actor-infer`` on
-    ``actor-train``'s programs); stages of no model-stage (the host reward, the weight sync) are left out."""
-    out: dict[str, float] = {}
-    for name, seconds in compiling.items():
-        role, _, kind = name.rpartition("-")
-        owners = [ms for ms in plan if ms.model == role and (ms.stage == kind or (kind != "gen" and ms.stage != "gen"))]
-        if len(owners) == 1:
-            key = str(owners[0])
-            out[key] = out.get(key, 0.0) + max(0.0, seconds - steady.get(name, 0.0))
-    return out
+        self.pricer.load_state_dict(d)
+        self.transitions = d["transitions"]
 
 
 def _short(plan: ExecutionPlan) -> str:

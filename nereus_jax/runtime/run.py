@@ -277,7 +277,7 @@ def _save_calibration(cfg: Config, adapter: Adapter, report: RunReport, steps: i
     replaced atomically (a killed run leaves the previous file or this one)."""
     if report.primary:
         report.open()
-        save_calibration(os.path.join(report.run_dir, CALIBRATION_FILE), adapter.cost, steps=steps,
+        save_calibration(os.path.join(report.run_dir, CALIBRATION_FILE), adapter.pricer.cost, steps=steps,
                          model=cfg.model.name)
 
 

@@ -27,7 +27,6 @@ from nereus_jax.sharding.pipeline import (
     bubble_fraction,
     pipeline_forward,
     pipeline_forward_fn,
-    pipeline_forward_with_cache,
 )
 from nereus_jax.sharding.rules import RULES, rules_for
 
@@ -52,7 +51,6 @@ __all__ = [
     "param_shardings",
     "pipeline_forward",
     "pipeline_forward_fn",
-    "pipeline_forward_with_cache",
     "rules_for",
     "shard_params",
     "stored_shapes",

@@ -2,7 +2,7 @@
 
 The rules table decides: the mesh axis that a stage kind's rules map ``layers`` to (``pp``) is the
 pipeline axis. With that axis absent or of size 1 every function here is exactly the plain model code
-(:func:`~nereus_jax.models.forward`, :func:`~nereus_jax.models.forward_with_cache`); with pp > 1 the
+(:func:`~nereus_jax.models.forward`); with pp > 1 the
 layer stack runs inside ``jax.shard_map`` that is manual over ``pp``, so tp (and, in GPipe, dp) stay with the
 SPMD partitioner and tp-sharded weights inside a stage work unchanged.
 
@@ -12,9 +12,8 @@ tick t stage s runs its layers on micro-batch t - s, then hands its output to st
 ``ppermute``; m + pp - 1 ticks in all, so each stage idles (pp - 1) of them: bubble fraction
 (pp - 1) / (m + pp - 1). Training differentiates through the schedule; the backward is its transpose
 (reverse ppermute, same tick table reversed), so the same bubble applies, and the backward keeps every
-tick's activations (all m micro-batches, and the bubble ticks') until it runs. In the uncached forward a
-bubble tick computes on zeros (branch-free, cheap to differentiate); in the cached path a bubble tick is
-skipped (``lax.cond``), since it must not write garbage keys/values into the stage's slice of the KV cache.
+tick's activations (all m micro-batches, and the bubble ticks') until it runs. A bubble tick computes on
+zeros (branch-free, cheap to differentiate).
 
 1F1B (training: :func:`pipeline_value_and_grad`, an explicit value-and-gradient function the job's train
 step calls instead of ``jax.value_and_grad`` when ``trainer.pipeline_schedule`` is ``1f1b``): the backward
@@ -39,16 +38,14 @@ replicated; in GPipe the output head (a large matmul for real vocabularies) runs
 every stage taking 1/pp of the rows, instead of on the last stage alone; in 1F1B it runs on the last stage,
 one micro-batch at a time.
 
-Generation stays pp = 1: the planner proposes no other layout for actor-gen, so the job never calls the
-cached forward here (GPipe, no backward); tests hold it equal to :func:`~nereus_jax.models.forward_with_cache`.
+Generation stays pp = 1: the planner proposes no other layout for actor-gen, and the engine's cached decode
+(``nereus_jax.engine.decode``) has no pipelined variant.
 
 Example::
 
     mesh = make_mesh(jax.devices()[:4], Layout(tp=2, pp=2))
     sharded = shard_params(params, cfg, Layout(tp=2, pp=2), mesh)
     logits = jax.jit(pipeline_forward_fn(mesh, microbatches=4), static_argnums=1)(sharded, cfg, tokens)
-    cache = jax.device_put(init_cache(cfg, batch, max_len), cache_sharding(mesh))
-    logits, cache = pipeline_forward_with_cache(sharded, cfg, tokens, positions, cache, mesh=mesh)
     make_loss = functools.partial(actor_loss, cfg, algo, prompt_len)          # forward_fn -> loss(params, mb)
     (values, metrics), grads = pipeline_value_and_grad(make_loss, sharded, pieces, mesh=mesh)
 """
@@ -67,14 +64,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nereus_jax.config import PIPELINE_SCHEDULES, ModelConfig
 from nereus_jax.models.decoder import (
-    KVCache,
     apply_layers,
-    apply_layers_cached,
     causal_mask,
     default_positions,
     embed_tokens,
     forward,
-    forward_with_cache,
     output_head,
 )
 from nereus_jax.models.layers import activation_constraints
@@ -82,7 +76,6 @@ from nereus_jax.sharding.layout import LayoutError, logical_to_spec
 from nereus_jax.sharding.rules import rules_for
 
 ForwardFn = Callable[..., jax.Array]
-_CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")
 
 
 class PipelineError(LayoutError):
@@ -113,12 +106,6 @@ def gpipe_schedule(pp: int, microbatches: int) -> np.ndarray:
     return np.where((i >= 0) & (i < microbatches), i, -1)
 
 
-def cache_sharding(mesh: Mesh, kind: str = "gen") -> KVCache:
-    """Shardings of a :class:`KVCache` on ``mesh``: each stage holds its layers' slice (kv heads over tp)."""
-    spec = logical_to_spec(_CACHE_AXES, kind, mesh.axis_names)
-    return KVCache(NamedSharding(mesh, spec), NamedSharding(mesh, spec))
-
-
 def pipeline_forward(params: dict, cfg: ModelConfig, tokens_bt: jax.Array, positions_bt: jax.Array | None = None,
                      attention_mask_bt: jax.Array | None = None, *, mesh: Mesh, microbatches: int,
                      kind: str = "train", return_hidden: bool = False,
@@ -136,21 +123,6 @@ def pipeline_forward(params: dict, cfg: ModelConfig, tokens_bt: jax.Array, posit
     hidden, _ = _run_uncached(params["layers"], cfg, embed_tokens(params, tokens_bt), call.positions, call.mask,
                               call.segments, mesh=mesh, axis=axis, m=microbatches, kind=kind)
     return _head(params, cfg, hidden, mesh, kind, axis, microbatches, return_hidden)
-
-
-def pipeline_forward_with_cache(params: dict, cfg: ModelConfig, tokens_bt: jax.Array, positions_bt: jax.Array,
-                                cache: KVCache, *, mesh: Mesh, microbatches: int = 1, kind: str = "gen",
-                                return_hidden: bool = False) -> tuple[jax.Array, KVCache]:
-    """:func:`~nereus_jax.models.forward_with_cache` (prefill or decode) through the pipeline stages;
-    each stage reads and writes only its slice of the cache's ``layers`` axis."""
-    axis = _checked_axis(params, tokens_bt.shape[0], mesh, microbatches, kind)
-    if axis is None:
-        return forward_with_cache(params, cfg, tokens_bt, positions_bt, cache, return_hidden=return_hidden)
-    if cache.k.shape[0] != params["layers"]["attn"]["wq"].shape[0]:
-        raise PipelineError(f"cache has {cache.k.shape[0]} layers, the model {params['layers']['attn']['wq'].shape[0]}")
-    hidden, cache = _run_cached(params["layers"], cfg, embed_tokens(params, tokens_bt), positions_bt, cache,
-                                mesh=mesh, axis=axis, m=microbatches, kind=kind)
-    return _head(params, cfg, hidden, mesh, kind, axis, microbatches, return_hidden), cache
 
 
 def pipeline_forward_fn(mesh: Mesh, microbatches: int | Callable[[int, int], int],
@@ -267,16 +239,14 @@ def _batch_degree(mesh: Mesh, kind: str) -> int:
     return mesh.shape[axis] if axis in mesh.axis_names else 1
 
 
-def _split(x: jax.Array, m: int, axis: int = 0) -> jax.Array:
-    """[..., B, ...] -> [m, ..., B/m, ...]: micro-batch i holds rows i, i+m, ... (a dp split stays a dp split)."""
-    x = x.reshape(*x.shape[:axis], x.shape[axis] // m, m, *x.shape[axis + 1:])
-    return jnp.moveaxis(x, axis + 1, 0)
+def _split(x: jax.Array, m: int) -> jax.Array:
+    """[B, ...] -> [m, B/m, ...]: micro-batch i holds rows i, i+m, ... (a dp split stays a dp split)."""
+    return jnp.moveaxis(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 1, 0)
 
 
-def _merge(x_m: jax.Array, axis: int = 0) -> jax.Array:
+def _merge(x_m: jax.Array) -> jax.Array:
     """Inverse of :func:`_split`."""
-    x = jnp.moveaxis(x_m, 0, axis + 1)
-    return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2:])
+    return jnp.moveaxis(x_m, 0, 1).reshape(-1, *x_m.shape[2:])
 
 
 def _stage_constraints(mesh: Mesh, kind: str, *manual_axes: str):
@@ -294,11 +264,11 @@ def _run_uncached(layers, cfg, x_btd, positions_bt, mask_bt, segments_bt, *, mes
     t, hand_off = x_btd.shape[1], _HandOff(mesh, kind, axis, x_btd.shape[0] // m)
 
     def body(layers, x_m, pos_m, mask_m, seg_m):
-        def stage(x, ic, valid, state):
-            return apply_layers(layers, cfg, x, pos_m[ic], causal_mask(t, mask_m[ic], seg_m[ic])), state
+        def stage(x, ic):
+            return apply_layers(layers, cfg, x, pos_m[ic], causal_mask(t, mask_m[ic], seg_m[ic]))
 
         with _stage_constraints(mesh, kind, axis):
-            out, _, record = _gpipe(stage, x_m, None, axis, mesh.shape[axis])
+            out, record = _gpipe(stage, x_m, axis, mesh.shape[axis])
         return hand_off.inside(out), record[None]
 
     specs = (_layer_specs(layers, axis), PartitionSpec(), PartitionSpec(), PartitionSpec(), PartitionSpec())
@@ -306,28 +276,6 @@ def _run_uncached(layers, cfg, x_btd, positions_bt, mask_bt, segments_bt, *, mes
                        axis_names={axis})
     out, record = fn(layers, _split(x_btd, m), _split(positions_bt, m), _split(mask_bt, m), _split(segments_bt, m))
     return hand_off.outside(out), record.T
-
-
-def _run_cached(layers, cfg, x_btd, positions_bt, cache, *, mesh, axis, m, kind):
-    hand_off = _HandOff(mesh, kind, axis, x_btd.shape[0] // m)
-
-    def body(layers, x_m, pos_m, cache):
-        def stage(x, ic, valid, cache):
-            def run(x, cache):
-                y, rows = apply_layers_cached(layers, cfg, x, pos_m[ic], _take_rows(cache, ic, m))
-                return y, _put_rows(cache, rows, ic, m)
-
-            return lax.cond(valid, run, lambda x, cache: (x, cache), x, cache)
-
-        with _stage_constraints(mesh, kind, axis):
-            out, cache, _ = _gpipe(stage, x_m, cache, axis, mesh.shape[axis])
-        return hand_off.inside(out), cache
-
-    cache_spec = KVCache(PartitionSpec(axis), PartitionSpec(axis))
-    specs = (_layer_specs(layers, axis), PartitionSpec(), PartitionSpec(), cache_spec)
-    fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(hand_off.spec, cache_spec), axis_names={axis})
-    out, cache = fn(layers, _split(x_btd, m), _split(positions_bt, m), cache)
-    return hand_off.outside(out), cache
 
 
 class _HandOff:
@@ -355,27 +303,27 @@ class _HandOff:
         return _merge(out_m)
 
 
-def _gpipe(stage_fn, x_mbtd, state, axis: str, pp: int):
-    """The GPipe forward schedule, inside shard_map (manual over ``axis``). ``stage_fn(x, i, valid, state)
-    -> (y, state)`` runs this stage's layers on micro-batch i. Returns (the last stage's outputs [m, ...],
-    state, the micro-batch processed per tick, -1 in the bubble)."""
+def _gpipe(stage_fn, x_mbtd, axis: str, pp: int):
+    """The GPipe forward schedule, inside shard_map (manual over ``axis``). ``stage_fn(x, i) -> y`` runs this
+    stage's layers on micro-batch i (in the bubble on a clipped index; the result is dropped). Returns (the
+    last stage's outputs [m, ...], the micro-batch processed per tick, -1 in the bubble)."""
     m = x_mbtd.shape[0]
     s = lax.axis_index(axis)
 
     def tick(carry, t):
-        incoming, out, state = carry
+        incoming, out = carry
         i = t - s
         valid = (i >= 0) & (i < m)
         ic = jnp.clip(i, 0, m - 1)
-        y, state = stage_fn(jnp.where(s == 0, x_mbtd[ic], incoming), ic, valid, state)
+        y = stage_fn(jnp.where(s == 0, x_mbtd[ic], incoming), ic)
         done = valid & (s == pp - 1)
         out = lax.dynamic_update_index_in_dim(out, jnp.where(done, y, out[ic]), ic, 0)
         incoming = lax.ppermute(y, axis, [(j, j + 1) for j in range(pp - 1)])
-        return (incoming, out, state), jnp.where(valid, i, -1)
+        return (incoming, out), jnp.where(valid, i, -1)
 
-    init = (_varying(jnp.zeros_like(x_mbtd[0]), axis), _varying(jnp.zeros_like(x_mbtd), axis), state)
-    (_, out, state), record = lax.scan(tick, init, jnp.arange(m + pp - 1))
-    return out, state, record
+    init = (_varying(jnp.zeros_like(x_mbtd[0]), axis), _varying(jnp.zeros_like(x_mbtd), axis))
+    (_, out), record = lax.scan(tick, init, jnp.arange(m + pp - 1))
+    return out, record
 
 
 def _varying(x: jax.Array, axis: str | tuple[str, ...]) -> jax.Array:
@@ -384,19 +332,6 @@ def _varying(x: jax.Array, axis: str | tuple[str, ...]) -> jax.Array:
 
 def _layer_specs(layers: dict, axis: str) -> dict:
     return jax.tree.map(lambda _: PartitionSpec(axis), layers)
-
-
-def _take_rows(cache: KVCache, i: jax.Array, m: int) -> KVCache:
-    if m == 1:
-        return cache
-    return KVCache(*(lax.dynamic_index_in_dim(_split(c, m, axis=1), i, 0, keepdims=False) for c in cache))
-
-
-def _put_rows(cache: KVCache, rows: KVCache, i: jax.Array, m: int) -> KVCache:
-    if m == 1:
-        return rows
-    return KVCache(*(_merge(lax.dynamic_update_index_in_dim(_split(c, m, axis=1), r, i, 0), axis=1)
-                     for c, r in zip(cache, rows, strict=True)))
 
 
 def _head(params: dict, cfg: ModelConfig, hidden_btd: jax.Array, mesh: Mesh, kind: str, axis: str, m: int,

@@ -1,5 +1,5 @@
-"""The decoder against its own references: uncached vs cached, one device vs tensor parallel, the engine's
-unrolled decode path vs ``forward``, padding, heads, Qwen3's q/k norms, full-size shapes."""
+"""The decoder against its own references: one device vs tensor parallel, the engine's cached decode path
+(``nereus_jax.engine.decode``) vs the uncached ``forward``, padding, heads, Qwen3's q/k norms, full-size shapes."""
 
 import dataclasses
 
@@ -15,8 +15,6 @@ from nereus_jax.models import (
     abstract_params,
     count_params,
     forward,
-    forward_with_cache,
-    init_cache,
     init_params,
     param_axes,
 )
@@ -77,33 +75,22 @@ def test_pad_token_values_are_irrelevant(params):
     np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
 
 
-@pytest.mark.smoke
-def test_cached_prefill_then_decode_matches_full_forward(params):
-    tokens = _tokens(2, 10, seed=2)
-    full = forward(params, TINY, tokens)
-    cache = init_cache(TINY, batch=2, max_len=16)
-    pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
-    logits, cache = forward_with_cache(params, TINY, tokens[:, :6], pos, cache)
-    steps = [logits]
-    for t in range(6, 10):
-        out, cache = forward_with_cache(params, TINY, tokens[:, t:t + 1], jnp.full((2, 1), t), cache)
-        steps.append(out)
-    np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, axis=1)), np.asarray(full), atol=1e-5)
-
-
 def test_cache_rows_advance_independently(params):
-    """Two slots at different lengths in one decode call each match their own full forward."""
+    """Two slots at different lengths in one engine decode call each match their own full forward."""
     a, b = _tokens(1, 7, seed=4), _tokens(1, 4, seed=5)
-    cache = init_cache(TINY, batch=2, max_len=12)
-    cache_a = init_cache(TINY, batch=1, max_len=12)
-    _, cache_a = forward_with_cache(params, TINY, a[:, :6], jnp.arange(6)[None], cache_a)
-    cache_b = init_cache(TINY, batch=1, max_len=12)
-    _, cache_b = forward_with_cache(params, TINY, b[:, :3], jnp.arange(3)[None], cache_b)
-    cache = jax.tree.map(lambda x, y: jnp.concatenate([x, y], axis=1), cache_a, cache_b)
+    unstacked = decode.unstack_layers(params)
+    _, cache_a = decode.run(unstacked, TINY, a[:, :6], jnp.zeros(1, jnp.int32), _caches(TINY, 1, 12))
+    _, cache_b = decode.run(unstacked, TINY, b[:, :3], jnp.zeros(1, jnp.int32), _caches(TINY, 1, 12))
+    caches = jax.tree.map(lambda x, y: jnp.concatenate([x, y], axis=0), cache_a, cache_b)
     step_tokens = jnp.concatenate([a[:, 6:7], b[:, 3:4]], axis=0)
-    out, _ = forward_with_cache(params, TINY, step_tokens, jnp.array([[6], [3]]), cache)
-    np.testing.assert_allclose(np.asarray(out[0, 0]), np.asarray(forward(params, TINY, a)[0, 6]), atol=1e-5)
-    np.testing.assert_allclose(np.asarray(out[1, 0]), np.asarray(forward(params, TINY, b)[0, 3]), atol=1e-5)
+    hidden, _ = decode.run(unstacked, TINY, step_tokens, jnp.array([6, 3], jnp.int32), caches)
+    out = decode.logits(unstacked, hidden[:, 0])
+    np.testing.assert_allclose(np.asarray(out[0]), np.asarray(forward(params, TINY, a)[0, 6]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out[1]), np.asarray(forward(params, TINY, b)[0, 3]), atol=1e-5)
+
+
+def _caches(cfg, batch, length):
+    return decode.empty_caches(cfg, batch, length, cfg.num_kv_heads, jnp.float32)
 
 
 def test_value_head_returns_per_token_values():
@@ -205,8 +192,9 @@ def test_qwen3_sharded_forward_matches_one_device(qwen3_params, devices, tp):
     np.testing.assert_allclose(np.asarray(logits), ref, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("cfg", [TINY, dataclasses.replace(TINY, qkv_bias=True), QWEN3],
-                         ids=["llama", "qkv_bias", "qwen3"])
+@pytest.mark.parametrize("cfg", [pytest.param(TINY, id="llama", marks=pytest.mark.smoke),
+                                 pytest.param(dataclasses.replace(TINY, qkv_bias=True), id="qkv_bias"),
+                                 pytest.param(QWEN3, id="qwen3")])
 def test_engine_decode_path_equals_forward_for_prefill_and_each_step(cfg):
     """The engine's unrolled per-layer path (nereus_jax.engine.decode) against models.forward, per family."""
     raw = _random_norms(init_params(cfg, seed=2), seed=2)
@@ -226,15 +214,15 @@ def test_engine_decode_path_equals_forward_for_prefill_and_each_step(cfg):
 
 
 def test_qwen3_cached_decode_matches_full_forward(qwen3_params):
+    """The engine's cached decode of Qwen3 filled to the cache's last slot equals the uncached forward."""
     tokens = _tokens(2, 8, seed=10)
     full = forward(qwen3_params, QWEN3, tokens)
-    cache = init_cache(QWEN3, batch=2, max_len=8)
-    logits, cache = forward_with_cache(qwen3_params, QWEN3, tokens[:, :5], jnp.broadcast_to(jnp.arange(5), (2, 5)),
-                                       cache)
-    steps = [logits]
+    params = decode.unstack_layers(qwen3_params)
+    hidden, caches = decode.run(params, QWEN3, tokens[:, :5], jnp.zeros(2, jnp.int32), _caches(QWEN3, 2, 8))
+    steps = [jax.vmap(lambda h: decode.logits(params, h), in_axes=1, out_axes=1)(hidden)]
     for t in range(5, 8):
-        out, cache = forward_with_cache(qwen3_params, QWEN3, tokens[:, t:t + 1], jnp.full((2, 1), t), cache)
-        steps.append(out)
+        hidden, caches = decode.run(params, QWEN3, tokens[:, t:t + 1], jnp.full(2, t, jnp.int32), caches)
+        steps.append(decode.logits(params, hidden[:, 0])[:, None])
     np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, axis=1)), np.asarray(full), atol=1e-5)
 
 

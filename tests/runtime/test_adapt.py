@@ -10,8 +10,9 @@ from nereus_jax.elastic.emu import EMU
 from nereus_jax.elastic.plan import ExecutionPlan, ModelStage, StagePlan
 from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
-from nereus_jax.runtime.adapt import Adapter, compile_by_stage, partial_moves
+from nereus_jax.runtime.adapt import Adapter
 from nereus_jax.runtime.job import Job
+from nereus_jax.runtime.job_pricer import compile_by_stage, partial_moves
 from nereus_jax.sharding import Layout
 
 BASE = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=16",
@@ -121,12 +122,13 @@ def test_a_predicted_memory_violation_is_an_urgent_trigger_toward_a_plan_that_fi
             adapter.boundary(s, metrics)
             if s < 2:
                 metrics = job.step(s).metrics
-        assert adapter.peak_bytes(job.plan) > adapter.pricing.trigger_bytes(72e6) == adapter.memory_cap_bytes
+        pricer = adapter.pricer
+        assert pricer.peak_bytes(job.plan) > pricer.pricing.trigger_bytes(72e6) == pricer.memory_cap_bytes
         decision = next(e for e in adapter.events if e["event"] == "decision")
         assert decision["trigger"] == "memory" and decision["urgent"] and decision["admitted"], \
             (decision["reason"], decision["rejected"])
         target = adapter.pending.target
-        assert adapter.peak_bytes(target) <= adapter.memory_cap_bytes and adapter.pending.wait
+        assert pricer.peak_bytes(target) <= pricer.memory_cap_bytes and adapter.pending.wait
         adapter.boundary(3, job.step(2).metrics)  # urgent: moved at the next boundary, compiled or not
         assert adapter.transitions == 1 and adapter.job.plan == target
     finally:
@@ -162,15 +164,15 @@ def test_a_move_of_one_model_stage_keeps_the_others_programs_and_engines_and_pri
             adapter.boundary(s, metrics)
             metrics = moved.step(s).metrics
             still.step(s)
-        by_stage = adapter._compile_by_stage
+        by_stage = adapter.pricer.stage_compile_s
         assert set(by_stage) == {str(ms) for ms in moved.plan} and all(v > 0 for v in by_stage.values())
         ref = next(ms for ms in moved.plan if str(ms) == "ref-infer")
         gen = next(ms for ms in moved.plan if str(ms) == "actor-gen")
         src = moved.plan[ref]
         target = ExecutionPlan({**moved.plan, ref: StagePlan(src.layout, src.replicas[:len(src.replicas) // 2])})
         assert partial_moves(moved.plan, target) == [target]
-        priced = adapter._transition_seconds(moved.plan, target)
-        assert priced.seconds == pytest.approx(adapter._movement_s(priced.move) + by_stage["ref-infer"])
+        priced = adapter.pricer.transition_seconds(moved.plan, target)
+        assert priced.seconds == pytest.approx(adapter.pricer.movement_s(priced.move) + by_stage["ref-infer"])
         engines, programs = list(moved.rollout.engines), dict(moved.stages.programs)
         adapter.request(target, wait=True)
         prepared = adapter.pending.future.result()

@@ -84,7 +84,7 @@ def test_run_writes_metrics_summary_and_tensorboard(tmp_path, monkeypatch):
                 "tokens_per_s"):
         assert key in saved
     assert saved == json.loads(json.dumps(summary)) and 0 <= saved["accuracy_after"] <= 1
-    cost = adapters[0].cost  # the cost model the controller calibrated, as it was at the end of the run
+    cost = adapters[0].pricer.cost  # the cost model the controller calibrated, as it was at the end of the run
     assert json.loads((tmp_path / "run" / "calibration.json").read_text()) == {
         "format": 1, "hardware": cost.hardware.name, "efficiency": cost.efficiency, "half_sizes": cost.half_sizes,
         "steps": 2, "model": cfg.model.name}

@@ -11,20 +11,18 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nereus_jax.config import AlgorithmConfig, ModelConfig
-from nereus_jax.models import forward, forward_with_cache, init_cache, init_params
+from nereus_jax.models import forward, init_params
 from nereus_jax.runtime import steps
 from nereus_jax.sharding import Layout, LayoutError, activation_sharding, gather_params, make_mesh, shard_params
 from nereus_jax.sharding.pipeline import (
     PipelineError,
     bubble_fraction,
-    cache_sharding,
     executed_1f1b_schedule,
     executed_schedule,
     gpipe_schedule,
     one_f_one_b_schedule,
     pipeline_forward,
     pipeline_forward_fn,
-    pipeline_forward_with_cache,
     pipeline_value_and_grad,
     stash_slots,
 )
@@ -163,37 +161,6 @@ def test_pipeline_forward_value_head_and_tied_embeddings_match_pp1(batch, device
     np.testing.assert_allclose(np.asarray(fn(sharded, cfg, batch[0], None, batch[1])), ref, atol=1e-5, rtol=0)
 
 
-def _greedy(step, params, prompt, cache, new_tokens):
-    logits, cache = step(params, prompt, jnp.broadcast_to(jnp.arange(prompt.shape[1]), prompt.shape), cache, 2)
-    out = [jnp.argmax(logits[:, -1], axis=-1)]
-    for k in range(new_tokens - 1):
-        positions = jnp.full((prompt.shape[0], 1), prompt.shape[1] + k)
-        logits, cache = step(params, out[-1][:, None], positions, cache, 1)
-        out.append(jnp.argmax(logits[:, -1], axis=-1))
-    return np.stack([np.asarray(t) for t in out], axis=1), cache
-
-
-@pytest.mark.parametrize("pp,tp", [(2, 2), (4, 1), (4, 2)])
-def test_pipeline_generation_greedy_tokens_match_pp1(params, batch, devices, pp, tp):
-    prompt, max_len, new = batch[0][:, :6], 16, 5
-
-    def ref_step(p, tokens, positions, cache, m):
-        return forward_with_cache(p, CFG, tokens, positions, cache)
-
-    ref_tokens, ref_cache = _greedy(jax.jit(ref_step, static_argnums=4), params, prompt,
-                                    init_cache(CFG, B, max_len), new)
-    mesh, sharded = _setup(params, devices, pp, tp)
-
-    def step(p, tokens, positions, cache, m):
-        return pipeline_forward_with_cache(p, CFG, tokens, positions, cache, mesh=mesh, microbatches=m)
-
-    cache = jax.device_put(init_cache(CFG, B, max_len), cache_sharding(mesh))
-    tokens, cache = _greedy(jax.jit(step, static_argnums=4, donate_argnums=3), sharded, prompt, cache, new)
-    np.testing.assert_array_equal(tokens, ref_tokens)
-    np.testing.assert_allclose(np.asarray(cache.k), np.asarray(ref_cache.k), atol=1e-5, rtol=0)
-    assert cache.k.sharding.spec[0] == "pp"  # each stage holds its layers' slice of the cache
-
-
 def test_pipeline_train_step_composes_with_actor_loss(params, devices):
     """make_train_step(actor_loss) with the pipelined forward on a (dp2, pp2, tp2) mesh equals pp=1."""
     rng = np.random.default_rng(0)
@@ -241,9 +208,8 @@ def test_pipeline_rejects_microbatches_not_dividing_the_batch(params, batch, dev
     mesh, sharded = _setup(params, devices, 2, 1)
     with pytest.raises(PipelineError, match="microbatches=3 does not divide the batch of 8"):
         pipeline_forward(sharded, CFG, batch[0], mesh=mesh, microbatches=3)
-    cache = init_cache(CFG, B, 16)
     with pytest.raises(PipelineError, match="microbatches=0"):
-        pipeline_forward_with_cache(sharded, CFG, batch[0], jnp.zeros_like(batch[0]), cache, mesh=mesh, microbatches=0)
+        pipeline_forward(sharded, CFG, batch[0], mesh=mesh, microbatches=0)
 
 
 def test_pipeline_rejects_pp_not_dividing_layers_or_dp_not_dividing_microbatches(params, batch, devices):

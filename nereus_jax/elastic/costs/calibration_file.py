@@ -1,7 +1,7 @@
 """A run's calibrated cost model on disk: RUN_DIR/calibration.json, read back by ``python -m nereus_jax.plan
 --calibration RUN_DIR`` so what-if planning uses the efficiencies and size terms a run measured.
 
-    save_calibration("runs/demo", adapter.cost, steps=200, model="llama3.1-8b")
+    save_calibration("runs/demo", adapter.pricer.cost, steps=200, model="llama3.1-8b")
     planner = Planner(load_calibration("runs/demo"))
 
 The file is one JSON object: ``format`` (this module's :data:`FORMAT`), ``hardware`` (the table entry the run
