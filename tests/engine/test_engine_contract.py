@@ -35,19 +35,6 @@ def test_prefill_returns_a_prefix_with_the_destination_sharding(devices, raw_par
     assert prefix.caches[0][0].sharding.spec[1] == "tp" and first.tokens.shape == (1, 1)
 
 
-def test_engine_model_path_equals_full_forward_for_prefill_and_each_decode_step(raw_params):
-    params = decode.unstack_layers(raw_params)
-    tokens = jax.random.randint(jax.random.key(0), (2, 11), 0, TINY.vocab_size)
-    full = np.asarray(forward(raw_params, TINY, tokens))
-    caches = decode.empty_caches(TINY, 2, 16, TINY.num_kv_heads, jnp.float32)
-    hidden, caches = _run(params, TINY, tokens[:, :6], jnp.zeros(2, jnp.int32), caches)
-    prefill = jax.vmap(lambda h: decode.logits(params, h), in_axes=1, out_axes=1)(hidden)
-    np.testing.assert_allclose(np.asarray(prefill), full[:, :6], atol=1e-5, rtol=0)
-    for t in range(6, 11):
-        hidden, caches = _run(params, TINY, tokens[:, t:t + 1], jnp.full(2, t, jnp.int32), caches)
-        np.testing.assert_allclose(np.asarray(decode.logits(params, hidden[:, 0])), full[:, t], atol=1e-5, rtol=0)
-
-
 def test_prefill_computing_only_the_last_tokens_output_equals_full_forward(raw_params):
     params = decode.unstack_layers(raw_params)
     tokens = jax.random.randint(jax.random.key(1), (3, 9), 0, TINY.vocab_size)
