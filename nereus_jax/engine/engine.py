@@ -55,20 +55,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from nereus_jax.config import ModelConfig
-from nereus_jax.engine import decode, paged
 from nereus_jax.engine.contract import DecodeState, Engine, EngineError, Params, Parked, Prefix, ResultTokens
-from nereus_jax.engine.sampling import Requests, make_requests, sample
+from nereus_jax.engine.programs import DecodePrograms
+from nereus_jax.engine.sampling import Requests, make_requests
 from nereus_jax.models.decoder import abstract_params
 from nereus_jax.sharding import (
     Layout,
-    activation_sharding,
     kv_repeat,
-    logical_to_spec,
     make_mesh,
-    param_shardings,
     shard_params,
     stored_shapes,
 )
@@ -109,7 +106,11 @@ class JaxEngine:
         self._tokenizer = tokenizer
         self._stored_shapes: dict | None = None
         self._init_paging(page_size, kv_pages, kv_bytes)
-        self._build_programs()
+        self._programs = DecodePrograms(
+            cfg, self._mesh, self.layout, slots=self._slots, max_target_length=self.max_target_length,
+            kv_heads=self.kv_heads, max_stop_tokens=self.max_stop_tokens,
+            decode_steps_per_call=self.decode_steps_per_call, page_size=self.page_size, kv_pages=self.kv_pages,
+            pages_per_slot=self.pages_per_slot, traces=self.traces)
 
     def _init_paging(self, page_size: int | None, kv_pages: int | None, kv_bytes: int | None) -> None:
         self.page_size = None if page_size is None else _positive("page_size", page_size)
@@ -179,16 +180,14 @@ class JaxEngine:
         return self._tokenizer
 
     def get_prefix_destination_sharding(self) -> Prefix:
-        rep = self._replicated
-        caches = tuple((self._cache_sharding, self._cache_sharding) for _ in range(self.cfg.num_layers))
-        return Prefix(caches, rep, rep, rep, Requests(*[rep] * len(Requests._fields)))
+        return self._programs.prefix_sharding()
 
     def load_params(self, params: dict) -> Params:
         """Lays a canonical parameter tree (``init_params``, a checkpoint, a trainer's) out for generation:
         sharded with the "gen" rules, kv heads repeated where tp exceeds them, cast to compute dtype,
         layers unstacked. Any layout of the input works; inputs are untouched."""
         _check_tree(params, self.cfg)
-        return self._unstack(shard_params(params, self.cfg, self.layout, self._mesh, kind="gen"))
+        return self._programs.unstack(shard_params(params, self.cfg, self.layout, self._mesh, kind="gen"))
 
     def adopt_params(self, params: dict) -> Params:
         """Parameters already laid out for this engine (its layout, on its mesh, kv heads stored as the
@@ -201,10 +200,10 @@ class JaxEngine:
         if want != got:
             raise EngineError(f"parameters are not laid out for this engine's {self.layout}: use load_params "
                               "for a canonical tree")
-        return self._unstack(params)
+        return self._programs.unstack(params)
 
     def init_decode_state(self) -> DecodeState:
-        return self._init_state()
+        return self._programs.init_state()
 
     def prefill(self, *, params: Params, existing_prefix: Prefix | None = None, padded_tokens,
                 true_length, requests: Requests | None = None, num_samples: int = 1
@@ -225,10 +224,10 @@ class JaxEngine:
                               f"({self.max_target_length})")
         tokens_bt = np.pad(tokens_bt, ((0, 0), (0, length - tokens_bt.shape[1])))
         if existing_prefix is None:
-            base, start = self._empty_prefix(tokens_bt.shape[0]), np.zeros(tokens_bt.shape[0], np.int32)
+            base, start = self._programs.empty_prefix(tokens_bt.shape[0]), np.zeros(tokens_bt.shape[0], np.int32)
         else:
             base, start = existing_prefix.caches, existing_prefix.lengths
-        prefix, result = self._prefill(params, tokens_bt, true_b, start, base, requests, num_samples)
+        prefix, result = self._programs.prefill(params, tokens_bt, true_b, start, base, requests, num_samples)
         return prefix, jax.tree.map(lambda x: x[:rows], result)
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, *, row: int = 0,
@@ -243,7 +242,7 @@ class JaxEngine:
             raise EngineError(f"prefix of {prefix.caches[0][0].shape[2]} tokens does not fit the cache "
                               f"({self.max_target_length})")
         index = (lambda i: np.full((1,), i, np.int32)) if self.paged else np.int32
-        return self._insert(prefix, decode_state, index(slot), index(row), index(sample))
+        return self._programs.insert(prefix, decode_state, index(slot), index(row), index(sample))
 
     def insert_many(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int], rows: Sequence[int],
                     samples: Sequence[int]) -> DecodeState:
@@ -267,7 +266,7 @@ class JaxEngine:
         pad = self._slots - k  # always max_concurrent_decodes entries: one program per prefix shape
         slots = np.concatenate([slots, np.full(pad, self._slots, np.int32)])  # out of range: dropped
         rows, samples = (np.concatenate([a, np.zeros(pad, np.int32)]) for a in (rows, samples))
-        return self._insert_many(prefix, decode_state, slots, rows, samples)
+        return self._programs.insert_many(prefix, decode_state, slots, rows, samples)
 
     def generate(self, params: Params, decode_state: DecodeState, *, pages: int | None = None
                  ) -> tuple[DecodeState, ResultTokens]:
@@ -275,8 +274,8 @@ class JaxEngine:
         donated: use only the returned state. Parameters may change between calls (a swap keeps slots).
         Paged: ``pages`` bounds the pages the step reads (see the module docstring)."""
         if not self.paged:
-            return self._generate(params, decode_state)
-        return self._generate(params, decode_state, self._items(decode_state, pages, 1))
+            return self._programs.generate(params, decode_state)
+        return self._programs.generate(params, decode_state, self._items(decode_state, pages, 1))
 
     def generate_steps(self, params: Params, decode_state: DecodeState, *, pages: int | None = None
                        ) -> tuple[DecodeState, ResultTokens]:
@@ -286,8 +285,8 @@ class JaxEngine:
         donated; the parameters are the same for all k steps. Paged: ``pages`` bounds the pages read at
         any of the k steps."""
         if not self.paged:
-            return self._generate_steps(params, decode_state)
-        return self._generate_steps(params, decode_state, self._items(decode_state, pages,
+            return self._programs.generate_steps(params, decode_state)
+        return self._programs.generate_steps(params, decode_state, self._items(decode_state, pages,
                                                                       self.decode_steps_per_call))
 
     def evict(self, decode_state: DecodeState, slot: int, *, pages: int | None = None
@@ -298,7 +297,7 @@ class JaxEngine:
         self._need_paged("evict")
         self._check_slot(slot)
         count = self.pages_per_slot if pages is None else _bucket(max(1, pages), _buckets(self.pages_per_slot, 1))
-        return self._evict(decode_state, np.int32(slot), count)
+        return self._programs.evict(decode_state, np.int32(slot), count)
 
     def resume(self, parked: Parked, decode_state: DecodeState, slot: int) -> DecodeState:
         """Puts an evicted sequence into slot ``slot`` (fresh pages, the same contents; whatever the slot
@@ -306,8 +305,8 @@ class JaxEngine:
         ``decode_state`` is donated."""
         self._need_paged("resume")
         self._check_slot(slot)
-        parked = jax.device_put(parked, self._parked_sharding(parked))
-        return self._resume(parked, decode_state, np.int32(slot))
+        parked = jax.device_put(parked, self._programs.parked_sharding())
+        return self._programs.resume(parked, decode_state, np.int32(slot))
 
     def free_pages(self, decode_state: DecodeState) -> int:
         """Free pages of a paged decode state (reads the device)."""
@@ -315,62 +314,6 @@ class JaxEngine:
         return int(decode_state.pages.free_count)
 
     # ------------------------------------------------------------------------------------ programs
-    def _build_programs(self) -> None:
-        mesh, cfg = self._mesh, self.cfg
-        self._replicated = NamedSharding(mesh, PartitionSpec())
-        spec = logical_to_spec(("batch", "kv_heads", "length", "head_dim"), "gen", mesh.axis_names)
-        self._cache_sharding = NamedSharding(mesh, spec)
-        self._pool_sharding = NamedSharding(mesh, logical_to_spec((None, "kv_heads", None, "head_dim"), "gen",
-                                                                  mesh.axis_names))
-        state_sh = self._state_shardings()
-        prefix_sh = self.get_prefix_destination_sharding()
-        result_sh = ResultTokens(*[self._replicated] * len(ResultTokens._fields))
-        stacked = param_shardings(cfg, self.layout, mesh, kind="gen", head="lm")
-        unstacked = {**stacked, "layers": tuple(jax.tree.map(_drop_layer_axis, stacked["layers"])
-                                                for _ in range(cfg.num_layers))}
-        self._unstack = jax.jit(self._traced("unstack", self._unstack_impl), out_shardings=unstacked)
-        self._init_state = jax.jit(self._traced("init_decode_state", self._init_state_impl), out_shardings=state_sh)
-        self._empty_prefix = jax.jit(self._traced("empty_prefix", self._empty_prefix_impl), static_argnums=0,
-                                     out_shardings=prefix_sh.caches)
-        self._prefill = jax.jit(self._traced("prefill", self._prefill_impl), static_argnums=6,
-                                out_shardings=(prefix_sh, result_sh))
-        insert, insert_many = ((self._paged_insert_impl,) * 2 if self.paged else
-                               (self._insert_impl, self._insert_many_impl))
-        self._insert = jax.jit(self._traced("insert", insert), donate_argnums=1, out_shardings=state_sh)
-        self._insert_many = jax.jit(self._traced("insert_many", insert_many), donate_argnums=1,
-                                    out_shardings=state_sh)
-        step = (2,) if self.paged else ()  # paged: the static count of attention work items
-        self._generate = jax.jit(self._traced("generate", self._generate_impl), donate_argnums=1,
-                                 static_argnums=step, out_shardings=(state_sh, result_sh))
-        self._generate_steps = jax.jit(self._traced("generate_steps", self._generate_steps_impl), donate_argnums=1,
-                                       static_argnums=step, out_shardings=(state_sh, result_sh))
-        if self.paged:
-            self._evict = jax.jit(self._traced("evict", self._evict_impl), donate_argnums=0, static_argnums=2,
-                                  out_shardings=(state_sh, self._parked_sharding(None)))
-            self._resume = jax.jit(self._traced("resume", self._resume_impl), donate_argnums=1,
-                                   out_shardings=state_sh)
-
-    def _traced(self, name: str, fn):
-        """``fn`` counting its traces in ``self.traces[name]`` and tracing under the "gen" activation rules."""
-        def traced(*args):
-            self.traces[name] += 1
-            with activation_sharding(self._mesh, "gen"):
-                return fn(*args)
-
-        return traced
-
-    def _state_shardings(self) -> DecodeState:
-        rep = self._replicated
-        cache = self._pool_sharding if self.paged else self._cache_sharding
-        caches = tuple((cache, cache) for _ in range(self.cfg.num_layers))
-        pages = paged.PageTable(rep, rep, rep, rep) if self.paged else None
-        return DecodeState(caches, rep, rep, rep, rep, Requests(*[rep] * len(Requests._fields)), pages)
-
-    def _parked_sharding(self, _parked) -> Parked:
-        rep = self._replicated
-        caches = tuple((self._pool_sharding, self._pool_sharding) for _ in range(self.cfg.num_layers))
-        return Parked(caches, rep, rep, rep, rep, Requests(*[rep] * len(Requests._fields)))
-
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self._slots:
             raise EngineError(f"slot {slot} is out of range: this engine has {self._slots} slots")
@@ -387,144 +330,6 @@ class JaxEngine:
             last = np.minimum(lengths + steps - 1, self.max_target_length - 1)
             pages = int(np.sum(np.where(active, last // self.page_size + 1, 0)))
         return _bucket(min(max(1, pages), self.item_buckets[-1]), self.item_buckets)
-
-    def _unstack_impl(self, params):
-        return decode.unstack_layers(jax.tree.map(lambda x: x.astype(self.dtype), params))
-
-    def _init_state_impl(self):
-        s = self._slots
-        if self.paged:
-            shape = (self.kv_pages, self.kv_heads, self.page_size, self.cfg.head_dim)
-            caches = tuple((jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
-                           for _ in range(self.cfg.num_layers))
-            pages = paged.empty_table(s, self.pages_per_slot, self.kv_pages)
-        else:
-            caches = decode.empty_caches(self.cfg, s, self.max_target_length, self.kv_heads, self.dtype)
-            pages = None
-        requests = jax.tree.map(jnp.asarray, make_requests(s, self.max_stop_tokens))
-        zeros = jnp.zeros((s,), jnp.int32)
-        return DecodeState(caches, zeros, zeros, zeros, jnp.zeros((s,), bool), requests, pages)
-
-    def _empty_prefix_impl(self, rows):
-        return decode.empty_caches(self.cfg, rows, 0, self.kv_heads, self.dtype)
-
-    def _prefill_impl(self, params, tokens_bt, true_b, start_b, base, requests, num_samples):
-        rows, t = tokens_bt.shape
-        grow = lambda c: jnp.concatenate([c, jnp.zeros(c.shape[:2] + (t,) + c.shape[3:], c.dtype)], axis=2)  # noqa: E731
-        caches = tuple((grow(k), grow(v)) for k, v in base)
-        hidden, caches = decode.run(params, self.cfg, tokens_bt, start_b, caches, only_b=true_b - 1)
-        logits = decode.logits(params, hidden[:, 0])
-        per_sample = jax.tree.map(lambda x: jnp.repeat(x, num_samples, axis=0), requests)
-        per_sample = per_sample._replace(sample=jnp.tile(jnp.arange(num_samples, dtype=jnp.int32), rows))
-        tokens, logprobs = sample(jnp.repeat(logits, num_samples, axis=0), per_sample,
-                                  jnp.zeros((rows * num_samples,), jnp.int32))
-        done = _is_done(tokens, jnp.ones_like(tokens), per_sample)
-        shape = (rows, num_samples)
-        tokens, logprobs, done = tokens.reshape(shape), logprobs.reshape(shape), done.reshape(shape)
-        prefix = Prefix(caches, start_b + true_b, tokens, logprobs, requests)
-        ones = jnp.ones(shape, jnp.int32)
-        return prefix, ResultTokens(tokens, logprobs, ones.astype(bool), ones, done)
-
-    def _insert_impl(self, prefix, state, slot, row, sample_index):
-        def place(cache, new):
-            new = jax.lax.dynamic_slice_in_dim(new, row, 1, axis=0)
-            return jax.lax.dynamic_update_slice(cache, new, (slot, 0, 0, 0))
-
-        caches = tuple((place(k, pk), place(v, pv)) for (k, v), (pk, pv) in zip(state.caches, prefix.caches,
-                                                                                   strict=True))
-        request = jax.tree.map(lambda x: x[row], prefix.requests)._replace(sample=sample_index)
-        requests = jax.tree.map(lambda s, r: s.at[slot].set(r), state.requests, request)
-        token = prefix.first_tokens[row, sample_index]
-        done = _is_done(token[None], jnp.ones((1,), jnp.int32), jax.tree.map(lambda x: x[None], request))[0]
-        return DecodeState(caches, state.tokens.at[slot].set(token), state.lengths.at[slot].set(prefix.lengths[row]),
-                           state.steps.at[slot].set(1), state.active.at[slot].set(~done), requests)
-
-    def _insert_many_impl(self, prefix, state, slots, rows, samples):
-        length = prefix.caches[0][0].shape[2]
-
-        def place(cache, new):  # entries with slot = max_concurrent_decodes are padding: dropped
-            return cache.at[slots, :, :length, :].set(new[rows], mode="drop")
-
-        caches = tuple((place(k, pk), place(v, pv)) for (k, v), (pk, pv) in zip(state.caches, prefix.caches,
-                                                                                   strict=True))
-        request = jax.tree.map(lambda x: x[rows], prefix.requests)._replace(sample=samples)
-        requests = jax.tree.map(lambda s, r: s.at[slots].set(r, mode="drop"), state.requests, request)
-        tokens = prefix.first_tokens[rows, samples]
-        done = _is_done(tokens, jnp.ones_like(tokens), request)
-        put = lambda x, v: x.at[slots].set(v, mode="drop")  # noqa: E731
-        return DecodeState(caches, put(state.tokens, tokens), put(state.lengths, prefix.lengths[rows]),
-                           put(state.steps, jnp.ones_like(tokens)), put(state.active, ~done), requests)
-
-    def _paged_insert_impl(self, prefix, state, slots, rows, samples):
-        """``insert_many`` on pages: entry i's prefix row takes ceil(length / page_size) fresh pages (none
-        when its first token ends it); an entry the pool cannot hold leaves its slot empty."""
-        request = jax.tree.map(lambda x: x[rows], prefix.requests)._replace(sample=samples)
-        tokens = prefix.first_tokens[rows, samples]
-        lengths = prefix.lengths[rows]
-        done = _is_done(tokens, jnp.ones_like(tokens), request)
-        rows_caches = tuple((k[rows], v[rows]) for k, v in prefix.caches)
-        caches, pages, placed = paged.place(state.caches, state.pages, rows_caches, slots, jnp.where(done, 0, lengths))
-        requests = jax.tree.map(lambda x, r: x.at[slots].set(r, mode="drop"), state.requests, request)
-        put = lambda x, v: x.at[slots].set(v, mode="drop")  # noqa: E731
-        return DecodeState(caches, put(state.tokens, tokens), put(state.lengths, lengths),
-                           put(state.steps, jnp.ones_like(tokens)), put(state.active, placed), requests, pages)
-
-    def _evict_impl(self, state, slot, count):
-        pages, caches, held = paged.take_out(state.caches, state.pages, slot, count)
-        request = jax.tree.map(lambda x: x[slot], state.requests)
-        parked = Parked(caches, held, state.tokens[slot], state.lengths[slot], state.steps[slot], request)
-        return state._replace(active=state.active.at[slot].set(False), pages=pages), parked
-
-    def _resume_impl(self, parked, state, slot):
-        caches, pages, placed = paged.put_back(state.caches, state.pages, slot, parked.caches, parked.held)
-        requests = jax.tree.map(lambda x, r: x.at[slot].set(r), state.requests, parked.request)
-        return DecodeState(caches, state.tokens.at[slot].set(parked.token), state.lengths.at[slot].set(parked.length),
-                           state.steps.at[slot].set(parked.steps), state.active.at[slot].set(placed), requests, pages)
-
-    def _generate_impl(self, params, state, items=None):
-        if self.paged:
-            return self._paged_generate_impl(params, state, items)
-        positions = jnp.minimum(state.lengths, self.max_target_length - 1)
-        hidden, caches = decode.run(params, self.cfg, state.tokens[:, None], positions, state.caches)
-        tokens, logprobs = sample(decode.logits(params, hidden[:, 0]), state.requests, state.steps)
-        active = state.active
-        steps = state.steps + active
-        done = active & _is_done(tokens, steps, state.requests)
-        new = DecodeState(caches, jnp.where(active, tokens, state.tokens), state.lengths + active, steps,
-                          active & ~done, state.requests)
-        return new, ResultTokens(tokens, logprobs, active, steps, done)
-
-    def _paged_generate_impl(self, params, state, items):
-        """A decode step on pages: a slot whose position starts a page takes one (or, with none free, sits
-        this step out), attention reads the slots' pages, finished slots give theirs back."""
-        positions = jnp.minimum(state.lengths, self.max_target_length - 1)
-        active = state.active
-        pages, run, write = paged.grow(state.pages, positions, active, self.page_size)
-        work = paged.work_items(pages, positions, run, items, self.page_size)
-        hidden, caches = decode.run_paged(params, self.cfg, state.tokens, positions, state.caches, write, work)
-        tokens, logprobs = sample(decode.logits(params, hidden[:, 0]), state.requests, state.steps)
-        steps = state.steps + run
-        done = run & _is_done(tokens, steps, state.requests)
-        new = DecodeState(caches, jnp.where(run, tokens, state.tokens), state.lengths + run, steps, active & ~done,
-                          state.requests, paged.release_if_any(pages, done))
-        return new, ResultTokens(tokens, logprobs, run, steps, done)
-
-    def _generate_steps_impl(self, params, state, items=None):
-        k, s = self.decode_steps_per_call, self._slots
-        zeros = lambda dtype: jnp.zeros((k, s), dtype)  # noqa: E731
-        empty = ResultTokens(zeros(jnp.int32), zeros(jnp.float32), zeros(bool), zeros(jnp.int32), zeros(bool))
-
-        def more(carry):
-            i, state, _ = carry
-            return (i < k) & jnp.any(state.active)
-
-        def step(carry):
-            i, state, out = carry
-            state, result = self._generate_impl(params, state, items)
-            return i + 1, state, jax.tree.map(lambda buf, x: buf.at[i].set(x), out, result)
-
-        _, state, out = jax.lax.while_loop(more, step, (jnp.int32(0), state, empty))
-        return state, out
 
     # ------------------------------------------------------------------------------------ checking
     def _check_prompts(self, padded_tokens, true_length) -> tuple[np.ndarray, np.ndarray]:
@@ -575,15 +380,6 @@ class JaxEngine:
         true_b = np.pad(true_b, (0, extra), constant_values=1)
         requests = Requests(*[np.concatenate([x, np.repeat(x[-1:], extra, axis=0)]) for x in requests])
         return tokens_bt, true_b, requests
-
-
-def _is_done(tokens_n, steps_n, requests: Requests) -> jax.Array:
-    stopped = jnp.any(tokens_n[:, None] == requests.stop, axis=-1)
-    return stopped | (steps_n >= requests.limit)
-
-
-def _drop_layer_axis(sharding: NamedSharding) -> NamedSharding:
-    return NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
 
 
 def _layout_of(mesh: Mesh) -> Layout:
