@@ -99,7 +99,7 @@ def timed(fn, *args, repeats: int = 5) -> float:
 def run_engine(gen: Generator, prompts, lengths, refill: str) -> dict:
     sampling = SamplingParams(temperature=1.0, max_new_tokens=MAX_RESPONSE, seed=0)
     cpu = time.process_time()
-    out = gen.generate(list(prompts), sampling, forced_lengths=lengths, refill=refill)
+    out = gen.rollouts(list(prompts), sampling, forced_lengths=lengths, refill=refill)
     cpu = time.process_time() - cpu
     assert np.array_equal(out.lengths, lengths), "forced lengths were not honoured"
     s = out.stats
@@ -282,7 +282,7 @@ def longtail_window(gen: Generator, prompts, lengths, steps: int, observe=None, 
 
     start = time.perf_counter()
     try:
-        gen.generate(list(prompts), sampling, forced_lengths=lengths, on_step=stop)
+        gen.rollouts(list(prompts), sampling, forced_lengths=lengths, on_step=stop)
         raise AssertionError("the long-tail queue ran dry inside the window: give more requests")
     except _WindowOver:
         pass

@@ -262,7 +262,7 @@ class GreedyEval:
     def texts(self, params) -> list[str]:
         from nereus_jax.engine import Generator
 
-        out = Generator(self.engine, self.engine.load_params(params), pad_id=self.tok.pad_id).generate(
+        out = Generator(self.engine, self.engine.load_params(params), pad_id=self.tok.pad_id).rollouts(
             self.prompts, self.sampling)
         return [self.tok.decode(t[:n].tolist()) for t, n in zip(out.tokens, out.lengths, strict=True)]
 

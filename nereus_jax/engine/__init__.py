@@ -1,8 +1,9 @@
 """The JAX inference engine of actor-gen: JetStream's Engine contract (prefill / insert / generate over
-decode slots), paged KV memory, sampling, and the continuous-batching driver ``generate`` the RL job calls."""
+decode slots; ``generate`` is one decode step), paged KV memory, sampling, and the continuous-batching driver
+(``Generator.rollouts``: one replica's responses to a batch of prompts) the RL job calls."""
 
 from nereus_jax.engine.contract import DecodeState, Engine, EngineError, Parked, Prefix, ResultTokens
-from nereus_jax.engine.driver import Generator, Rollouts, generate
+from nereus_jax.engine.driver import Generator, Rollouts, rollouts
 from nereus_jax.engine.engine import JaxEngine
 from nereus_jax.engine.sampling import Requests, SamplingError, SamplingParams, make_requests, sample
 
@@ -19,7 +20,7 @@ __all__ = [
     "Rollouts",
     "SamplingError",
     "SamplingParams",
-    "generate",
     "make_requests",
+    "rollouts",
     "sample",
 ]

@@ -1,4 +1,4 @@
-"""The rollout driver the RL job calls: ``generate(prompts, sampling)`` over a :class:`JaxEngine`.
+"""The rollout driver the RL job calls: ``Generator.rollouts(prompts, sampling)`` over a :class:`JaxEngine`.
 
 Continuous batching: a slot whose sequence ends is refilled with the next waiting sample before the next
 decode step. The n samples of a prompt share one prefill (one KV cache copied into n slots, n first
@@ -10,7 +10,7 @@ parameters that produced it.
 
     engine = JaxEngine(cfg, max_concurrent_decodes=32, max_prefill_length=64, max_target_length=192)
     gen = Generator(engine, engine.load_params(params))
-    out = gen.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=128, n=8, seed=0))
+    out = gen.rollouts(prompts, SamplingParams(temperature=1.0, max_new_tokens=128, n=8, seed=0))
     out.tokens[row, :out.lengths[row]]          # row = prompt * n + sample
 
 With the engine's ``decode_steps_per_call=k > 1`` each engine call runs k decode steps (one dispatch per k
@@ -86,11 +86,11 @@ class Generator:
         self._pending: tuple[Params, int] | None = None
         self._lock = threading.Lock()
         self._state = engine.init_decode_state()
-        self._clean = True  # False while a generate call runs: one that raised leaves slots behind
+        self._clean = True  # False while a rollouts call runs: one that raised leaves slots behind
         self._run: _Run | None = None
 
     def progress(self) -> dict[str, int]:
-        """The current (or last) generate call so far: decode steps, tokens generated, live slots now, live
+        """The current (or last) rollouts call so far: decode steps, tokens generated, live slots now, live
         slots summed over the steps, preemptions. Cheap; for ``on_step`` hooks and monitoring."""
         run = self._run
         if run is None:
@@ -105,7 +105,7 @@ class Generator:
         with self._lock:
             self._pending = (params, self.version + 1 if version is None else version)
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
+    def rollouts(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
                  forced_lengths: Sequence[int] | None = None, refill: Refill = "continuous",
                  on_step: Callable[[Generator, int], None] | None = None,
                  prompt_ids: Sequence[int] | None = None) -> Rollouts:
@@ -169,7 +169,7 @@ class Generator:
 
 
 class _Run:
-    """One generate call: the waiting prompts, ready prefixes, slot owners and the output buffers."""
+    """One rollouts call: the waiting prompts, ready prefixes, slot owners and the output buffers."""
 
     def __init__(self, gen: Generator, prompts, sampling: SamplingParams, limits, *, forced: bool, refill: Refill):
         self.gen, self.engine, self.prompts, self.sampling = gen, gen.engine, prompts, sampling
@@ -395,7 +395,7 @@ class _Run:
             self.pool.step(live, done[live])
 
 
-def generate(engine: JaxEngine, params: Params, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+def rollouts(engine: JaxEngine, params: Params, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
              **kwargs) -> Rollouts:
-    """One-shot :meth:`Generator.generate` with a fresh decode state (keyword arguments pass through)."""
-    return Generator(engine, params).generate(prompts, sampling, **kwargs)
+    """One-shot :meth:`Generator.rollouts` with a fresh decode state (keyword arguments pass through)."""
+    return Generator(engine, params).rollouts(prompts, sampling, **kwargs)

@@ -78,7 +78,7 @@ class AsyncRunner:
                     self._apply_pending()
                 problems, positions = job.problems(g)
                 t, cpu = time.perf_counter(), time.thread_time()
-                batch = job.generate(problems, positions, job.cfg.rollout.temperature, step=g)
+                batch = job.collect_rollouts(problems, positions, job.cfg.rollout.temperature, step=g)
                 with self.cond:
                     self.ready[g] = (problems, batch, time.perf_counter() - t, time.thread_time() - cpu)
                     self.cond.notify_all()

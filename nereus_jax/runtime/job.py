@@ -222,7 +222,7 @@ class Job:
         """One synchronous step: generate, score, train, weight sync."""
         problems, positions = self.problems(step)
         t = time.perf_counter()
-        batch = self.generate(problems, positions, self.cfg.rollout.temperature, step=step)
+        batch = self.collect_rollouts(problems, positions, self.cfg.rollout.temperature, step=step)
         return self.learn(step, problems, batch, {"actor-gen": time.perf_counter() - t}, self._weight_sync)
 
     def inject_device_loss(self, devices: Sequence[int]) -> None:
@@ -242,10 +242,10 @@ class Job:
             raise DeviceLost(lost, f"devices {list(lost)} failed during step {step} (injected)")
         return self.learner.learn(step, problems, batch, seconds, sync)
 
-    def generate(self, problems: Sequence[Problem], positions: np.ndarray, temperature: float,
+    def collect_rollouts(self, problems: Sequence[Problem], positions: np.ndarray, temperature: float,
                  n: int | None = None, step: int | None = None) -> RolloutBatch:
-        """Rollouts of every prompt over the actor-gen replicas (:meth:`Rollout.generate`)."""
-        return self.rollout.generate(problems, positions, temperature, n, step)
+        """Rollouts of every prompt over the actor-gen replicas (:meth:`Rollout.collect`)."""
+        return self.rollout.collect(problems, positions, temperature, n, step)
 
     def rewards(self, problems: Sequence[Problem], batch: RolloutBatch) -> tuple[np.ndarray, dict[str, float]]:
         """[rows] sequence rewards and their metrics (:meth:`Learner.rewards`)."""

@@ -110,7 +110,7 @@ class Learner:
             positions = EXTRA_INDEX_OFFSET + (step * cap + len(rounds) - 1) * b + np.arange(b, dtype=np.int64)
             extra = [self.rollout.task_at(step).problem(int(p)) for p in positions]
             t = time.perf_counter()
-            rollouts = self.rollout.generate(extra, positions, self.cfg.rollout.temperature, step=step)
+            rollouts = self.rollout.collect(extra, positions, self.cfg.rollout.temperature, step=step)
             seconds["actor-gen"] = seconds.get("actor-gen", 0.0) + time.perf_counter() - t
             t = time.perf_counter()
             rounds.append((extra, rollouts, self.rewards(extra, rollouts)[0]))
@@ -194,7 +194,7 @@ class Learner:
                                       n=self.n)
         mask = jnp.asarray(batch.response_mask_br)
         problems = [self.rollout.task_at(step).problem(int(p)) for p in batch.prompt_index_b[:: self.n]]
-        greedy = self.rollout.generate(problems, batch.prompt_index_b[:: self.n], 0.0, n=1, step=step)
+        greedy = self.rollout.collect(problems, batch.prompt_index_b[:: self.n], 0.0, n=1, step=step)
         base = self.rewarder.score(problems, self.rollout.texts(greedy)).rewards
         return alg.remax(jnp.asarray(scores), mask, jnp.asarray(np.repeat(base, self.n)))
 

@@ -116,7 +116,7 @@ class Rollout:
             problems, positions = self.problems(0)
             share = -(-len(problems) // len(plan[ACTOR_GEN].replicas))
             prompts = [self.prompt_ids(p) for p in problems[:share]]
-            gen.generate(prompts, self.sampling(self.cfg.rollout.temperature, self.n),
+            gen.rollouts(prompts, self.sampling(self.cfg.rollout.temperature, self.n),
                          prompt_ids=positions[:share] % (2**31))
             engines.append(gen)
         return engines
@@ -139,7 +139,7 @@ class Rollout:
                 gen.set_params(gen.engine.adopt_params(unit.params), version=self.stages.version)
 
     # ------------------------------------------------------------------------------ generation
-    def generate(self, problems: Sequence[Problem], positions: np.ndarray, temperature: float,
+    def collect(self, problems: Sequence[Problem], positions: np.ndarray, temperature: float,
                  n: int | None = None, step: int | None = None) -> RolloutBatch:
         """Rollouts of every prompt, the prompts split over the actor-gen replicas in order; responses are cut
         at step ``step``'s budget (:meth:`response_budget`) and right-padded to the programs' R."""
@@ -148,7 +148,7 @@ class Rollout:
         _check_prompt_lengths(prompts, self.P)
         sampling = self.sampling(temperature, n, self.response_budget(step))
         chunks = np.array_split(np.arange(len(prompts)), len(self._engines))
-        outs = self.on_engines([(i, lambda g, idx=idx: g.generate([prompts[j] for j in idx], sampling,
+        outs = self.on_engines([(i, lambda g, idx=idx: g.rollouts([prompts[j] for j in idx], sampling,
                                                                     prompt_ids=positions[idx] % (2**31)))
                                 for i, idx in enumerate(chunks) if len(idx)])
         tokens = np.concatenate([o.tokens for o in outs])
@@ -216,10 +216,10 @@ class Rollout:
         prompts answered correctly), and with ``samples`` = k > 1 ``pass_at_k``, the fraction of prompts
         with at least one correct answer among k samples at the rollout temperature."""
         positions = np.arange(len(problems), dtype=np.int64)
-        greedy = self.generate(problems, positions, 0.0, n=1)
+        greedy = self.collect(problems, positions, 0.0, n=1)
         out = {"pass_at_1": float(self.rewarder.score(problems, self.texts(greedy)).correct.mean())}
         if samples > 1:
-            sampled = self.generate(problems, positions, self.cfg.rollout.temperature, n=samples)
+            sampled = self.collect(problems, positions, self.cfg.rollout.temperature, n=samples)
             rows = [p for p in problems for _ in range(samples)]
             correct = self.rewarder.score(rows, self.texts(sampled)).correct.reshape(len(problems), samples)
             out["pass_at_k"] = float(correct.any(axis=1).mean())

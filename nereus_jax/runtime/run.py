@@ -411,7 +411,7 @@ def evaluate_params(job: Job, params: dict, problems) -> float:
 
     def run(actor_gen: Generator):
         gen = Generator(actor_gen.engine, actor_gen.engine.load_params(params), pad_id=job.tok.pad_id)
-        return gen.generate(prompts, sampling)
+        return gen.rollouts(prompts, sampling)
 
     out = job.rollout.on_engines([(0, run)])[0]  # with several processes: on its owner, shared with every process
     texts = [job.tok.decode(out.tokens[i, : out.lengths[i]]) for i in range(len(problems))]

@@ -22,7 +22,7 @@ def chunked(devices, raw_params):
 
 def _stop_token(gen, prompts, sampling):
     """A token some rows draw mid-response (so stops end rows at different steps)."""
-    free = gen.generate(prompts, sampling)
+    free = gen.rollouts(prompts, sampling)
     return int(free.tokens[0, 3])
 
 
@@ -34,8 +34,8 @@ def test_k_steps_per_call_give_the_tokens_of_one_step_per_call(gen, chunked, sam
     prompts = make_prompts(7, seed=21)
     stop = _stop_token(gen, prompts, sampling)
     with_stop = SamplingParams(**{**sampling.__dict__, "stop_tokens": (stop,)})
-    one = gen.generate(prompts, with_stop)
-    many = Generator(*chunked).generate(prompts, with_stop)
+    one = gen.rollouts(prompts, with_stop)
+    many = Generator(*chunked).rollouts(prompts, with_stop)
     assert len(set(one.lengths.tolist())) > 1 and "stop" in one.finish_reasons and "length" in one.finish_reasons
     _assert_same(many, one)
     assert many.stats["decode_calls"] < one.stats["decode_steps"]
@@ -47,8 +47,8 @@ def test_forced_lengths_and_static_refill_match_one_step_per_call(gen, chunked):
     lengths = [1, 2, 9, 4, 12, 5, 3, 7, 6]  # not multiples of K, some shorter than a call
     sampling = SamplingParams(temperature=1.0, max_new_tokens=12, seed=3)
     for refill in ("continuous", "static"):
-        one = gen.generate(prompts, sampling, forced_lengths=lengths, refill=refill)
-        many = Generator(*chunked).generate(prompts, sampling, forced_lengths=lengths, refill=refill)
+        one = gen.rollouts(prompts, sampling, forced_lengths=lengths, refill=refill)
+        many = Generator(*chunked).rollouts(prompts, sampling, forced_lengths=lengths, refill=refill)
         _assert_same(many, one)
         np.testing.assert_array_equal(many.lengths, lengths)
 
@@ -57,7 +57,7 @@ def test_compiles_one_chunked_program_and_never_the_single_step(devices, raw_par
     engine = make_engine(devices, decode_steps_per_call=K)
     gen = Generator(engine, engine.load_params(raw_params))
     for seed in range(3):
-        gen.generate(make_prompts(5, seed=seed), SamplingParams(temperature=1.0, max_new_tokens=10, seed=seed))
+        gen.rollouts(make_prompts(5, seed=seed), SamplingParams(temperature=1.0, max_new_tokens=10, seed=seed))
     assert engine.traces["generate_steps"] == 1 and engine.traces["generate"] == 0
 
 
@@ -71,7 +71,7 @@ def test_param_swap_lands_at_the_next_call_boundary(chunked):
         if len(swaps) == 2:  # after the second call (2 * K steps)
             g.set_params(other, version=5)
 
-    out = Generator(engine, params).generate(make_prompts(8, seed=23), SamplingParams(temperature=0.0,
+    out = Generator(engine, params).rollouts(make_prompts(8, seed=23), SamplingParams(temperature=0.0,
                                                                                        max_new_tokens=12),
                                              on_step=swap)
     assert swaps[:2] == [K, 2 * K] and out.stats["param_swaps"] == 1
@@ -93,5 +93,5 @@ def test_k_steps_per_call_on_a_tp2_mesh_match_one_step_per_call(devices, raw_par
     outs = []
     for k in (1, K):
         engine = make_engine(devices, tp=2, decode_steps_per_call=k)
-        outs.append(Generator(engine, engine.load_params(raw_params)).generate(prompts, sampling))
+        outs.append(Generator(engine, engine.load_params(raw_params)).rollouts(prompts, sampling))
     _assert_same(outs[1], outs[0])

@@ -27,10 +27,10 @@ def _continuous_steps(lengths, slots):
 def test_continuous_refill_follows_the_ideal_schedule_and_static_waits_for_the_batch(gen):
     lengths = [2, 9, 3, 3, 12, 4, 5, 2, 8, 3]
     prompts = make_prompts(len(lengths), seed=3)
-    out = gen.generate(prompts, GREEDY, forced_lengths=lengths)
+    out = gen.rollouts(prompts, GREEDY, forced_lengths=lengths)
     np.testing.assert_array_equal(out.lengths, lengths)
     assert out.stats["decode_steps"] == _continuous_steps(lengths, 4)
-    static = gen.generate(prompts, GREEDY, forced_lengths=lengths, refill="static")
+    static = gen.rollouts(prompts, GREEDY, forced_lengths=lengths, refill="static")
     assert static.stats["decode_steps"] == sum(max(lengths[i:i + 4]) - 1 for i in range(0, len(lengths), 4))
     np.testing.assert_array_equal(static.tokens, out.tokens)  # the schedule never changes the tokens
 
@@ -38,16 +38,16 @@ def test_continuous_refill_follows_the_ideal_schedule_and_static_waits_for_the_b
 def test_splitting_a_batch_over_calls_with_global_prompt_ids_samples_the_same_tokens(gen):
     prompts = make_prompts(6, seed=5)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=7)
-    whole = gen.generate(prompts, sampling)
-    first = gen.generate(prompts[:2], sampling, prompt_ids=[0, 1])
-    rest = gen.generate(prompts[2:], sampling, prompt_ids=[2, 3, 4, 5])
+    whole = gen.rollouts(prompts, sampling)
+    first = gen.rollouts(prompts[:2], sampling, prompt_ids=[0, 1])
+    rest = gen.rollouts(prompts[2:], sampling, prompt_ids=[2, 3, 4, 5])
     np.testing.assert_array_equal(np.concatenate([first.tokens, rest.tokens]), whole.tokens)
-    shifted = gen.generate(prompts[2:], sampling)  # ids 0..3: another part of the random stream
+    shifted = gen.rollouts(prompts[2:], sampling)  # ids 0..3: another part of the random stream
     assert not np.array_equal(shifted.tokens, whole.tokens[4:])
 
 
 def test_n_samples_per_prompt_share_one_prefill(gen):
-    out = gen.generate(make_prompts(3, seed=4), SamplingParams(temperature=1.0, max_new_tokens=6, n=4, seed=1))
+    out = gen.rollouts(make_prompts(3, seed=4), SamplingParams(temperature=1.0, max_new_tokens=6, n=4, seed=1))
     assert out.stats["prefill_rows"] == 3 and out.num_rows == 12
     np.testing.assert_array_equal(out.prompt_index, np.repeat(np.arange(3), 4))
     np.testing.assert_array_equal(out.sample_index, np.tile(np.arange(4), 3))
@@ -56,9 +56,9 @@ def test_n_samples_per_prompt_share_one_prefill(gen):
 
 def test_stop_token_ends_a_row_with_reason_stop_and_limit_with_reason_length(gen, raw_params):
     prompts = make_prompts(4, seed=6)
-    free = gen.generate(prompts, GREEDY)
+    free = gen.rollouts(prompts, GREEDY)
     stop = int(free.tokens[0, 4])  # row 0 draws it at index 4 (or earlier)
-    out = gen.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=12, stop_tokens=(stop,)))
+    out = gen.rollouts(prompts, SamplingParams(temperature=0.0, max_new_tokens=12, stop_tokens=(stop,)))
     for row in range(4):
         hits = np.flatnonzero(free.tokens[row] == stop)
         length = hits[0] + 1 if hits.size else 12
@@ -71,7 +71,7 @@ def test_stop_token_ends_a_row_with_reason_stop_and_limit_with_reason_length(gen
 def test_forced_lengths_ignore_stop_tokens_and_max_new_tokens_caps_length(gen):
     prompts = make_prompts(3, seed=6)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=20, stop_tokens=tuple(range(TINY.vocab_size))[:4])
-    out = gen.generate(prompts, sampling, forced_lengths=[20, 1, 7])
+    out = gen.rollouts(prompts, sampling, forced_lengths=[20, 1, 7])
     np.testing.assert_array_equal(out.lengths, [20, 1, 7])
     assert out.finish_reasons == ("length",) * 3
 
@@ -81,14 +81,14 @@ def test_compile_count_stays_fixed_over_a_steady_workload(devices, raw_params):
     gen = Generator(engine, engine.load_params(raw_params))
     sampling = SamplingParams(temperature=1.0, top_k=5, top_p=0.9, max_new_tokens=16, n=2, stop_tokens=(3,))
     warm_up = make_prompts(4, seed=0, low=1, high=16) + make_prompts(4, seed=1, low=17, high=32)
-    gen.generate(warm_up, sampling)  # one prefill batch per length bucket
+    gen.rollouts(warm_up, sampling)  # one prefill batch per length bucket
     compiled = dict(engine.traces)
     assert compiled["generate"] == 1 and compiled["prefill"] == len(engine.prefill_lengths) == 2
     rng = np.random.default_rng(0)
     for batch in range(3):  # any number of prompts of 1..32 tokens, forced lengths or not, other seeds
         prompts = make_prompts(int(rng.integers(1, 12)), seed=10 + batch, low=1, high=32)
         forced = rng.integers(1, 17, len(prompts)) if batch % 2 else None
-        gen.generate(prompts, dataclasses.replace(sampling, seed=batch), forced_lengths=forced)
+        gen.rollouts(prompts, dataclasses.replace(sampling, seed=batch), forced_lengths=forced)
     assert dict(engine.traces) == compiled
 
 
@@ -102,14 +102,14 @@ def test_param_swap_between_steps_keeps_live_slots_and_records_versions(gen, eng
         if step == swap_after:
             g.set_params(other, version=7)
 
-    out = gen.generate(prompts, GREEDY, on_step=swap)
+    out = gen.rollouts(prompts, GREEDY, on_step=swap)
     assert np.all(out.lengths == 12) and out.stats["param_swaps"] == 1  # no row dropped or cut
     versions = out.param_versions
     assert set(np.unique(versions)) == {0, 7}
     assert np.all(np.diff(versions, axis=1)[:, :11] >= 0)  # each row: old params, then new
     straddling = [r for r in range(8) if versions[r, 0] == 0 and versions[r, -1] == 7]
     assert straddling and np.sum(versions[0] == 0) == 1 + swap_after  # row 0: prefill + 5 steps on version 0
-    before = Generator(engine, params).generate(prompts, GREEDY)
+    before = Generator(engine, params).rollouts(prompts, GREEDY)
     for r in range(8):
         old = versions[r] == 0
         np.testing.assert_array_equal(out.tokens[r, old], before.tokens[r, old])
@@ -144,7 +144,7 @@ def test_bad_generate_input_raises_a_clear_error(gen, prompts, kwargs, message):
 
     sampling = kwargs.pop("sampling", GREEDY)
     with pytest.raises(EngineError, match=message):
-        gen.generate(prompts, sampling, **kwargs)
+        gen.rollouts(prompts, sampling, **kwargs)
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -162,6 +162,6 @@ def test_bad_sampling_params_raise_a_clear_error(kwargs, message):
 
 
 def test_generator_state_survives_calls_and_returns_numpy(gen):
-    out = gen.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=3))
+    out = gen.rollouts([[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=3))
     assert isinstance(out.tokens, np.ndarray) and out.tokens.dtype == np.int32
     assert not bool(np.any(jax.device_get(gen._state.active)))

@@ -17,7 +17,7 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def greedy_out(engine, params, prompts):
-    return Generator(engine, params).generate(prompts, GREEDY)
+    return Generator(engine, params).rollouts(prompts, GREEDY)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_logprobs_equal_full_forward_log_softmax(greedy_out, reference):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_greedy_tokens_identical_for_tp_1_2_4(devices, raw_params, prompts, greedy_out, tp):
     engine = make_engine(devices, tp=tp)
-    out = Generator(engine, engine.load_params(raw_params)).generate(prompts, GREEDY)
+    out = Generator(engine, engine.load_params(raw_params)).rollouts(prompts, GREEDY)
     np.testing.assert_array_equal(out.tokens, greedy_out.tokens)
     np.testing.assert_allclose(out.logprobs, greedy_out.logprobs, atol=1e-5)
     cache = engine.init_decode_state().caches[0][0]
@@ -52,6 +52,6 @@ def test_greedy_tokens_identical_for_tp_1_2_4(devices, raw_params, prompts, gree
 
 def test_greedy_tokens_identical_for_one_and_many_slots(devices, raw_params, prompts, greedy_out):
     engine = make_engine(devices, max_concurrent_decodes=1, max_prefill_batch=1)
-    out = Generator(engine, engine.load_params(raw_params)).generate(prompts, GREEDY)
+    out = Generator(engine, engine.load_params(raw_params)).rollouts(prompts, GREEDY)
     np.testing.assert_array_equal(out.tokens, greedy_out.tokens)
     assert out.stats["decode_steps"] == sum(greedy_out.lengths - 1)  # one slot: strictly one row at a time

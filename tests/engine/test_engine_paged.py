@@ -35,7 +35,7 @@ def tight_engine(devices, raw_params):
 
 def _with_stop(gen, prompts, sampling):
     """``sampling`` with a stop token some rows draw mid-response (so rows end at different steps)."""
-    stop = int(gen.generate(prompts, sampling).tokens[0, 3])
+    stop = int(gen.rollouts(prompts, sampling).tokens[0, 3])
     return dataclasses.replace(sampling, stop_tokens=(stop,))
 
 
@@ -43,8 +43,8 @@ def _with_stop(gen, prompts, sampling):
 def test_paged_engine_draws_the_unpaged_engines_tokens(gen, paged_engine, sampling):
     prompts = make_prompts(7, seed=21)
     sampling = _with_stop(gen, prompts, sampling)
-    unpaged = gen.generate(prompts, sampling)
-    out = Generator(*paged_engine).generate(prompts, sampling)
+    unpaged = gen.rollouts(prompts, sampling)
+    out = Generator(*paged_engine).rollouts(prompts, sampling)
     assert "stop" in unpaged.finish_reasons and "length" in unpaged.finish_reasons
     np.testing.assert_array_equal(out.tokens, unpaged.tokens)
     np.testing.assert_array_equal(out.lengths, unpaged.lengths)
@@ -59,9 +59,9 @@ def test_a_small_pool_admission_and_preemption_never_change_tokens_or_logprobs(p
                                                                                 admission):
     prompts = make_prompts(6, seed=31)
     sampling = dataclasses.replace(SAMPLED, max_new_tokens=16)
-    whole = Generator(*paged_engine).generate(prompts, sampling)
+    whole = Generator(*paged_engine).rollouts(prompts, sampling)
     gen = Generator(*tight_engine, admission=admission)
-    out = gen.generate(prompts, sampling)
+    out = gen.rollouts(prompts, sampling)
     _assert_same(out, whole)
     assert out.stats["peak_pages"] <= 5 and whole.stats["peak_live"] == 4
     if admission == "preempt":
@@ -74,12 +74,12 @@ def test_a_small_pool_admission_and_preemption_never_change_tokens_or_logprobs(p
 def test_capacity_decode_steps_per_call_and_schedule_never_change_tokens(devices, raw_params, paged_engine):
     prompts = make_prompts(9, seed=22)
     lengths = [1, 2, 9, 4, 12, 5, 3, 7, 6]
-    ref = Generator(*paged_engine).generate(prompts, SAMPLED, forced_lengths=lengths)
+    ref = Generator(*paged_engine).rollouts(prompts, SAMPLED, forced_lengths=lengths)
     other = make_engine(devices, page_size=PAGE, max_target_length=128, decode_steps_per_call=4,
                         max_concurrent_decodes=3)
-    _assert_same(Generator(other, other.load_params(raw_params)).generate(prompts, SAMPLED, forced_lengths=lengths),
+    _assert_same(Generator(other, other.load_params(raw_params)).rollouts(prompts, SAMPLED, forced_lengths=lengths),
                  ref)
-    static = Generator(*paged_engine).generate(prompts, SAMPLED, forced_lengths=lengths, refill="static")
+    static = Generator(*paged_engine).rollouts(prompts, SAMPLED, forced_lengths=lengths, refill="static")
     _assert_same(static, ref)
 
 
@@ -90,7 +90,7 @@ def test_param_swap_mid_generation_lands_as_on_the_unpaged_engine(gen, engine, p
     for g in (gen, Generator(*paged_engine)):
         other = g.engine.load_params(other_raw)
         swap = lambda g, step, other=other: g.set_params(other, version=7) if step == 5 else None  # noqa: E731
-        outs.append(g.generate(prompts, GREEDY, on_step=swap))
+        outs.append(g.rollouts(prompts, GREEDY, on_step=swap))
     unpaged, out = outs
     np.testing.assert_array_equal(out.param_versions, unpaged.param_versions)
     np.testing.assert_array_equal(out.tokens, unpaged.tokens)
@@ -103,7 +103,7 @@ def test_tp2_paged_engine_matches_the_unpaged_engine_and_its_own_small_pool(devi
     unpaged, full, tight = (make_engine(devices, tp=2, **kw) for kw in
                             ({}, {"page_size": PAGE}, {"page_size": PAGE, "kv_pages": 5}))
     gens = [Generator(e, e.load_params(raw_params)) for e in (unpaged, full, tight)]
-    outs = [g.generate(prompts, sampling) for g in gens]
+    outs = [g.rollouts(prompts, sampling) for g in gens]
     np.testing.assert_array_equal(outs[1].tokens, outs[0].tokens)
     np.testing.assert_allclose(outs[1].logprobs, outs[0].logprobs, atol=2e-6, rtol=0)
     _assert_same(outs[2], outs[1])
@@ -128,7 +128,7 @@ def test_pages_return_to_the_pool_after_1000_random_requests(devices, raw_params
         sampling = SamplingParams(temperature=1.0, max_new_tokens=int(rng.integers(1, 24)), n=n,
                                   seed=int(rng.integers(100)), stop_tokens=tuple(rng.integers(0, 128, 2).tolist()))
         forced = rng.integers(1, sampling.max_new_tokens + 1, count) if rng.random() < 0.3 else None
-        out = gen.generate(prompts, sampling, forced_lengths=forced, on_step=check)
+        out = gen.rollouts(prompts, sampling, forced_lengths=forced, on_step=check)
         assert np.all(out.lengths >= 1) and out.num_rows == count * n
         assert engine.free_pages(gen._state) == 12  # every page is back
         served += count * n
@@ -146,8 +146,8 @@ def _page_invariants(engine, state) -> bool:
 def test_a_request_the_pool_cannot_hold_is_refused_before_anything_runs(tight_engine):
     gen = Generator(*tight_engine)
     with pytest.raises(EngineError, match=r"needs 6 KV pages; the engine's pool has kv_pages=5"):
-        gen.generate([np.arange(1, 20), [1, 2]], SamplingParams(max_new_tokens=24))
-    assert gen.generate([[1, 2]], SamplingParams(max_new_tokens=24)).lengths[0] == 24  # 25 positions fit
+        gen.rollouts([np.arange(1, 20), [1, 2]], SamplingParams(max_new_tokens=24))
+    assert gen.rollouts([[1, 2]], SamplingParams(max_new_tokens=24)).lengths[0] == 24  # 25 positions fit
     with pytest.raises(EngineError, match="admission must be one of"):
         Generator(*tight_engine, admission="optimistic")
 
@@ -214,11 +214,11 @@ def test_a_steady_workload_compiles_a_bounded_set_of_programs(devices, raw_param
     engine = make_engine(devices, page_size=PAGE)
     gen = Generator(engine, engine.load_params(raw_params))
     sampling = SamplingParams(temperature=1.0, max_new_tokens=30, n=2)
-    gen.generate(make_prompts(8, seed=0, low=1, high=32), sampling)
+    gen.rollouts(make_prompts(8, seed=0, low=1, high=32), sampling)
     compiled = dict(engine.traces)
     assert compiled["generate"] <= len(engine.item_buckets)
     for seed in range(1, 3):
-        gen.generate(make_prompts(8, seed=seed, low=1, high=32), dataclasses.replace(sampling, seed=seed))
+        gen.rollouts(make_prompts(8, seed=seed, low=1, high=32), dataclasses.replace(sampling, seed=seed))
     assert dict(engine.traces)["generate"] <= len(engine.item_buckets)
     assert engine.traces["prefill"] == compiled["prefill"] and engine.traces["insert_many"] == compiled["insert_many"]
 
@@ -301,7 +301,7 @@ def test_paged_decode_path_equals_forward_for_each_step(family):
 
 def test_paged_greedy_tokens_are_the_argmax_over_the_growing_sequence(paged_engine, raw_params):
     prompts = make_prompts(6, seed=2)
-    out = Generator(*paged_engine).generate(prompts, GREEDY)
+    out = Generator(*paged_engine).rollouts(prompts, GREEDY)
     for r, logits in enumerate(teacher_forced_logits(raw_params, TINY, prompts, out)):
         np.testing.assert_array_equal(out.tokens[r, : out.lengths[r]], np.argmax(logits, -1))
 
@@ -316,9 +316,9 @@ def test_a_generate_call_stopped_mid_way_leaves_the_generator_usable(tight_engin
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        gen.generate(prompts, SAMPLED, on_step=stop)
-    out = gen.generate(prompts, SAMPLED)  # starts from an empty state: every page free again
-    _assert_same(out, Generator(*tight_engine).generate(prompts, SAMPLED))
+        gen.rollouts(prompts, SAMPLED, on_step=stop)
+    out = gen.rollouts(prompts, SAMPLED)  # starts from an empty state: every page free again
+    _assert_same(out, Generator(*tight_engine).rollouts(prompts, SAMPLED))
     progress = gen.progress()
     assert progress["tokens"] == out.stats["tokens"] and progress["live"] == 0
     assert progress["slot_steps"] == out.stats["slot_steps"] and tight_engine[0].free_pages(gen._state) == 5

@@ -95,7 +95,7 @@ def test_top_k_and_top_p_never_emit_a_token_outside_the_allowed_set():
 
 def test_top_k_through_the_driver_emits_only_the_models_top_k_tokens(engine, params, raw_params):
     prompts = make_prompts(6, seed=5)
-    out = Generator(engine, params).generate(prompts, SamplingParams(temperature=1.5, top_k=3, max_new_tokens=10))
+    out = Generator(engine, params).rollouts(prompts, SamplingParams(temperature=1.5, top_k=3, max_new_tokens=10))
     for row, logits in enumerate(teacher_forced_logits(raw_params, TINY, prompts, out)):
         top3 = np.argsort(-logits, axis=-1)[:, :3]
         assert np.all(np.any(top3 == out.tokens[row, : out.lengths[row], None], axis=-1))
@@ -104,7 +104,7 @@ def test_top_k_through_the_driver_emits_only_the_models_top_k_tokens(engine, par
 @pytest.fixture(scope="module")
 def sampled(engine, params):
     prompts = make_prompts(6, seed=2)
-    run = lambda seed: Generator(engine, params).generate(  # noqa: E731
+    run = lambda seed: Generator(engine, params).rollouts(  # noqa: E731
         prompts, SamplingParams(temperature=1.0, max_new_tokens=10, n=2, seed=seed))
     return prompts, run(11), run(11), run(12)
 
@@ -120,6 +120,6 @@ def test_same_seed_gives_same_tokens_and_another_seed_differs(sampled):
 def test_samples_do_not_depend_on_slot_count_or_prefill_batch(devices, raw_params, sampled):
     prompts, first, _, _ = sampled
     engine = make_engine(devices, max_concurrent_decodes=3, max_prefill_batch=1)
-    out = Generator(engine, engine.load_params(raw_params)).generate(
+    out = Generator(engine, engine.load_params(raw_params)).rollouts(
         prompts, SamplingParams(temperature=1.0, max_new_tokens=10, n=2, seed=11))
     np.testing.assert_array_equal(out.tokens, first.tokens)

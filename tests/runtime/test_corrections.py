@@ -214,7 +214,7 @@ def _sample(informative, cap, step=3):
                rewarder=_Scripted(informative, 2))
     try:
         problems, positions = job.problems(step)
-        batch = job.generate(problems, positions, 1.0)
+        batch = job.collect_rollouts(problems, positions, 1.0)
         scores = job.rewards(problems, batch)[0]
         seconds = {"actor-gen": 0.0}
         return job.learner.dynamic_sampling(step, problems, batch, scores, seconds), seconds

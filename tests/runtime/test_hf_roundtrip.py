@@ -83,7 +83,7 @@ def test_two_grpo_steps_export_a_checkpoint_transformers_loads_and_agrees_with_h
     theirs_new = generated[0, len(prompt):].tolist()
     engine = JaxEngine(ours_cfg, max_concurrent_decodes=2, max_prefill_length=32, max_target_length=32 + R)
     gen = Generator(engine, engine.load_params(params), pad_id=tok.pad_id)
-    result = gen.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=R, stop_tokens=tuple(tok.eos_ids)))
+    result = gen.rollouts([prompt], SamplingParams(temperature=0.0, max_new_tokens=R, stop_tokens=tuple(tok.eos_ids)))
     ours_new = result.tokens[0, : result.lengths[0]].tolist()
     # transformers keeps the eos it stopped at and pads after it; ours ends at (and includes) the stop token
     assert ours_new == theirs_new[: len(ours_new)] and (len(ours_new) == R or ours_new[-1] in tok.eos_ids)
