@@ -275,10 +275,10 @@ def _make(args) -> dict:
 
 
 def _stream_stage(spec, layout, replicas, ckpt, name):
-    from nereus_jax.elastic.plan import ModelStage
     from nereus_jax.elastic.sources import units_from_source
+    from nereus_jax.model_stage import ModelStage
 
-    return units_from_source(ModelStage(*name.split("-")), spec, layout, replicas, ckpt)
+    return units_from_source(ModelStage.parse(name), spec, layout, replicas, ckpt)
 
 
 def _naive_stage(spec, layout, replicas, host, name):
@@ -288,7 +288,7 @@ def _naive_stage(spec, layout, replicas, host, name):
     import numpy as np
 
     from nereus_jax.elastic.emu import EMU
-    from nereus_jax.elastic.plan import ModelStage
+    from nereus_jax.model_stage import ModelStage
 
     if spec.kind == "train":
         state = {"params": host}
@@ -296,7 +296,7 @@ def _naive_stage(spec, layout, replicas, host, name):
             state["opt"] = spec.optimizer.init(host)
     else:
         state = {"params": jax.tree.map(lambda x: np.asarray(x, spec.dtype), host)}
-    ms = ModelStage(*name.split("-"))
+    ms = ModelStage.parse(name)
     return [EMU.create(ms, spec, layout, r, state) for r in replicas]
 
 

@@ -60,12 +60,12 @@ import numpy as np  # noqa: E402
 
 from nereus_jax.config import ModelConfig, load_config  # noqa: E402
 from nereus_jax.elastic.costs import pipeline_microbatches  # noqa: E402
+from nereus_jax.model_stage import ACTOR_TRAIN  # noqa: E402
 from nereus_jax.models import apply_layers, causal_mask, default_positions, init_params, output_head  # noqa: E402
 from nereus_jax.rl.tasks import make_task  # noqa: E402
 from nereus_jax.rl.tokenizer import CharTokenizer  # noqa: E402
 from nereus_jax.runtime import steps  # noqa: E402
 from nereus_jax.runtime.job import Job  # noqa: E402
-from nereus_jax.runtime.plans import ACTOR_TRAIN  # noqa: E402
 from nereus_jax.sharding import Layout, make_mesh, shard_params  # noqa: E402
 from nereus_jax.sharding.pipeline import (  # noqa: E402
     bubble_fraction,

@@ -294,17 +294,12 @@ def train(cfg: ModelConfig, raw: dict, shapes: Shapes, matmul_flops: float) -> d
 
 # ------------------------------------------------------------------------------------------------ host
 def host(cfg: ModelConfig, shapes: Shapes) -> tuple[dict | None, str | None]:
-    from nereus_jax.elastic import (
-        DEVICE,
-        EMU,
-        HOST,
-        ExecutionPlan,
-        ModelStage,
-        StagePlan,
-        StateSpec,
-        TransitionExecutor,
-        TransitionGraph,
-    )
+    from nereus_jax.elastic.emu import EMU
+    from nereus_jax.elastic.executor import TransitionExecutor
+    from nereus_jax.elastic.graph import TransitionGraph
+    from nereus_jax.elastic.plan import DEVICE, HOST, ExecutionPlan, StagePlan
+    from nereus_jax.elastic.spec import StateSpec
+    from nereus_jax.model_stage import ModelStage
     from nereus_jax.sharding import Layout, make_mesh
 
     dev = jax.devices()[0]

@@ -42,8 +42,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nereus_jax.config import Config
 from nereus_jax.elastic.emu import EMU, split_replicas
-from nereus_jax.elastic.plan import DEVICE, ExecutionPlan, ModelStage, StagePlan
+from nereus_jax.elastic.plan import DEVICE, ExecutionPlan, StagePlan
 from nereus_jax.elastic.sources import ZeroSource
+from nereus_jax.model_stage import ModelStage
 from nereus_jax.models import abstract_params
 from nereus_jax.runtime.export import export_dtype, tokenizer_dir
 from nereus_jax.runtime.job import DeviceLost, Job, JobError  # noqa: F401 - DeviceLost re-exported

@@ -25,14 +25,15 @@ from nereus_jax.config import Config
 from nereus_jax.elastic.costs import pipeline_microbatches
 from nereus_jax.elastic.emu import EMU, assemble_replicas
 from nereus_jax.elastic.graph import TransitionGraph
-from nereus_jax.elastic.plan import DEVICE, HOST, ExecutionPlan, ModelStage
+from nereus_jax.elastic.plan import DEVICE, HOST, ExecutionPlan
 from nereus_jax.elastic.sources import ParamSource, ValueHeadSource, units_from_source
 from nereus_jax.elastic.spec import StateSpec
 from nereus_jax.elastic.weight_sync import WeightSync
+from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER, REWARD_INFER, ModelStage
 from nereus_jax.models import forward
 from nereus_jax.rl import packing
 from nereus_jax.runtime import steps
-from nereus_jax.runtime.plans import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER, REWARD_INFER, job_stages
+from nereus_jax.runtime.plans import job_stages
 from nereus_jax.sharding import device_index, make_mesh
 from nereus_jax.sharding.pipeline import check_schedule, pipeline_axis, pipeline_forward_fn
 
@@ -199,7 +200,7 @@ class StageState:
     def train_program(self, ms: ModelStage, spec: StateSpec, mesh):
         """One training step of ``ms`` on ``mesh``: mini_batches x ppo_epochs optimizer updates (donates the state)."""
         a, m = self.cfg.algorithm, self.cfg.model
-        make_loss = functools.partial(steps.actor_loss if ms.model == "actor" else steps.critic_loss, m, a, self.P)
+        make_loss = functools.partial(steps.actor_loss if ms.role == "actor" else steps.critic_loss, m, a, self.P)
         grad_fn = stage_value_and_grad(mesh, spec.kind, make_loss, self.cfg.trainer.pipeline_schedule)
         step = steps.make_minibatch_train_step(None, spec.optimizer, m, epochs=self.cfg.trainer.ppo_epochs,
                                                value_and_grad=grad_fn)

@@ -128,7 +128,7 @@ def crossing_plan(cfg) -> ExecutionPlan:
     moves to process 1's devices, actor-train and critic-train become tp=2 units, two of each on one
     device of each process, ref-infer halves onto process 1."""
     from nereus_jax.elastic.plan import StagePlan
-    from nereus_jax.runtime.plans import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER
+    from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER
     from nereus_jax.sharding import Layout
 
     assert cfg.algorithm.name == "ppo"
@@ -240,8 +240,8 @@ def test_ppo_job_with_a_transition_across_processes_matches_one_process(two_proc
     of the data-parallel test above."""
     if jax.__version_info__ < (0, 12):
         pytest.skip("jax < 0.12 (0.10.2 measured): a cross-process device_put on CPU never completes")
+    from nereus_jax.model_stage import ACTOR_TRAIN, CRITIC_TRAIN
     from nereus_jax.runtime.adapt import Adapter
-    from nereus_jax.runtime.plans import ACTOR_TRAIN, CRITIC_TRAIN
 
     out, outs = two_processes
     got = json.loads((out / "rl.json").read_text())
