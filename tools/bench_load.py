@@ -123,9 +123,9 @@ def _stage_layouts(args) -> dict[str, tuple[int, int]]:
 def _specs(args, cfg) -> dict:
     """Each stage's StateSpec as the job builds them (``runtime.stages._specs``); actor-train's optimizer on request."""
     from nereus_jax.elastic.spec import StateSpec
-    from nereus_jax.runtime import steps
+    from nereus_jax.runtime import losses
 
-    optimizer = steps.make_optimizer(1e-5) if args.optimizer else None
+    optimizer = losses.make_optimizer(1e-5) if args.optimizer else None
     return {"actor-train": StateSpec(cfg, "train", optimizer=optimizer),
             "actor-gen": StateSpec(cfg, "gen", dtype=cfg.compute_dtype),
             "ref-infer": StateSpec(cfg, "infer", dtype=cfg.compute_dtype)}

@@ -64,9 +64,9 @@ from nereus_jax.elastic.recipe import align_ranks
 from nereus_jax.elastic.workload import LengthStats, Workload
 from nereus_jax.model_stage import ACTOR_GEN
 from nereus_jax.runtime.distributed import agree, all_processes
+from nereus_jax.runtime.initial_plan import job_pricing, plan_from_config
 from nereus_jax.runtime.job import Job, Prepared, engine_replicas_across_processes
 from nereus_jax.runtime.move import MoveError, move
-from nereus_jax.runtime.plans import job_pricing, plan_from_config
 from nereus_jax.runtime.pool import DevicePool
 from nereus_jax.runtime.recovery import Recovery, recover_from_device_loss, restore_after_loss, surviving_state
 

@@ -53,6 +53,7 @@ from nereus_jax.models import init_params
 from nereus_jax.rl import algorithms as alg
 from nereus_jax.rl.batch import RolloutBatch
 from nereus_jax.rl.tasks import Problem
+from nereus_jax.runtime.initial_plan import plan_from_config
 from nereus_jax.runtime.learner import (
     EXTRA_INDEX_OFFSET,
     Learner,
@@ -62,7 +63,6 @@ from nereus_jax.runtime.learner import (
     plan_short,
 )
 from nereus_jax.runtime.move import move
-from nereus_jax.runtime.plans import plan_from_config
 from nereus_jax.runtime.rollout import Rollout, prompt_ids
 from nereus_jax.runtime.stages import (
     JobError,

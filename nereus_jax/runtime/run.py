@@ -137,7 +137,7 @@ def _check_layouts(cfg: Config) -> None:
     """Every model-stage's configured layout splits its model: a tp or pp that cannot divide a dimension is
     a ConfigError naming the plan key and the model-stage, before the warm start or any compile."""
     from nereus_jax.model_stage import REWARD_INFER
-    from nereus_jax.runtime.plans import job_stages
+    from nereus_jax.runtime.initial_plan import job_stages
     from nereus_jax.sharding import Layout, LayoutError, check_layout
 
     for ms in job_stages(cfg):

@@ -48,7 +48,7 @@ from nereus_jax.elastic.workload import Workload
 from nereus_jax.model_stage import split_stage
 from nereus_jax.sim.asynchronous import AsyncPlanningModel, async_oracle, interval_seconds
 from nereus_jax.sim.model import Layouts, PlanningModel, SharedCaches, bucket_workload, plan_peak_memory
-from nereus_jax.sim.plans import SimPlan, changed_stages, state_specs
+from nereus_jax.sim.plan_cost import SimPlan, changed_stages, state_specs
 from nereus_jax.sim.records import ASYNC_POLICIES, PolicyRun, StepRecord
 from nereus_jax.sim.trace import Trace
 from nereus_jax.sim.truth import GroundTruth, TruthSettings

@@ -76,7 +76,7 @@ CHILD = textwrap.dedent("""
     ckpt.save(job, 0, wait=True)
     ckpt.close()
     # 4. a unit's state moved onto a device of the other process (a transition's Extend: one device_put)
-    from nereus_jax.runtime.plans import ACTOR_TRAIN
+    from nereus_jax.model_stage import ACTOR_TRAIN
     from nereus_jax.sharding import make_mesh
     from jax.experimental import multihost_utils
     unit = job.units[ACTOR_TRAIN][0]
@@ -94,7 +94,7 @@ CHILD = textwrap.dedent("""
         import json
         from nereus_jax.runtime.adapt import Adapter
         from nereus_jax.runtime.checkpoint import plan_from_json
-        from nereus_jax.runtime.plans import CRITIC_TRAIN
+        from nereus_jax.model_stage import CRITIC_TRAIN
         target = plan_from_json(json.loads(os.environ["NEREUS_TEST_TARGET"]))
         job = Job(cfg, task, tok, actor=trained)
         adapter = Adapter(job, log=lambda m: print("ADAPT", m, flush=True))

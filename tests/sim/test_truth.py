@@ -14,7 +14,7 @@ from nereus_jax.elastic.workload import LengthStats, Workload
 from nereus_jax.model_stage import ModelStage
 from nereus_jax.sharding import Layout
 from nereus_jax.sim import GroundTruth, Simulation
-from nereus_jax.sim.plans import state_specs
+from nereus_jax.sim.plan_cost import state_specs
 from nereus_jax.sim.simulation import true_transition_seconds
 
 CFG = resolve_model("llama3.1-8b")
