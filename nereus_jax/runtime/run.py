@@ -141,7 +141,7 @@ def _check_layouts(cfg: Config) -> None:
     from nereus_jax.sharding import Layout, LayoutError, check_layout
 
     for ms in job_stages(cfg):
-        model, head, labels = cfg.model, "value" if ms.model == "critic" else "lm", 1
+        model, head, labels = cfg.model, "value" if ms.role == "critic" else "lm", 1
         if ms == REWARD_INFER:
             rm = _checkpoint("task.reward_model_path", cfg.task.reward_model_path)
             model, head, labels = rm.config, rm.head, rm.num_labels
