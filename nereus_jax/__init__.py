@@ -24,7 +24,7 @@ _HOME = {
     "Workload": "nereus_jax.elastic.workload",
     "Planner": "nereus_jax.elastic.planner", "InfeasiblePlanError": "nereus_jax.elastic.planner",
     "ExecutionPlan": "nereus_jax.elastic.plan", "StagePlan": "nereus_jax.elastic.plan",
-    "ModelStage": "nereus_jax.elastic.plan", "Layout": "nereus_jax.layout",
+    "ModelStage": "nereus_jax.model_stage", "Layout": "nereus_jax.layout",
     "Simulation": "nereus_jax.sim.simulation", "load_trace": "nereus_jax.sim.trace",
 }
 __all__ = sorted(_HOME)

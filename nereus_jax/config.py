@@ -43,16 +43,8 @@ from nereus_jax._typed_tree import (
     type_name,
     unknown_name_error,
 )
+from nereus_jax.model_stage import STAGE_NAMES  # re-exported: the keys of plan.stages
 
-STAGE_NAMES = (
-    "actor-gen",
-    "actor-infer",
-    "actor-train",
-    "critic-infer",
-    "critic-train",
-    "ref-infer",
-    "reward-infer",
-)
 _PRESET_KEYS = ("model", "model.preset")
 _WANDB_PROJECT_FORBIDS = "/\\#?%:"  # wandb.init rejects these in a project name (its settings' validate_project)
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")  # trainer.pipeline_schedule; the cost model prices the one that runs

@@ -6,6 +6,10 @@
 - The planning modules (planner, cost model, controller, hardware and workload tables, topology, pricing, the
   simulator, and the ``plan`` / ``simulate`` command lines) import no JAX, directly or through nereus_jax
   modules, so they run where JAX is not installed and start in a fraction of a second.
+- The metadata modules (``model_stage``: what a model-stage is and the stage constants; ``layout``; the
+  execution plan ``elastic/plan.py``; the transition graph's metadata) import no JAX either, and
+  ``model_stage`` imports no nereus_jax module: everything else may import it. Its names are imported from it,
+  not from a module that happens to import them, and defined nowhere else.
 - No module imports another module's private (underscore) name; nor do tests and tools, but for the unit tests
   of a private helper listed in ``PRIVATE_TESTED``. A name with a public home is imported from there.
 
@@ -52,8 +56,21 @@ PLANNING = (
     "nereus_jax.plan",
 )
 
-# A name defined in a private module that the package publishes elsewhere: imported from its public home.
-PUBLIC_HOME = {"ConfigError": "nereus_jax.config"}
+# Metadata: importing these loads no JAX. Model-stages, layouts, execution plans, and the transition graph
+# built from plans and state sizes (only the executor runs it on arrays).
+METADATA = ("nereus_jax.model_stage", "nereus_jax.layout", "nereus_jax.elastic.plan", "nereus_jax.elastic.state_bytes",
+            "nereus_jax.elastic.primitives", "nereus_jax.elastic.factor", "nereus_jax.elastic.recipe",
+            "nereus_jax.elastic.ledger", "nereus_jax.elastic.schedule", "nereus_jax.elastic.graph")
+
+# The one identity of a model-stage and its constants (nothing defines them twice).
+MODEL_STAGE = "nereus_jax.model_stage"
+MODEL_STAGE_NAMES = ("ModelStage", "StageError", "STAGE_KINDS", "STAGE_NAMES", "VALUE_HEAD_MODELS", "ACTOR_GEN",
+                     "ACTOR_TRAIN", "REF_INFER", "CRITIC_TRAIN", "REWARD_INFER", "split_stage", "stage_kind",
+                     "stage_head")
+
+# A name the package defines in one module and another module re-exports (or a private module defines and the
+# package publishes elsewhere): imported from its public home.
+PUBLIC_HOME = {"ConfigError": "nereus_jax.config", **{name: MODEL_STAGE for name in MODEL_STAGE_NAMES}}
 
 # Private helpers a test unit-tests directly: (test file, module, name) -> why.
 PRIVATE_TESTED = {
@@ -348,6 +365,36 @@ def test_planning_modules_import_no_jax():
     bad = {m: chain for m in starts if (chain := GRAPH.reaches_jax(m))}
     assert not bad, "planning modules that import JAX (move what needs arrays out of them):\n" + "\n".join(
         f"{m}: " + " -> ".join(chain) for m, chain in bad.items())
+
+
+def test_metadata_modules_import_no_jax_and_model_stage_nothing_of_the_package():
+    assert all(m in GRAPH.modules for m in METADATA), f"a module of METADATA no longer exists: {METADATA}"
+    bad = {m: chain for m in METADATA if (chain := GRAPH.reaches_jax(m))}
+    assert not bad, "metadata modules that import JAX:\n" + "\n".join(
+        f"{m}: " + " -> ".join(chain) for m, chain in bad.items())
+    ours = [str(a) for a in GRAPH.arrows[MODEL_STAGE] if GRAPH.ours(a.target)]
+    assert not ours, f"{MODEL_STAGE} is the bottom of the graph; it imports: {ours}"
+    # the elastic package file is a map of the package, not a lazy face of it: importing it runs nothing
+    elastic = "nereus_jax.elastic"
+    assert not GRAPH.arrows[elastic] and "__getattr__" not in _bound_names(GRAPH.trees[elastic])
+
+
+def test_model_stage_names_are_defined_once():
+    """Each name of MODEL_STAGE_NAMES is bound by an assignment, def or class only in the model-stage module."""
+    defined = {}
+    for m, tree in GRAPH.trees.items():
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef | ast.ClassDef):
+                names = {node.name}
+            elif isinstance(node, ast.Assign | ast.AnnAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            else:
+                continue
+            for name in names & set(MODEL_STAGE_NAMES):
+                defined.setdefault(name, []).append(m)
+    assert {n: ms for n, ms in defined.items() if ms != [MODEL_STAGE]} == {}
+    assert set(defined) == set(MODEL_STAGE_NAMES)
 
 
 def test_no_module_imports_another_modules_private_names():

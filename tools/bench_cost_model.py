@@ -3,7 +3,7 @@
     .venv312/bin/python tools/bench_cost_model.py                 # 10 layouts (~10-15 min on 2 shared CPU cores)
     .venv312/bin/python tools/bench_cost_model.py --layouts 1x1,2x2,1x2,2x1,1x4,4x1,1x8,2x4,1x1x2,1x2x4
 
-Each layout ``TPxDP`` or ``TPxDPxPP`` runs the job's own stage computations of :mod:`nereus_jax.runtime.steps`
+Each layout ``TPxDP`` or ``TPxDPxPP`` runs the job's own stage computations of :mod:`nereus_jax.runtime.losses`
 as jitted SPMD programs over a ("dp", "pp", "tp") mesh, exactly as ``runtime.job`` builds them (parameters
 laid out by ``shard_params``, rows split over dp, ``split_micro`` micro-batches sized by
 ``accumulation_steps``; with pp > 1 the scoring forward pipelined as ``job.stage_forward`` runs it and the
@@ -60,7 +60,7 @@ from nereus_jax.config import AlgorithmConfig, ModelConfig  # noqa: E402
 from nereus_jax.elastic.costs import CostModel, Measurement, StageChoice  # noqa: E402
 from nereus_jax.elastic.workload import Workload  # noqa: E402
 from nereus_jax.models import count_params, init_params  # noqa: E402
-from nereus_jax.runtime import steps  # noqa: E402
+from nereus_jax.runtime import losses  # noqa: E402
 from nereus_jax.runtime.job import stage_forward, stage_value_and_grad  # noqa: E402
 from nereus_jax.sharding import Layout, make_mesh, shard_params  # noqa: E402
 
@@ -132,12 +132,12 @@ def build_layout(cfg: ModelConfig, tp: int, dp: int, host: dict, base: dict,
     jitted programs live as long as the dict, so later rounds do not recompile."""
     layout = Layout(tp=tp, pp=pp)
     mesh = make_mesh(jax.devices()[: tp * pp * dp], layout, dp=dp)
-    accum = steps.accumulation_steps(ROWS, dp, PROMPT + RESPONSE, MICRO_BATCH_TOKENS)
+    accum = losses.accumulation_steps(ROWS, dp, PROMPT + RESPONSE, MICRO_BATCH_TOKENS)
     choice = StageChoice(tp=tp, pp=pp, dp=dp, micro_batch=ROWS // dp // accum)
-    micro = put(steps.split_micro(host, accum), mesh)
+    micro = put(losses.split_micro(host, accum), mesh)
     out = {}
     for model, head in (("ref", "lm"), ("critic", "value")):
-        fn = steps.response_logprobs if head == "lm" else steps.response_values
+        fn = losses.response_logprobs if head == "lm" else losses.response_values
         forward_fn = stage_forward(mesh, "infer")
 
         def program(p, tokens, mask, fn=fn, forward_fn=forward_fn):
@@ -151,10 +151,10 @@ def build_layout(cfg: ModelConfig, tp: int, dp: int, host: dict, base: dict,
 
         out[f"{model}-infer"] = prepare_infer
     for model, head in (("actor", "lm"), ("critic", "value")):
-        optimizer = steps.make_optimizer(1e-6)
-        make_loss = functools.partial(steps.actor_loss if model == "actor" else steps.critic_loss, cfg, ALGO, PROMPT)
+        optimizer = losses.make_optimizer(1e-6)
+        make_loss = functools.partial(losses.actor_loss if model == "actor" else losses.critic_loss, cfg, ALGO, PROMPT)
         grad_fn = stage_value_and_grad(mesh, "train", make_loss)
-        train = jax.jit(steps.make_train_step(None, optimizer, cfg, value_and_grad=grad_fn), donate_argnums=(0, 1))
+        train = jax.jit(losses.make_train_step(None, optimizer, cfg, value_and_grad=grad_fn), donate_argnums=(0, 1))
         init = jax.jit(optimizer.init)
 
         def prepare_train(train=train, init=init, head=head):

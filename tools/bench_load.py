@@ -123,9 +123,9 @@ def _stage_layouts(args) -> dict[str, tuple[int, int]]:
 def _specs(args, cfg) -> dict:
     """Each stage's StateSpec as the job builds them (``runtime.stages._specs``); actor-train's optimizer on request."""
     from nereus_jax.elastic.spec import StateSpec
-    from nereus_jax.runtime import steps
+    from nereus_jax.runtime import losses
 
-    optimizer = steps.make_optimizer(1e-5) if args.optimizer else None
+    optimizer = losses.make_optimizer(1e-5) if args.optimizer else None
     return {"actor-train": StateSpec(cfg, "train", optimizer=optimizer),
             "actor-gen": StateSpec(cfg, "gen", dtype=cfg.compute_dtype),
             "ref-infer": StateSpec(cfg, "infer", dtype=cfg.compute_dtype)}
@@ -275,10 +275,10 @@ def _make(args) -> dict:
 
 
 def _stream_stage(spec, layout, replicas, ckpt, name):
-    from nereus_jax.elastic.plan import ModelStage
     from nereus_jax.elastic.sources import units_from_source
+    from nereus_jax.model_stage import ModelStage
 
-    return units_from_source(ModelStage(*name.split("-")), spec, layout, replicas, ckpt)
+    return units_from_source(ModelStage.parse(name), spec, layout, replicas, ckpt)
 
 
 def _naive_stage(spec, layout, replicas, host, name):
@@ -288,7 +288,7 @@ def _naive_stage(spec, layout, replicas, host, name):
     import numpy as np
 
     from nereus_jax.elastic.emu import EMU
-    from nereus_jax.elastic.plan import ModelStage
+    from nereus_jax.model_stage import ModelStage
 
     if spec.kind == "train":
         state = {"params": host}
@@ -296,7 +296,7 @@ def _naive_stage(spec, layout, replicas, host, name):
             state["opt"] = spec.optimizer.init(host)
     else:
         state = {"params": jax.tree.map(lambda x: np.asarray(x, spec.dtype), host)}
-    ms = ModelStage(*name.split("-"))
+    ms = ModelStage.parse(name)
     return [EMU.create(ms, spec, layout, r, state) for r in replicas]
 
 

@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 from nereus_jax.config import AlgorithmConfig, ModelConfig  # noqa: E402
 from nereus_jax.models import abstract_params, count_params, init_params  # noqa: E402
 from nereus_jax.rl import packing  # noqa: E402
-from nereus_jax.runtime import steps  # noqa: E402
+from nereus_jax.runtime import losses  # noqa: E402
 
 BENCH_MODEL = ModelConfig(name="bench-6m", vocab_size=4096, hidden_size=256, num_layers=4, num_heads=4,
                           num_kv_heads=2, intermediate_size=768, tie_embeddings=True, max_position_embeddings=1024)
@@ -66,11 +66,11 @@ def micro_batches(batch: dict, prompt_len: int, budget: int, packed: bool) -> tu
     """The job's micro-batches of ``batch`` (one mini-batch), padded or packed, and what they hold."""
     rows, width = batch["tokens"].shape
     if not packed:
-        accum = steps.accumulation_steps(rows, 1, width, budget)
-        return steps.split_minibatches(batch, 1, accum), {"micro_batches": accum, "token_slots": rows * width}
+        accum = losses.accumulation_steps(rows, 1, width, budget)
+        return losses.split_minibatches(batch, 1, accum), {"micro_batches": accum, "token_slots": rows * width}
     layout = packing.pack(batch["tokens"], batch["mask"], prompt_len=prompt_len, mini=1, dp=1,
                           budget_rows=budget // width)
-    return steps.split_packed(batch, layout, mini=1), {
+    return losses.split_packed(batch, layout, mini=1), {
         "micro_batches": layout.accum, "packed_rows_per_micro_batch": layout.rows,
         "token_slots": int(layout.tokens.size), "fill": round(layout.packed_tokens / layout.tokens.size, 3)}
 
@@ -110,9 +110,9 @@ def main(argv: list[str] | None = None) -> dict:
     repeats = 2 if args.smoke else args.repeats
     batch = long_tail_batch(sequences, prompt_len, longest, cfg.vocab_size)
     params = init_params(cfg, seed=0)
-    optimizer = steps.make_optimizer(1e-5)
-    loss = steps.actor_loss(cfg, AlgorithmConfig(name="ppo", kl_in_reward=False), prompt_len)
-    step = jax.jit(steps.make_minibatch_train_step(loss, optimizer, cfg))
+    optimizer = losses.make_optimizer(1e-5)
+    loss = losses.actor_loss(cfg, AlgorithmConfig(name="ppo", kl_in_reward=False), prompt_len)
+    step = jax.jit(losses.make_minibatch_train_step(loss, optimizer, cfg))
     opt_state = optimizer.init(params)
 
     def grads(params, micro):  # the update's gradient: summed over the micro-batches of its one mini-batch

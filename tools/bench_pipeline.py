@@ -60,12 +60,12 @@ import numpy as np  # noqa: E402
 
 from nereus_jax.config import ModelConfig, load_config  # noqa: E402
 from nereus_jax.elastic.costs import pipeline_microbatches  # noqa: E402
+from nereus_jax.model_stage import ACTOR_TRAIN  # noqa: E402
 from nereus_jax.models import apply_layers, causal_mask, default_positions, init_params, output_head  # noqa: E402
 from nereus_jax.rl.tasks import make_task  # noqa: E402
 from nereus_jax.rl.tokenizer import CharTokenizer  # noqa: E402
-from nereus_jax.runtime import steps  # noqa: E402
+from nereus_jax.runtime import losses  # noqa: E402
 from nereus_jax.runtime.job import Job  # noqa: E402
-from nereus_jax.runtime.plans import ACTOR_TRAIN  # noqa: E402
 from nereus_jax.sharding import Layout, make_mesh, shard_params  # noqa: E402
 from nereus_jax.sharding.pipeline import (  # noqa: E402
     bubble_fraction,
@@ -282,7 +282,7 @@ def _job_head_loss(cfg, rows: int, seq: int):
           "old_logp": jnp.full((rows, resp), -3.0), "ref_logp": jnp.full((rows, resp), -3.0),
           "advantages": jnp.asarray(rng.normal(size=(rows, resp)), jnp.float32),
           "denom": jnp.float32(rows * resp), "seq_denom": jnp.float32(rows)}
-    make_loss = lambda fwd: steps.actor_loss(cfg.model, cfg.algorithm, JOB_PROMPT, fwd)  # noqa: E731
+    make_loss = lambda fwd: losses.actor_loss(cfg.model, cfg.algorithm, JOB_PROMPT, fwd)  # noqa: E731
     return _head_loss(make_loss, cfg.model, mb)
 
 

@@ -78,7 +78,10 @@ def _scenario(layers: int, kv_heads: int = 8, reverse: bool = False):
     import optax
 
     from nereus_jax.config import ModelConfig
-    from nereus_jax.elastic import ExecutionPlan, ModelStage, StagePlan, StateSpec, align_ranks
+    from nereus_jax.elastic.plan import ExecutionPlan, StagePlan
+    from nereus_jax.elastic.recipe import align_ranks
+    from nereus_jax.elastic.spec import StateSpec
+    from nereus_jax.model_stage import ModelStage
     from nereus_jax.sharding import Layout
 
     cfg = ModelConfig(name="bench", vocab_size=8192, hidden_size=512, num_layers=layers, num_heads=8,
@@ -113,7 +116,7 @@ def _host_states(cfg, specs):
 def _make_units(plan, specs, states, devices):
     import jax
 
-    from nereus_jax.elastic import EMU
+    from nereus_jax.elastic.emu import EMU
 
     units = {ms: [EMU.create(ms, specs[ms], sp.layout, [devices[i] for i in r], states[ms]) for r in sp.replicas]
              for ms, sp in plan.items()}
@@ -125,7 +128,7 @@ def _make_units(plan, specs, states, devices):
 def _time_executor(graph, units):
     import jax
 
-    from nereus_jax.elastic import TransitionExecutor
+    from nereus_jax.elastic.executor import TransitionExecutor
 
     executor = TransitionExecutor()
     t0 = time.perf_counter()
@@ -218,7 +221,7 @@ def _restore_child(args) -> dict:
     import jax
     import orbax.checkpoint as ocp
 
-    from nereus_jax.elastic import align_ranks
+    from nereus_jax.elastic.recipe import align_ranks
     from nereus_jax.sharding import make_mesh
 
     cfg, specs, old, natural = _scenario(args.layers, args.kv_heads, args.reverse)
@@ -243,7 +246,10 @@ def _schedule_ms_1024(repeats: int = 20) -> float:
     import optax
 
     from nereus_jax.config import ModelConfig
-    from nereus_jax.elastic import ExecutionPlan, ModelStage, StagePlan, StateSpec, TransitionGraph, plan_usage
+    from nereus_jax.elastic.graph import TransitionGraph, plan_usage
+    from nereus_jax.elastic.plan import ExecutionPlan, StagePlan
+    from nereus_jax.elastic.spec import StateSpec
+    from nereus_jax.model_stage import ModelStage
     from nereus_jax.sharding import Layout
 
     cfg = ModelConfig(name="llama-8b-shape", vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
@@ -282,7 +288,9 @@ def _bench(args) -> dict:
 
     import jax
 
-    from nereus_jax.elastic import TransitionGraph, align_ranks, transition_bytes
+    from nereus_jax.elastic.graph import TransitionGraph
+    from nereus_jax.elastic.recipe import align_ranks
+    from nereus_jax.elastic.spec import transition_bytes
 
     devices = jax.devices()
     cfg, specs, old, natural = _scenario(args.layers, args.kv_heads, args.reverse)

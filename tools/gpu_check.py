@@ -36,7 +36,7 @@ whether the run got to the end.
   that many bytes over ``copy_bandwidth_gb_s``. ``fraction_of_roofline`` = tokens_per_s / roofline.
 - ``prefill``: one engine ``prefill`` call of 16 prompts x 1024 tokens (median of 5): ``prefill_tokens_per_s``
   and ``prefill_mfu`` (2 x matmul params x tokens + causal attention FLOPs over ``matmul_tflops``).
-- ``train``: ``nereus_jax.runtime.steps.make_train_step`` with the PPO ``actor_loss`` (AdamW, float32 master
+- ``train``: ``nereus_jax.runtime.losses.make_train_step`` with the PPO ``actor_loss`` (AdamW, float32 master
   weights, bf16 compute, donated state), 64 rows of 64 prompt + 448 response tokens split into micro-batches of
   ``micro_batch_tokens`` 8192 (``accumulation_steps``: 4 of 16 rows), median of 3 steps after a compiling
   one. ``train_mfu``: model FLOPs (6 x matmul params x tokens + 3 x the causal attention forward, 2 x 2 x
@@ -243,27 +243,27 @@ def prefill(cfg: ModelConfig, raw: dict, shapes: Shapes, matmul_flops: float) ->
 def train(cfg: ModelConfig, raw: dict, shapes: Shapes, matmul_flops: float) -> dict:
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from nereus_jax.runtime import steps
+    from nereus_jax.runtime import losses
     from nereus_jax.sharding import Layout, make_mesh, shard_params
 
     rows, P, R = shapes.train_rows, shapes.train_prompt, shapes.train_response
     seq = P + R
     mesh = make_mesh(jax.devices()[:1], Layout(), dp=1)
-    accum = steps.accumulation_steps(rows, 1, seq, shapes.micro_batch_tokens)
+    accum = losses.accumulation_steps(rows, 1, seq, shapes.micro_batch_tokens)
     rng = np.random.default_rng(0)
     host = {"tokens": rng.integers(0, cfg.vocab_size, (rows, seq)).astype(np.int32),
             "mask": np.ones((rows, seq), np.int32), "response_mask": np.ones((rows, R), np.float32),
             "old_logp": rng.uniform(-4.0, -0.5, (rows, R)).astype(np.float32),
             "advantages": rng.standard_normal((rows, R)).astype(np.float32), "denom": np.float32(rows * R)}
-    micro = steps.put_micro(steps.split_micro(host, accum), mesh)
-    optimizer = steps.make_optimizer(1e-6)
+    micro = losses.put_micro(losses.split_micro(host, accum), mesh)
+    optimizer = losses.make_optimizer(1e-6)
     # a copy: the step donates its state, and shard_params may hand back raw's own buffers
     params = jax.tree.map(lambda x: jnp.array(x, copy=True), shard_params(raw, cfg, Layout(), mesh, kind="train"))
     whole = NamedSharding(mesh, PartitionSpec())
     opt_state = jax.jit(optimizer.init, out_shardings=whole)(params)
     # the step hands its state back in the shardings it came in: the second call reuses the first's program
     out_shardings = (jax.tree.map(lambda x: x.sharding, params), whole, whole)
-    step = jax.jit(steps.make_train_step(steps.actor_loss(cfg, AlgorithmConfig(), P), optimizer, cfg),
+    step = jax.jit(losses.make_train_step(losses.actor_loss(cfg, AlgorithmConfig(), P), optimizer, cfg),
                    donate_argnums=(0, 1), out_shardings=out_shardings)
     state = [params, opt_state]
     del params, opt_state
@@ -294,17 +294,12 @@ def train(cfg: ModelConfig, raw: dict, shapes: Shapes, matmul_flops: float) -> d
 
 # ------------------------------------------------------------------------------------------------ host
 def host(cfg: ModelConfig, shapes: Shapes) -> tuple[dict | None, str | None]:
-    from nereus_jax.elastic import (
-        DEVICE,
-        EMU,
-        HOST,
-        ExecutionPlan,
-        ModelStage,
-        StagePlan,
-        StateSpec,
-        TransitionExecutor,
-        TransitionGraph,
-    )
+    from nereus_jax.elastic.emu import EMU
+    from nereus_jax.elastic.executor import TransitionExecutor
+    from nereus_jax.elastic.graph import TransitionGraph
+    from nereus_jax.elastic.plan import DEVICE, HOST, ExecutionPlan, StagePlan
+    from nereus_jax.elastic.spec import StateSpec
+    from nereus_jax.model_stage import ModelStage
     from nereus_jax.sharding import Layout, make_mesh
 
     dev = jax.devices()[0]

@@ -1,31 +1,24 @@
-"""The Nereus core: Elastic Model Units, execution plans, the transition graph and its executor.
+"""The Nereus core: Elastic Model Units, execution plans, the transition graph and its executor, and the
+planning half (cost model, planner, controller) that decides which plan a job should run.
 
-Public names are imported lazily, so ``import nereus_jax.elastic.<module>`` stays cheap for the planner
-and the simulator (plans and graphs are metadata; only EMUs and the executor touch arrays).
+This package file imports nothing: import each name from the module that defines it. Where each concept lives:
 
-    from nereus_jax.elastic import ExecutionPlan, StagePlan, ModelStage, StateSpec, EMU
-    from nereus_jax.elastic import TransitionGraph, TransitionExecutor, align_ranks, WeightSync
+- model-stage (``ModelStage``, ``ACTOR_GEN``, ...): :mod:`nereus_jax.model_stage`, outside this package, since
+  every layer names model-stages
+- EMU, the Elastic Model Unit (one replica of one model-stage with its arrays): ``emu.py``; what its state is,
+  per layout: ``spec.py`` (``StateSpec``), and without JAX ``state_bytes.py`` (``ByteSpec``)
+- execution plan (``ExecutionPlan``, ``StagePlan``, ``DEVICE`` / ``HOST``): ``plan.py``
+- transition graph (``TransitionGraph``, ``plan_usage``): ``graph.py``; its nodes ``primitives.py``, the
+  per-stage Split/Destroy/Extend/Merge recipe ``recipe.py`` (``align_ranks``), how a replica splits
+  ``factor.py``, scheduling under memory caps ``schedule.py`` (``Infeasible``), the byte ledger ``ledger.py``
+  and its check against the devices ``measured.py``
+- executor (``TransitionExecutor``, ``TransitionFailed``): ``executor.py``; the per-step weight sync
+  ``weight_sync.py``; a model-stage's first state ``sources.py``
+- cost model (``CostModel``, ``StageChoice``): ``costs/``; hardware table ``hardware.py``, one RL step's
+  shape ``workload.py``, the job's topology ``topology.py``, a job's prices ``pricing.py``
+- planner (``Planner``): ``planner/``
+- controller (monitor, re-plan, admit): ``controller.py``
+
+Only ``emu``, ``spec``, ``executor``, ``weight_sync``, ``sources`` and ``measured`` import JAX; plans, the
+transition graph's metadata and the planning modules do not (``tests/test_import_graph.py`` checks).
 """
-
-import importlib
-
-_EXPORTS = {
-    "plan": ("DEVICE", "HOST", "ExecutionPlan", "ModelStage", "PlanError", "StagePlan"),
-    "spec": ("StateSpec", "transition_bytes"),
-    "state_bytes": ("ByteSpec",),
-    "emu": ("EMU", "assemble_replicas", "split_replicas"),
-    "ledger": ("CapExceeded", "Ledger"),
-    "graph": ("TransitionError", "TransitionGraph", "plan_usage"),
-    "recipe": ("align_ranks",),
-    "schedule": ("Infeasible",),
-    "executor": ("ChecksumMismatch", "InjectedFailure", "TransitionExecutor", "TransitionFailed"),
-    "weight_sync": ("WeightSync",),
-}
-_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str):
-    if name in _WHERE:
-        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,9 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from nereus_jax.model_stage import ModelStage
 from nereus_jax.sharding import Layout, bytes_per_device, device_index, make_mesh, to_numpy
 
-from .plan import DEVICE, ModelStage
+from .plan import DEVICE
 from .spec import StateSpec
 
 

@@ -40,6 +40,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, SingleDeviceSharding
 
+from nereus_jax.model_stage import ModelStage
 from nereus_jax.sharding import device_index, make_mesh
 
 from .emu import EMU, leaves_checksum, shards_by_device, view
@@ -47,7 +48,7 @@ from .factor import common_layout, factor_mesh_devices, sub_replicas
 from .graph import TransitionGraph
 from .ledger import CapExceeded, Ledger
 from .measured import cross_check, local_usage, measure
-from .plan import DEVICE, ExecutionPlan, ModelStage, StagePlan
+from .plan import DEVICE, ExecutionPlan, StagePlan
 from .primitives import DERIVE, DESTROY, MERGE, RELAYOUT, SPLIT, Step, Unit
 
 DONATING = (SPLIT, MERGE, RELAYOUT)  # may donate their inputs to XLA (when another copy of the state exists)

@@ -22,9 +22,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from nereus_jax.layout import LayoutError
+from nereus_jax.model_stage import ModelStage
 
 from .ledger import Ledger, describe_key, fmt_bytes, key
-from .plan import DEVICE, ExecutionPlan, ModelStage
+from .plan import DEVICE, ExecutionPlan
 from .primitives import COPIES, DESTROY, OFFLOAD, ONLOAD, Builder, Step, Unit
 from .recipe import compile_stage
 from .schedule import Infeasible, Scheduler, replay_peak

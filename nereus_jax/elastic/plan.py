@@ -1,4 +1,5 @@
-"""Execution plans: for every model-stage a layout, its replicas' device sets, and where its state lives.
+"""Execution plans: for every model-stage (:class:`nereus_jax.model_stage.ModelStage`) a layout, its replicas'
+device sets, and where its state lives.
 
 Pure metadata (device ids, no arrays), so the planner, the simulator and the transition graph can work
 on plans for clusters that are not there. A replica is an ordered tuple of device ids: position
@@ -17,50 +18,17 @@ import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 
 from nereus_jax.layout import Layout
+from nereus_jax.model_stage import ModelStage
 
 DEVICE = "device"
 HOST = "pinned_host"
 MEMORY_KINDS = (DEVICE, HOST)
-STAGE_KINDS = ("gen", "infer", "train")  # also the transition tie-break order: generation first
 
 DeviceIds = tuple[int, ...]
 
 
 class PlanError(ValueError):
     """A plan that cannot describe a job: a replica of the wrong size, a device used twice, ..."""
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class ModelStage:
-    """One model in one stage, e.g. ``ModelStage("actor", "gen")``; ``str()`` gives ``actor-gen``."""
-
-    model: str
-    stage: str
-
-    def __post_init__(self) -> None:
-        if self.stage not in STAGE_KINDS:
-            raise PlanError(f"model-stage {self.model}-{self.stage}: stage must be one of {STAGE_KINDS}")
-
-    @classmethod
-    def parse(cls, name: str) -> ModelStage:
-        """``"actor-gen"`` -> ``ModelStage("actor", "gen")`` (the names of config.STAGE_NAMES)."""
-        model, sep, stage = name.rpartition("-")
-        if not sep or not model:
-            raise PlanError(f"model-stage name {name!r}: expected MODEL-STAGE, like actor-gen")
-        return cls(model, stage)
-
-    @property
-    def kind(self) -> str:
-        """The sharding-rules kind of this stage (gen, infer or train)."""
-        return self.stage
-
-    @property
-    def rank(self) -> int:
-        """Tie-break rank in a transition: generation, then inference, then training."""
-        return STAGE_KINDS.index(self.stage)
-
-    def __str__(self) -> str:
-        return f"{self.model}-{self.stage}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +87,7 @@ class ExecutionPlan(Mapping[ModelStage, StagePlan]):
             if not isinstance(sp, StagePlan):
                 raise PlanError(f"{ms}: expected a StagePlan, got {type(sp).__name__}")
             items.append((ms, sp))
-        self._items = tuple(sorted(items, key=lambda kv: (kv[0].rank, kv[0].model)))
+        self._items = tuple(sorted(items, key=lambda kv: (kv[0].rank, kv[0].role)))
         self._map = dict(self._items)
         if len(self._map) != len(self._items):
             raise PlanError("a model-stage appears twice in the plan")

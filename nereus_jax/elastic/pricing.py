@@ -32,9 +32,9 @@ from collections.abc import Iterable, Mapping
 from nereus_jax.config import ModelConfig
 from nereus_jax.elastic.costs import CostModel, Measurement, StageChoice
 from nereus_jax.elastic.costs.model import NOISE_FLOOR
-from nereus_jax.elastic.costs.stage import split_stage
 from nereus_jax.elastic.topology import Topology, critical_path
 from nereus_jax.elastic.workload import Workload
+from nereus_jax.model_stage import split_stage
 
 CALIBRATION_WINDOW = 8  # steps of measurements the efficiencies are fitted to
 REMEMBERED = 8  # measurements kept per (model-stage, call) for the per-layout memory

@@ -15,9 +15,10 @@ import dataclasses
 from typing import Any
 
 from nereus_jax.layout import Layout
+from nereus_jax.model_stage import ModelStage
 
 from .ledger import key
-from .plan import DEVICE, HOST, ModelStage
+from .plan import DEVICE, HOST
 
 SPLIT, MERGE, EXTEND, DESTROY = "split", "merge", "extend", "destroy"
 OFFLOAD, ONLOAD, DERIVE = "offload", "onload", "derive"

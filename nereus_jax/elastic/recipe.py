@@ -24,9 +24,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from nereus_jax.layout import Layout
+from nereus_jax.model_stage import ModelStage
 
 from .factor import STRIDED, common_layout, mode_options, sub_replicas
-from .plan import DEVICE, HOST, ExecutionPlan, ModelStage, StagePlan
+from .plan import DEVICE, HOST, ExecutionPlan, StagePlan
 from .primitives import DERIVE, MERGE, OFFLOAD, ONLOAD, RELAYOUT, SPLIT, Builder, Unit
 
 IDENTITY = None  # "no split": the unit itself is its only piece

@@ -19,10 +19,11 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
+from nereus_jax.model_stage import ModelStage
 from nereus_jax.sharding import Layout, make_mesh
 
 from .emu import EMU
-from .plan import DEVICE, ModelStage
+from .plan import DEVICE
 from .spec import Leaf, StateSpec
 
 Path = tuple[str, ...]

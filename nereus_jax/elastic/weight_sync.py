@@ -14,14 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN, ModelStage
+
 from .emu import EMU
 from .executor import TransitionExecutor
 from .graph import TransitionGraph
-from .plan import ExecutionPlan, ModelStage
+from .plan import ExecutionPlan
 from .spec import StateSpec, check_derivable
-
-ACTOR_TRAIN = ModelStage("actor", "train")
-ACTOR_GEN = ModelStage("actor", "gen")
 
 
 class WeightSync:

@@ -36,8 +36,8 @@ import time
 from collections.abc import Callable, Iterator
 
 from nereus_jax.elastic.weight_sync import WeightSync
+from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN
 from nereus_jax.runtime.job import Job, JobError, StepResult
-from nereus_jax.runtime.plans import ACTOR_GEN, ACTOR_TRAIN
 
 
 class AsyncRunner:

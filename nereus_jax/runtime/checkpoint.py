@@ -42,13 +42,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nereus_jax.config import Config
 from nereus_jax.elastic.emu import EMU, split_replicas
-from nereus_jax.elastic.plan import DEVICE, ExecutionPlan, ModelStage, StagePlan
+from nereus_jax.elastic.plan import DEVICE, ExecutionPlan, StagePlan
 from nereus_jax.elastic.sources import ZeroSource
+from nereus_jax.model_stage import ACTOR_TRAIN, ModelStage
 from nereus_jax.models import abstract_params
 from nereus_jax.runtime.export import export_dtype, tokenizer_dir
+from nereus_jax.runtime.initial_plan import job_stages, plan_from_config
 from nereus_jax.runtime.job import DeviceLost, Job, JobError  # noqa: F401 - DeviceLost re-exported
 from nereus_jax.runtime.orbax_errors import cause_line, quiet_failed_restore
-from nereus_jax.runtime.plans import job_stages, plan_from_config
 from nereus_jax.sharding import Layout, make_mesh
 
 FORMAT = 1
@@ -384,7 +385,7 @@ def restore_actor(path: str) -> tuple[Any, dict, dict[str, Any]]:
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {meta['_step_dir']!r} has format {meta.get('format')}, this version "
                               f"reads {FORMAT}")
-    key = str(ModelStage("actor", "train"))
+    key = str(ACTOR_TRAIN)
     try:
         model = from_dict(ModelConfig, meta["model"], "model")
         saved = meta["stages"][key]

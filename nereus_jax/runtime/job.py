@@ -44,14 +44,16 @@ import numpy as np
 
 from nereus_jax.config import Config
 from nereus_jax.elastic.emu import EMU
-from nereus_jax.elastic.plan import ExecutionPlan, ModelStage
+from nereus_jax.elastic.plan import ExecutionPlan
 from nereus_jax.elastic.sources import HostSource, ParamSource
 from nereus_jax.elastic.weight_sync import WeightSync
 from nereus_jax.engine import Generator
+from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN, ModelStage
 from nereus_jax.models import init_params
 from nereus_jax.rl import algorithms as alg
 from nereus_jax.rl.batch import RolloutBatch
 from nereus_jax.rl.tasks import Problem
+from nereus_jax.runtime.initial_plan import plan_from_config
 from nereus_jax.runtime.learner import (
     EXTRA_INDEX_OFFSET,
     Learner,
@@ -61,7 +63,6 @@ from nereus_jax.runtime.learner import (
     plan_short,
 )
 from nereus_jax.runtime.move import move
-from nereus_jax.runtime.plans import ACTOR_GEN, ACTOR_TRAIN, plan_from_config
 from nereus_jax.runtime.rollout import Rollout, prompt_ids
 from nereus_jax.runtime.stages import (
     JobError,

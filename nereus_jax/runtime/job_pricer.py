@@ -40,8 +40,9 @@ from nereus_jax.elastic.planner import InfeasiblePlanError, Planner, PlanResult
 from nereus_jax.elastic.pricing import CALIBRATION_WINDOW
 from nereus_jax.elastic.recipe import align_ranks
 from nereus_jax.elastic.workload import LengthStats, Workload
+from nereus_jax.model_stage import ACTOR_GEN
+from nereus_jax.runtime.initial_plan import job_pricing, plan_from_config
 from nereus_jax.runtime.job import Job, engine_replicas_across_processes
-from nereus_jax.runtime.plans import ACTOR_GEN, job_pricing, plan_from_config
 
 
 class JobPricer:
@@ -296,7 +297,7 @@ def compile_by_stage(compiling: Mapping[str, float], steady: Mapping[str, float]
     out: dict[str, float] = {}
     for name, seconds in compiling.items():
         role, _, kind = name.rpartition("-")
-        owners = [ms for ms in plan if ms.model == role and (ms.stage == kind or (kind != "gen" and ms.stage != "gen"))]
+        owners = [ms for ms in plan if ms.role == role and (ms.kind == kind or (kind != "gen" and ms.kind != "gen"))]
         if len(owners) == 1:
             key = str(owners[0])
             out[key] = out.get(key, 0.0) + max(0.0, seconds - steady.get(name, 0.0))

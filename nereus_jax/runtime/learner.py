@@ -22,12 +22,12 @@ import numpy as np
 
 from nereus_jax.config import Config
 from nereus_jax.elastic.emu import split_replicas
-from nereus_jax.elastic.plan import ExecutionPlan, ModelStage
+from nereus_jax.elastic.plan import ExecutionPlan
+from nereus_jax.model_stage import ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER, REWARD_INFER, ModelStage
 from nereus_jax.rl import algorithms as alg
 from nereus_jax.rl.batch import RolloutBatch
 from nereus_jax.rl.registry import AlgorithmSpec
 from nereus_jax.rl.tasks import Problem
-from nereus_jax.runtime.plans import ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER, REWARD_INFER
 from nereus_jax.runtime.rollout import Rollout
 from nereus_jax.runtime.stages import JobError, StageState, infer_program, stage_forward
 from nereus_jax.sharding import is_local, to_numpy, tree_to_numpy
@@ -253,9 +253,9 @@ class Learner:
         skipped = int(per_update.pop("nonfinite").sum())
         metrics = {k: float(_REDUCE.get(k.rsplit("_", 1)[-1], np.mean)(v)) for k, v in per_update.items()}
         self._check_finite(ms, skipped, metrics)
-        metrics[f"{ms.model}_updates_skipped"] = self.skipped.get(ms, 0)
+        metrics[f"{ms.role}_updates_skipped"] = self.skipped.get(ms, 0)
         if len(next(iter(per_update.values()))) > 1:
-            metrics[f"{ms.model}_per_update"] = {k: v.tolist() for k, v in per_update.items() if k in _PER_UPDATE}
+            metrics[f"{ms.role}_per_update"] = {k: v.tolist() for k, v in per_update.items() if k in _PER_UPDATE}
         return metrics
 
     def _check_finite(self, ms: ModelStage, skipped: int, metrics: dict[str, float]) -> None:
@@ -266,11 +266,11 @@ class Learner:
         self.skipped[ms] = self.skipped.get(ms, 0) + skipped
         limit = self.cfg.trainer.max_nonfinite_steps
         if self.nonfinite[ms] >= limit:
-            lr = self.cfg.trainer.actor_lr if ms.model == "actor" else self.cfg.trainer.critic_lr
+            lr = self.cfg.trainer.actor_lr if ms.role == "actor" else self.cfg.trainer.critic_lr
             raise NonFiniteTraining(
                 f"{ms}: {limit} consecutive training steps gave a non-finite loss, gradient norm or update (last "
                 f"loss {metrics.get('loss')}, gradient norm {metrics.get('grad_norm')}); their updates were skipped "
-                f"and no checkpoint holds them. Likely cause: the learning rate (trainer.{ms.model}_lr={lr}) or the "
+                f"and no checkpoint holds them. Likely cause: the learning rate (trainer.{ms.role}_lr={lr}) or the "
                 "loss coefficients; lower it and resume from the last checkpoint")
 
     # ------------------------------------------------------------------------------------ metrics

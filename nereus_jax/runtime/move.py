@@ -39,8 +39,8 @@ import jax
 from nereus_jax.elastic.emu import EMU
 from nereus_jax.elastic.executor import TransitionExecutor, TransitionFailed
 from nereus_jax.elastic.graph import TransitionGraph
-from nereus_jax.elastic.plan import ExecutionPlan, ModelStage
-from nereus_jax.runtime.plans import ACTOR_GEN
+from nereus_jax.elastic.plan import ExecutionPlan
+from nereus_jax.model_stage import ACTOR_GEN, ModelStage
 
 if TYPE_CHECKING:
     from nereus_jax.runtime.job import Job, Prepared

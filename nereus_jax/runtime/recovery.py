@@ -14,9 +14,9 @@ from nereus_jax.elastic.graph import TransitionGraph
 from nereus_jax.elastic.plan import ExecutionPlan, StagePlan
 from nereus_jax.elastic.recipe import align_ranks
 from nereus_jax.runtime.checkpoint import CheckpointError, latest_step, restore_job
+from nereus_jax.runtime.initial_plan import plan_from_config
 from nereus_jax.runtime.job import Job
 from nereus_jax.runtime.move import MoveError, move
-from nereus_jax.runtime.plans import plan_from_config
 from nereus_jax.sharding import device_index
 
 

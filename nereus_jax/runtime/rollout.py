@@ -22,11 +22,11 @@ from nereus_jax.config import Config, ConfigError, stage_at
 from nereus_jax.elastic.emu import EMU
 from nereus_jax.elastic.plan import ExecutionPlan
 from nereus_jax.engine import Generator, JaxEngine, Rollouts, SamplingParams
+from nereus_jax.model_stage import ACTOR_GEN
 from nereus_jax.models import abstract_params
 from nereus_jax.rl.batch import RolloutBatch, left_pad, right_pad
 from nereus_jax.rl.tasks import Problem, make_task
 from nereus_jax.runtime.distributed import share_from
-from nereus_jax.runtime.plans import ACTOR_GEN
 from nereus_jax.runtime.stages import StageState
 from nereus_jax.sharding import is_local, make_mesh
 

@@ -136,11 +136,12 @@ def _check_vocabularies(cfg: Config, tok) -> None:
 def _check_layouts(cfg: Config) -> None:
     """Every model-stage's configured layout splits its model: a tp or pp that cannot divide a dimension is
     a ConfigError naming the plan key and the model-stage, before the warm start or any compile."""
-    from nereus_jax.runtime.plans import REWARD_INFER, job_stages
+    from nereus_jax.model_stage import REWARD_INFER
+    from nereus_jax.runtime.initial_plan import job_stages
     from nereus_jax.sharding import Layout, LayoutError, check_layout
 
     for ms in job_stages(cfg):
-        model, head, labels = cfg.model, "value" if ms.model == "critic" else "lm", 1
+        model, head, labels = cfg.model, "value" if ms.role == "critic" else "lm", 1
         if ms == REWARD_INFER:
             rm = _checkpoint("task.reward_model_path", cfg.task.reward_model_path)
             model, head, labels = rm.config, rm.head, rm.num_labels

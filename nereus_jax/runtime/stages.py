@@ -25,14 +25,15 @@ from nereus_jax.config import Config
 from nereus_jax.elastic.costs import pipeline_microbatches
 from nereus_jax.elastic.emu import EMU, assemble_replicas
 from nereus_jax.elastic.graph import TransitionGraph
-from nereus_jax.elastic.plan import DEVICE, HOST, ExecutionPlan, ModelStage
+from nereus_jax.elastic.plan import DEVICE, HOST, ExecutionPlan
 from nereus_jax.elastic.sources import ParamSource, ValueHeadSource, units_from_source
 from nereus_jax.elastic.spec import StateSpec
 from nereus_jax.elastic.weight_sync import WeightSync
+from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER, REWARD_INFER, ModelStage
 from nereus_jax.models import forward
 from nereus_jax.rl import packing
-from nereus_jax.runtime import steps
-from nereus_jax.runtime.plans import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER, REWARD_INFER, job_stages
+from nereus_jax.runtime import losses
+from nereus_jax.runtime.initial_plan import job_stages
 from nereus_jax.sharding import device_index, make_mesh
 from nereus_jax.sharding.pipeline import check_schedule, pipeline_axis, pipeline_forward_fn
 
@@ -172,18 +173,18 @@ class StageState:
         if not self.cfg.trainer.packing:
             self.signatures[program] = {k: (np.shape(v), np.asarray(v).dtype) for k, v in data.items()}
             accum = self.accum(kind, dp)
-            host = steps.split_micro(data, accum) if mini is None else steps.split_minibatches(data, mini, accum)
+            host = losses.split_micro(data, accum) if mini is None else losses.split_minibatches(data, mini, accum)
             return leaves, mesh, self.key(kind, ms, mesh, accum, *program[2:]), _put(host, mesh, mini), None
         layout = packing.pack(data["tokens"], data["mask"], prompt_len=self.P, mini=mini or 1, dp=dp,
                               budget_rows=self.cfg.trainer.micro_batch_tokens // (self.P + self.R))
-        host = steps.split_packed(data, layout, mini)
+        host = losses.split_packed(data, layout, mini)
         key = self.key(kind, ms, mesh, layout.accum, "packed", *program[2:])
         return leaves, mesh, key, _put(host, mesh, mini), layout
 
     def accum(self, kind: str, dp: int) -> int:
         """Micro-batches per program call: an update's rows (train: a mini-batch) over dp in the token budget."""
         rows = self.mini_rows if kind == "train" else self.rows
-        return steps.accumulation_steps(rows, dp, self.P + self.R, self.cfg.trainer.micro_batch_tokens)
+        return losses.accumulation_steps(rows, dp, self.P + self.R, self.cfg.trainer.micro_batch_tokens)
 
     @staticmethod
     def key(kind: str, ms: ModelStage, mesh, accum: int, *rest) -> tuple:
@@ -199,9 +200,9 @@ class StageState:
     def train_program(self, ms: ModelStage, spec: StateSpec, mesh):
         """One training step of ``ms`` on ``mesh``: mini_batches x ppo_epochs optimizer updates (donates the state)."""
         a, m = self.cfg.algorithm, self.cfg.model
-        make_loss = functools.partial(steps.actor_loss if ms.model == "actor" else steps.critic_loss, m, a, self.P)
+        make_loss = functools.partial(losses.actor_loss if ms.role == "actor" else losses.critic_loss, m, a, self.P)
         grad_fn = stage_value_and_grad(mesh, spec.kind, make_loss, self.cfg.trainer.pipeline_schedule)
-        step = steps.make_minibatch_train_step(None, spec.optimizer, m, epochs=self.cfg.trainer.ppo_epochs,
+        step = losses.make_minibatch_train_step(None, spec.optimizer, m, epochs=self.cfg.trainer.ppo_epochs,
                                                value_and_grad=grad_fn)
 
         def program(leaves, micro):
@@ -213,17 +214,17 @@ class StageState:
 
 
 def _put(host: dict, mesh, mini: int | None) -> dict:
-    return steps.put_micro(host, mesh) if mini is None else steps.put_minibatches(host, mesh)
+    return losses.put_micro(host, mesh) if mini is None else losses.put_minibatches(host, mesh)
 
 
 def _specs(cfg: Config, critic: bool) -> dict[ModelStage, StateSpec]:
     m = cfg.model
-    specs = {ACTOR_TRAIN: StateSpec(m, "train", optimizer=steps.make_optimizer(cfg.trainer.actor_lr)),
+    specs = {ACTOR_TRAIN: StateSpec(m, "train", optimizer=losses.make_optimizer(cfg.trainer.actor_lr)),
              ACTOR_GEN: StateSpec(m, "gen", dtype=m.compute_dtype),
              REF_INFER: StateSpec(m, "infer", dtype=m.compute_dtype)}
     if critic:
         specs[CRITIC_TRAIN] = StateSpec(m, "train", head="value",
-                                        optimizer=steps.make_optimizer(cfg.trainer.critic_lr))
+                                        optimizer=losses.make_optimizer(cfg.trainer.critic_lr))
     return specs
 
 
@@ -276,14 +277,14 @@ def stage_forward(mesh, kind: str):
     return pipeline_forward_fn(mesh, pipeline_microbatches, kind)
 
 
-def stage_value_and_grad(mesh, kind: str, make_loss: steps.MakeLoss, schedule: str = "1f1b") -> steps.GradFn:
+def stage_value_and_grad(mesh, kind: str, make_loss: losses.MakeLoss, schedule: str = "1f1b") -> losses.GradFn:
     """What a stage's training program differentiates with on ``mesh`` (``make_loss(forward_fn)``: the loss):
     the 1F1B schedule over its pp axis when it has one and ``schedule`` is '1f1b'
-    (:func:`~nereus_jax.runtime.steps.pipelined_value_and_grad`), else ``jax.value_and_grad`` through
+    (:func:`~nereus_jax.runtime.losses.pipelined_value_and_grad`), else ``jax.value_and_grad`` through
     :func:`stage_forward` (GPipe when pp > 1). Both split a call into the micro-batch count the cost model
     prices; scoring programs keep :func:`stage_forward`."""
     if check_schedule(schedule) == "1f1b" and pipeline_axis(mesh, kind) is not None:
-        return steps.pipelined_value_and_grad(make_loss, mesh, pipeline_microbatches, kind)
+        return losses.pipelined_value_and_grad(make_loss, mesh, pipeline_microbatches, kind)
     return jax.value_and_grad(make_loss(stage_forward(mesh, kind)), has_aux=True)
 
 
@@ -292,10 +293,10 @@ def infer_program(cfg, prompt_len: int, what: str, forward_fn=forward):
     scores [accum, b]."""
     def one(params, mb):
         if what == "scores":
-            return steps.stage_scores(params, cfg, mb, forward_fn)
+            return losses.stage_scores(params, cfg, mb, forward_fn)
         if what == "values":
-            return steps.stage_values(params, cfg, mb, prompt_len, forward_fn)
-        return steps.response_stats(params, cfg, mb, prompt_len, forward_fn)[0]
+            return losses.stage_values(params, cfg, mb, prompt_len, forward_fn)
+        return losses.response_stats(params, cfg, mb, prompt_len, forward_fn)[0]
 
     def program(params, micro):
         return jax.lax.map(lambda mb: one(params, mb), micro)

@@ -8,7 +8,7 @@ Command line: ``python -m nereus_jax.simulate configs/sim/paper_drift.yaml [--js
 policies: ``--policies async_fixed,async_nereus`` (``sim.asynchronous``).
 """
 
-from nereus_jax.sim.plans import SimPlan
+from nereus_jax.sim.plan_cost import SimPlan
 from nereus_jax.sim.records import ASYNC_POLICIES, PolicyRun, StepRecord
 from nereus_jax.sim.simulation import POLICIES, PolicyError, Simulation, check_policy
 from nereus_jax.sim.trace import Trace, TraceError, build_trace, load_trace, resolve_trace_path

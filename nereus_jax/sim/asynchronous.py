@@ -20,7 +20,7 @@ from nereus_jax.config import ModelConfig
 from nereus_jax.elastic.costs import CostModel, counts
 from nereus_jax.elastic.workload import Workload
 from nereus_jax.sim.model import PlanningModel, bucket_workload, pinned_options
-from nereus_jax.sim.plans import SimPlan
+from nereus_jax.sim.plan_cost import SimPlan
 from nereus_jax.sim.records import PolicyRun, StepRecord
 
 GEN = "actor-gen"

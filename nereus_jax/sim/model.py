@@ -27,7 +27,7 @@ from nereus_jax.elastic.planner import GAP, MAX_NODES, InfeasiblePlanError, Plan
 from nereus_jax.elastic.pricing import CALIBRATION_WINDOW, Pricing
 from nereus_jax.elastic.topology import Topology
 from nereus_jax.elastic.workload import LengthStats, Workload
-from nereus_jax.sim.plans import SimPlan, build_graph
+from nereus_jax.sim.plan_cost import SimPlan, build_graph
 
 # The transition setup (communicators, programs) the cost model does not price: a conservative prior until
 # a transition has been measured, then an EMA of measured minus predicted data-movement seconds.

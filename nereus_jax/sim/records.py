@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nereus_jax.elastic.controller import Decision
-from nereus_jax.sim.plans import SimPlan
+from nereus_jax.sim.plan_cost import SimPlan
 
 ASYNC_POLICIES = ("async_fixed", "async_nereus")  # async_oracle: see sim.asynchronous.async_oracle()
 

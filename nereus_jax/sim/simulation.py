@@ -41,14 +41,14 @@ from collections.abc import Sequence
 from nereus_jax.config import resolve_model
 from nereus_jax.elastic.controller import Controller, Decision, Observation
 from nereus_jax.elastic.costs import CostModel
-from nereus_jax.elastic.costs.stage import split_stage
 from nereus_jax.elastic.graph import TransitionGraph, transition_seconds
 from nereus_jax.elastic.hardware import get_hardware
 from nereus_jax.elastic.topology import Topology
 from nereus_jax.elastic.workload import Workload
+from nereus_jax.model_stage import split_stage
 from nereus_jax.sim.asynchronous import AsyncPlanningModel, async_oracle, interval_seconds
 from nereus_jax.sim.model import Layouts, PlanningModel, SharedCaches, bucket_workload, plan_peak_memory
-from nereus_jax.sim.plans import SimPlan, changed_stages, state_specs
+from nereus_jax.sim.plan_cost import SimPlan, changed_stages, state_specs
 from nereus_jax.sim.records import ASYNC_POLICIES, PolicyRun, StepRecord
 from nereus_jax.sim.trace import Trace
 from nereus_jax.sim.truth import GroundTruth, TruthSettings

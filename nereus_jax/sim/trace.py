@@ -30,10 +30,10 @@ import yaml
 
 from nereus_jax._typed_tree import parse_yaml, show
 from nereus_jax.config import ConfigError, config_dir, resolve_model
-from nereus_jax.elastic.costs.stage import split_stage
 from nereus_jax.elastic.hardware import HardwareError, get_hardware
 from nereus_jax.elastic.planner import phases_for
 from nereus_jax.elastic.workload import LengthStats, Workload, WorkloadError
+from nereus_jax.model_stage import split_stage
 from nereus_jax.rl.registry import ALGORITHMS
 
 ROLES = ("actor", "critic", "ref", "reward")

@@ -29,12 +29,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nereus_jax.config import STAGE_NAMES, ModelConfig
+from nereus_jax.config import ModelConfig
 from nereus_jax.elastic.costs import StageChoice, stage_latency, stage_memory
 from nereus_jax.elastic.costs.latency import Breakdown
-from nereus_jax.elastic.costs.stage import split_stage
 from nereus_jax.elastic.hardware import EFFICIENCY_CLASSES, Hardware
 from nereus_jax.elastic.workload import Workload
+from nereus_jax.model_stage import STAGE_NAMES, split_stage
 
 # ---------------------------------------------------------------------------------------------- constants
 # GEMM: large bf16 GEMMs reach ~80% of dense peak on A100/H100 (NVIDIA Deep Learning Performance Guide,

@@ -7,7 +7,8 @@ import optax
 import pytest
 from elastic_helpers import ACTOR_GEN, ACTOR_TRAIN, CRITIC, REF, TINY
 
-from nereus_jax.elastic import EMU, StateSpec
+from nereus_jax.elastic.emu import EMU
+from nereus_jax.elastic.spec import StateSpec
 from nereus_jax.models import init_params
 
 

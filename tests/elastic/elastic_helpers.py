@@ -7,15 +7,15 @@ import jax
 import numpy as np
 from hypothesis import strategies as st
 
+from nereus_jax import model_stage
 from nereus_jax.config import ModelConfig
-from nereus_jax.elastic import DEVICE, EMU, HOST, ExecutionPlan, ModelStage, StagePlan
+from nereus_jax.elastic.emu import EMU
+from nereus_jax.elastic.plan import DEVICE, HOST, ExecutionPlan, StagePlan
 from nereus_jax.sharding import Layout
 
 TINY = ModelConfig()  # 4 heads, 2 kv heads: tp=4 stores each kv head twice
-ACTOR_TRAIN = ModelStage("actor", "train")
-ACTOR_GEN = ModelStage("actor", "gen")
-REF = ModelStage("ref", "infer")
-CRITIC = ModelStage("critic", "train")
+ACTOR_TRAIN, ACTOR_GEN = model_stage.ACTOR_TRAIN, model_stage.ACTOR_GEN
+REF, CRITIC = model_stage.REF_INFER, model_stage.CRITIC_TRAIN
 
 
 def assert_state(units, spec, state):

@@ -12,7 +12,6 @@ from nereus_jax.elastic.costs import (
     CostModel,
     Measurement,
     StageChoice,
-    StageError,
     allreduce_seconds,
     attention_flops,
     kv_bytes_per_token,
@@ -38,6 +37,7 @@ from nereus_jax.elastic.hardware import (
     get_hardware,
 )
 from nereus_jax.elastic.workload import LengthStats, Workload, WorkloadError
+from nereus_jax.model_stage import StageError
 from nereus_jax.models import abstract_params, count_params, param_axes
 from nereus_jax.sharding import Layout, LayoutError, check_layout, logical_to_spec, stored_shapes
 

@@ -9,7 +9,7 @@ import optax
 import pytest
 from elastic_helpers import ACTOR_TRAIN, REF, TINY, assert_state
 
-from nereus_jax.elastic import EMU, assemble_replicas, split_replicas
+from nereus_jax.elastic.emu import EMU, assemble_replicas, split_replicas
 from nereus_jax.elastic.measured import measure
 from nereus_jax.models import forward
 from nereus_jax.sharding import Layout, activation_sharding

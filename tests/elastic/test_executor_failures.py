@@ -6,18 +6,11 @@ verification. The units left behind hold the old state bit for bit and the move 
 import pytest
 from elastic_helpers import ACTOR_TRAIN, REF, assert_plan_units, assert_state, flip_bit
 
-from nereus_jax.elastic import (
-    EMU,
-    HOST,
-    ChecksumMismatch,
-    ExecutionPlan,
-    InjectedFailure,
-    StagePlan,
-    TransitionExecutor,
-    TransitionFailed,
-    TransitionGraph,
-)
 from nereus_jax.elastic import executor as executor_module
+from nereus_jax.elastic.emu import EMU
+from nereus_jax.elastic.executor import ChecksumMismatch, InjectedFailure, TransitionExecutor, TransitionFailed
+from nereus_jax.elastic.graph import TransitionGraph
+from nereus_jax.elastic.plan import HOST, ExecutionPlan, StagePlan
 from nereus_jax.sharding import Layout
 
 C = StagePlan.contiguous

@@ -4,18 +4,13 @@ No arrays here (ByteSpec states), except where StateSpec gives real model sizes.
 import pytest
 from elastic_helpers import ACTOR_GEN, ACTOR_TRAIN, REF, TINY
 
-from nereus_jax.elastic import (
-    ByteSpec,
-    ExecutionPlan,
-    Infeasible,
-    ModelStage,
-    StagePlan,
-    TransitionError,
-    TransitionGraph,
-    plan_usage,
-    transition_bytes,
-)
+from nereus_jax.elastic.graph import TransitionError, TransitionGraph, plan_usage
+from nereus_jax.elastic.plan import ExecutionPlan, StagePlan
 from nereus_jax.elastic.primitives import DESTROY, EXTEND, MERGE, RELAYOUT, SPLIT
+from nereus_jax.elastic.schedule import Infeasible
+from nereus_jax.elastic.spec import transition_bytes
+from nereus_jax.elastic.state_bytes import ByteSpec
+from nereus_jax.model_stage import ModelStage
 from nereus_jax.sharding import Layout
 
 MiB = 2**20
@@ -43,7 +38,7 @@ def test_ties_go_generation_then_inference_then_training():
     old = ExecutionPlan({ACTOR_TRAIN: C(Layout(2), 1), REF: C(Layout(2), 1), ACTOR_GEN: C(Layout(2), 1)})
     new = ExecutionPlan({ACTOR_TRAIN: C(Layout(2), 2), REF: C(Layout(2), 2), ACTOR_GEN: C(Layout(2), 2)})
     graph = TransitionGraph.build(old, new, BYTES)
-    assert [s.stage.stage for s in graph.steps] == ["gen", "infer", "train"]
+    assert [s.stage.kind for s in graph.steps] == ["gen", "infer", "train"]
 
 
 def test_the_paper_example_splits_destroys_and_merges():
@@ -114,7 +109,7 @@ def _cluster_plans(n_gpus: int = 1024):
         stages[0]: C(Layout(4), n_gpus // 4), stages[1]: C(Layout(8, 1), half // 8),
         stages[2]: C(Layout(8), half // 8, first=half), stages[3]: C(Layout(4, 4), half // 16, first=half),
         stages[4]: C(Layout(8), half // 8), stages[5]: C(Layout(2), half // 2, first=half)})
-    specs = {ms: ByteSpec((48 if ms.stage == "train" else 16) * 2**30) for ms in stages}
+    specs = {ms: ByteSpec((48 if ms.kind == "train" else 16) * 2**30) for ms in stages}
     return old, new, specs
 
 

@@ -10,7 +10,11 @@ import pytest
 from elastic_helpers import ACTOR_TRAIN, assert_plan_units
 
 from nereus_jax.config import ModelConfig
-from nereus_jax.elastic import EMU, ExecutionPlan, StagePlan, StateSpec, TransitionExecutor, TransitionGraph
+from nereus_jax.elastic.emu import EMU
+from nereus_jax.elastic.executor import TransitionExecutor
+from nereus_jax.elastic.graph import TransitionGraph
+from nereus_jax.elastic.plan import ExecutionPlan, StagePlan
+from nereus_jax.elastic.spec import StateSpec
 from nereus_jax.models import forward, init_params
 from nereus_jax.sharding import Layout, pipeline_forward
 

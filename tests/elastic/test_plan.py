@@ -3,16 +3,21 @@
 import pytest
 from elastic_helpers import ACTOR_GEN, ACTOR_TRAIN, REF
 
-from nereus_jax.elastic import HOST, ExecutionPlan, ModelStage, PlanError, StagePlan
+from nereus_jax.elastic.plan import HOST, ExecutionPlan, PlanError, StagePlan
+from nereus_jax.model_stage import STAGE_NAMES, ModelStage, StageError, split_stage
 from nereus_jax.sharding import Layout
 
 
 def test_model_stage_names_round_trip_and_rank_generation_first():
     assert ModelStage.parse("actor-gen") == ACTOR_GEN and str(ACTOR_TRAIN) == "actor-train"
     assert ModelStage.parse("reward-model-infer") == ModelStage("reward-model", "infer")
+    assert (ACTOR_GEN.role, ACTOR_GEN.kind) == ("actor", "gen")
     assert ACTOR_GEN.rank < REF.rank < ACTOR_TRAIN.rank
-    with pytest.raises(PlanError, match="stage must be one of"):
+    assert all(split_stage(n) == (ModelStage.parse(n).role, ModelStage.parse(n).kind) for n in STAGE_NAMES)
+    with pytest.raises(StageError, match="stage must be one of"):
         ModelStage("actor", "serve")
+    with pytest.raises(StageError, match="expected ROLE-KIND"):
+        ModelStage.parse("actor")
 
 
 def test_stage_plan_rejects_wrong_replica_sizes_and_reused_devices():

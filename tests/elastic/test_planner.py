@@ -14,7 +14,7 @@ from nereus_jax.config import ModelConfig, resolve_model
 from nereus_jax.elastic.costs import StageChoice
 from nereus_jax.elastic.costs.model import CostModel
 from nereus_jax.elastic.hardware import HARDWARE
-from nereus_jax.elastic.plan import ExecutionPlan, ModelStage
+from nereus_jax.elastic.plan import ExecutionPlan
 from nereus_jax.elastic.planner import (
     GAP,
     InfeasiblePlanError,
@@ -25,6 +25,7 @@ from nereus_jax.elastic.planner import (
     set_partitions,
 )
 from nereus_jax.elastic.workload import Workload
+from nereus_jax.model_stage import ModelStage
 
 _BENCH = Path(__file__).resolve().parents[2] / "tools" / "bench_planner.py"
 _spec = importlib.util.spec_from_file_location("bench_planner", _BENCH)
@@ -74,7 +75,7 @@ def test_plans_are_valid_and_fit(instances):
                 for p in range(c.pp):
                     group = replica[p * c.tp:(p + 1) * c.tp]
                     assert len({d // node for d in group}) == 1
-            assert problem.workload.sequences % c.dp == 0 or ms.stage == "gen"
+            assert problem.workload.sequences % c.dp == 0 or ms.kind == "gen"
         for phase in result.groups:  # concurrent groups never share a device
             used = [set().union(*(result.plan[ModelStage.parse(s)].devices for s in g)) for g in phase]
             assert sum(len(u) for u in used) == len(set().union(*used))

@@ -6,7 +6,9 @@ from elastic_helpers import assert_plan_units, assert_state, plan_pairs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nereus_jax.elastic import Infeasible, TransitionExecutor, TransitionGraph, plan_usage
+from nereus_jax.elastic.executor import TransitionExecutor
+from nereus_jax.elastic.graph import TransitionGraph, plan_usage
+from nereus_jax.elastic.schedule import Infeasible
 
 
 @st.composite

@@ -24,18 +24,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nereus_jax.config import ModelConfig
-from nereus_jax.elastic import (
-    EMU,
-    ChecksumMismatch,
-    ExecutionPlan,
-    StagePlan,
-    StateSpec,
-    TransitionExecutor,
-    TransitionFailed,
-    TransitionGraph,
-    WeightSync,
-)
 from nereus_jax.elastic import executor as executor_module
+from nereus_jax.elastic.emu import EMU
+from nereus_jax.elastic.executor import ChecksumMismatch, TransitionExecutor, TransitionFailed
+from nereus_jax.elastic.graph import TransitionGraph
+from nereus_jax.elastic.plan import ExecutionPlan, StagePlan
+from nereus_jax.elastic.spec import StateSpec
+from nereus_jax.elastic.weight_sync import WeightSync
 from nereus_jax.models import init_params
 from nereus_jax.sharding import Layout
 

@@ -5,17 +5,12 @@ under the caps, and a failure at any step leaves a complete copy of every model-
 import pytest
 from elastic_helpers import ACTOR_GEN, ACTOR_TRAIN, CRITIC, REF, assert_plan_units, assert_state
 
-from nereus_jax.elastic import (
-    HOST,
-    ExecutionPlan,
-    Infeasible,
-    StagePlan,
-    TransitionExecutor,
-    TransitionFailed,
-    TransitionGraph,
-    align_ranks,
-)
+from nereus_jax.elastic.executor import TransitionExecutor, TransitionFailed
+from nereus_jax.elastic.graph import TransitionGraph
+from nereus_jax.elastic.plan import HOST, ExecutionPlan, StagePlan
 from nereus_jax.elastic.primitives import MERGE, OFFLOAD, ONLOAD, SPLIT
+from nereus_jax.elastic.recipe import align_ranks
+from nereus_jax.elastic.schedule import Infeasible
 from nereus_jax.sharding import Layout
 
 C = StagePlan.contiguous

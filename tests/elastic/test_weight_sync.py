@@ -7,8 +7,13 @@ import numpy as np
 import pytest
 from elastic_helpers import ACTOR_GEN, ACTOR_TRAIN, TINY, assert_plan_units, assert_state
 
-from nereus_jax.elastic import EMU, ExecutionPlan, StagePlan, StateSpec, TransitionExecutor, WeightSync, plan_usage
+from nereus_jax.elastic.emu import EMU
+from nereus_jax.elastic.executor import TransitionExecutor
+from nereus_jax.elastic.graph import plan_usage
+from nereus_jax.elastic.plan import ExecutionPlan, StagePlan
 from nereus_jax.elastic.primitives import DERIVE, DESTROY, EXTEND
+from nereus_jax.elastic.spec import StateSpec
+from nereus_jax.elastic.weight_sync import WeightSync
 from nereus_jax.sharding import Layout
 
 C = StagePlan.contiguous

@@ -7,7 +7,8 @@ import pytest
 
 from nereus_jax.config import load_config
 from nereus_jax.elastic.emu import EMU
-from nereus_jax.elastic.plan import ExecutionPlan, ModelStage, StagePlan
+from nereus_jax.elastic.plan import ExecutionPlan, StagePlan
+from nereus_jax.model_stage import ModelStage
 from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
 from nereus_jax.runtime.adapt import Adapter

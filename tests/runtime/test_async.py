@@ -7,12 +7,12 @@ import pytest
 
 from nereus_jax.config import load_config
 from nereus_jax.elastic.graph import TransitionGraph
+from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN
 from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
 from nereus_jax.runtime.adapt import Adapter
 from nereus_jax.runtime.async_rl import AsyncRunner
 from nereus_jax.runtime.job import Job, JobError
-from nereus_jax.runtime.plans import ACTOR_GEN, ACTOR_TRAIN
 from nereus_jax.runtime.run import rl_steps
 
 BASE = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=16",

@@ -15,11 +15,12 @@ import pytest
 
 from nereus_jax.config import load_config
 from nereus_jax.elastic.plan import ExecutionPlan
+from nereus_jax.model_stage import ACTOR_TRAIN, CRITIC_TRAIN
 from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
 from nereus_jax.runtime.checkpoint import Checkpointer, CheckpointError, plan_from_json, read_metadata, restore_job
+from nereus_jax.runtime.initial_plan import plan_from_config
 from nereus_jax.runtime.job import Job
-from nereus_jax.runtime.plans import ACTOR_TRAIN, CRITIC_TRAIN, plan_from_config
 
 pytestmark = pytest.mark.resume
 
@@ -199,7 +200,7 @@ def test_the_controller_state_saved_with_a_checkpoint_is_the_one_a_resumed_contr
     resumed controller starts afresh."""
     from nereus_jax.runtime.adapt import Adapter
     from nereus_jax.runtime.checkpoint import load_controller
-    from nereus_jax.runtime.plans import job_pricing
+    from nereus_jax.runtime.initial_plan import job_pricing
 
     cfg = _cfg("controller.enabled=true")
     job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)

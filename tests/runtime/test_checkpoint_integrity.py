@@ -117,8 +117,8 @@ def test_the_layout_independent_form_a_checkpoint_stores_keeps_every_bit(devices
 
     from nereus_jax.config import ModelConfig
     from nereus_jax.elastic.emu import EMU
-    from nereus_jax.elastic.plan import ModelStage
     from nereus_jax.elastic.spec import StateSpec
+    from nereus_jax.model_stage import ModelStage
     from nereus_jax.models import init_params
     from nereus_jax.runtime.checkpoint import canonical_leaves
     from nereus_jax.sharding import Layout

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from nereus_jax.config import load_config
+from nereus_jax.model_stage import ACTOR_TRAIN
 from nereus_jax.rl import algorithms as alg
 from nereus_jax.rl.batch import RolloutBatch
 from nereus_jax.rl.rewards import RewardBatch, Rewarder
@@ -18,7 +19,6 @@ from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
 from nereus_jax.runtime.job import EXTRA_INDEX_OFFSET, Job
 from nereus_jax.runtime.learner import Learner
-from nereus_jax.runtime.plans import ACTOR_TRAIN
 
 BASE = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=16",
         "rollout.samples_per_prompt=2", "trainer.actor_lr=1e-3", "trainer.critic_lr=1e-3", "logging.progress=false",

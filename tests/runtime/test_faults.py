@@ -22,11 +22,11 @@ import pytest
 
 from nereus_jax.config import load_config
 from nereus_jax.elastic.costs.calibration_file import read_calibration
+from nereus_jax.model_stage import ACTOR_TRAIN, CRITIC_TRAIN
 from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
 from nereus_jax.runtime.checkpoint import Checkpointer, DeviceLost, read_metadata, restore_job
 from nereus_jax.runtime.job import Job
-from nereus_jax.runtime.plans import ACTOR_TRAIN, CRITIC_TRAIN
 from nereus_jax.runtime.recovery import recover_from_device_loss, training_snapshot
 
 pytestmark = pytest.mark.fault

@@ -8,11 +8,12 @@ import pytest
 from _tb_events import read_scalars
 
 from nereus_jax.config import load_config
+from nereus_jax.model_stage import REWARD_INFER
 from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
 from nereus_jax.runtime import run as run_module
+from nereus_jax.runtime.initial_plan import plan_from_config
 from nereus_jax.runtime.job import Job
-from nereus_jax.runtime.plans import REWARD_INFER, plan_from_config
 from nereus_jax.runtime.report import scalars
 from nereus_jax.runtime.run import run_job
 from nereus_jax.train import main

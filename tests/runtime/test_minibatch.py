@@ -18,7 +18,7 @@ from nereus_jax.models import init_params
 from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
 from nereus_jax.runtime.job import Job, JobError
-from nereus_jax.runtime.steps import (
+from nereus_jax.runtime.losses import (
     actor_loss,
     make_minibatch_train_step,
     make_train_step,

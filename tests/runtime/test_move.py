@@ -18,26 +18,20 @@ import numpy as np
 import pytest
 
 from nereus_jax.config import load_config
-from nereus_jax.elastic import (
-    DEVICE,
-    ExecutionPlan,
-    StagePlan,
-    TransitionExecutor,
-    TransitionFailed,
-    TransitionGraph,
-    align_ranks,
-    plan_usage,
-)
 from nereus_jax.elastic.emu import assemble_replicas, split_replicas
+from nereus_jax.elastic.executor import TransitionExecutor, TransitionFailed
+from nereus_jax.elastic.graph import TransitionGraph, plan_usage
 from nereus_jax.elastic.ledger import key
+from nereus_jax.elastic.plan import DEVICE, ExecutionPlan, StagePlan
+from nereus_jax.elastic.recipe import align_ranks
 from nereus_jax.elastic.schedule import Infeasible
+from nereus_jax.model_stage import ACTOR_GEN, REF_INFER
 from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
 from nereus_jax.runtime.adapt import Adapter
 from nereus_jax.runtime.checkpoint import CheckpointError
 from nereus_jax.runtime.job import Job, JobError, Prepared
 from nereus_jax.runtime.move import InMove, move
-from nereus_jax.runtime.plans import ACTOR_GEN, REF_INFER
 from nereus_jax.runtime.recovery import training_snapshot
 from nereus_jax.sharding import Layout, device_index
 

@@ -76,7 +76,7 @@ CHILD = textwrap.dedent("""
     ckpt.save(job, 0, wait=True)
     ckpt.close()
     # 4. a unit's state moved onto a device of the other process (a transition's Extend: one device_put)
-    from nereus_jax.runtime.plans import ACTOR_TRAIN
+    from nereus_jax.model_stage import ACTOR_TRAIN
     from nereus_jax.sharding import make_mesh
     from jax.experimental import multihost_utils
     unit = job.units[ACTOR_TRAIN][0]
@@ -94,7 +94,7 @@ CHILD = textwrap.dedent("""
         import json
         from nereus_jax.runtime.adapt import Adapter
         from nereus_jax.runtime.checkpoint import plan_from_json
-        from nereus_jax.runtime.plans import CRITIC_TRAIN
+        from nereus_jax.model_stage import CRITIC_TRAIN
         target = plan_from_json(json.loads(os.environ["NEREUS_TEST_TARGET"]))
         job = Job(cfg, task, tok, actor=trained)
         adapter = Adapter(job, log=lambda m: print("ADAPT", m, flush=True))
@@ -128,7 +128,7 @@ def crossing_plan(cfg) -> ExecutionPlan:
     moves to process 1's devices, actor-train and critic-train become tp=2 units, two of each on one
     device of each process, ref-infer halves onto process 1."""
     from nereus_jax.elastic.plan import StagePlan
-    from nereus_jax.runtime.plans import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER
+    from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER
     from nereus_jax.sharding import Layout
 
     assert cfg.algorithm.name == "ppo"
@@ -240,8 +240,8 @@ def test_ppo_job_with_a_transition_across_processes_matches_one_process(two_proc
     of the data-parallel test above."""
     if jax.__version_info__ < (0, 12):
         pytest.skip("jax < 0.12 (0.10.2 measured): a cross-process device_put on CPU never completes")
+    from nereus_jax.model_stage import ACTOR_TRAIN, CRITIC_TRAIN
     from nereus_jax.runtime.adapt import Adapter
-    from nereus_jax.runtime.plans import ACTOR_TRAIN, CRITIC_TRAIN
 
     out, outs = two_processes
     got = json.loads((out / "rl.json").read_text())

@@ -12,8 +12,8 @@ from nereus_jax.config import ModelConfig, load_config
 from nereus_jax.models import init_params
 from nereus_jax.runtime.checkpoint import latest_step, restore_job
 from nereus_jax.runtime.job import NonFiniteTraining
+from nereus_jax.runtime.losses import make_optimizer, make_train_step
 from nereus_jax.runtime.run import check_inputs, run_job
-from nereus_jax.runtime.steps import make_optimizer, make_train_step
 
 CFG = ModelConfig()
 

@@ -13,7 +13,7 @@ from nereus_jax.models import init_params
 from nereus_jax.rl import packing
 from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
-from nereus_jax.runtime import steps
+from nereus_jax.runtime import losses
 from nereus_jax.runtime.job import Job
 from nereus_jax.sharding import Layout, make_mesh
 
@@ -44,7 +44,7 @@ def _batch(seed=0):
 def _packed(batch, mini, dp, budget_rows, quantum=None):
     layout = packing.pack(batch["tokens"], batch["mask"], prompt_len=P, mini=mini, dp=dp, budget_rows=budget_rows,
                           quantum=quantum)
-    return layout, steps.split_packed(batch, layout, mini)
+    return layout, losses.split_packed(batch, layout, mini)
 
 
 def test_layout_holds_every_real_token_once_in_its_own_segment():
@@ -100,8 +100,8 @@ def test_packed_loss_and_gradients_equal_the_padded_batch(algo):
     Dr.GRPO's constant normaliser: loss and every gradient leaf within 1e-5 of the padded micro-batch."""
     params = init_params(CFG, seed=0)
     batch = _batch(4)
-    loss = steps.actor_loss(CFG, algo, P)
-    padded = jax.tree.map(lambda x: x[0, 0], steps.split_minibatches(batch, 1, 1))
+    loss = losses.actor_loss(CFG, algo, P)
+    padded = jax.tree.map(lambda x: x[0, 0], losses.split_minibatches(batch, 1, 1))
     layout, host = _packed(batch, mini=1, dp=1, budget_rows=16, quantum=1)
     assert layout.accum == 1
     packed = jax.tree.map(lambda x: x[0, 0], host)
@@ -117,20 +117,20 @@ def test_packed_loss_and_gradients_equal_the_padded_batch(algo):
 def test_packed_critic_loss_values_and_scores_equal_the_padded_batch():
     params = init_params(CFG, seed=1, head="value")
     batch = _batch(5)
-    padded = jax.tree.map(lambda x: x[0, 0], steps.split_minibatches(batch, 1, 1))
+    padded = jax.tree.map(lambda x: x[0, 0], losses.split_minibatches(batch, 1, 1))
     layout, host = _packed(batch, mini=1, dp=1, budget_rows=16, quantum=1)
     assert layout.accum == 1
     packed, order = jax.tree.map(lambda x: x[0, 0], host), layout.order
-    critic = jax.jit(jax.value_and_grad(steps.critic_loss(CFG, AlgorithmConfig(), P), has_aux=True))
+    critic = jax.jit(jax.value_and_grad(losses.critic_loss(CFG, AlgorithmConfig(), P), has_aux=True))
     (want, _), want_g = critic(params, padded)
     (got, _), got_g = critic(params, packed)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0), got_g, want_g)
     mask = packed["response_mask"]  # packed outputs come in the layout's order
-    np.testing.assert_allclose(steps.stage_values(params, CFG, packed, P) * mask,
-                               np.asarray(steps.stage_values(params, CFG, padded, P))[order] * mask, atol=1e-5)
-    np.testing.assert_allclose(steps.stage_scores(params, CFG, packed),
-                               np.asarray(steps.stage_scores(params, CFG, padded))[order], atol=1e-5)
+    np.testing.assert_allclose(losses.stage_values(params, CFG, packed, P) * mask,
+                               np.asarray(losses.stage_values(params, CFG, padded, P))[order] * mask, atol=1e-5)
+    np.testing.assert_allclose(losses.stage_scores(params, CFG, packed),
+                               np.asarray(losses.stage_scores(params, CFG, padded))[order], atol=1e-5)
 
 
 def test_packed_minibatch_updates_under_dp_equal_the_padded_program(eight_devices):
@@ -140,12 +140,12 @@ def test_packed_minibatch_updates_under_dp_equal_the_padded_program(eight_device
     batch = _batch(6)
     opt = optax.sgd(0.1)
     mesh = make_mesh(eight_devices[:4], Layout(), dp=4)
-    step = jax.jit(steps.make_minibatch_train_step(steps.actor_loss(CFG, AlgorithmConfig(kl_in_reward=False), P),
+    step = jax.jit(losses.make_minibatch_train_step(losses.actor_loss(CFG, AlgorithmConfig(kl_in_reward=False), P),
                                                    opt, CFG))
-    want, _, wm = step(params, opt.init(params), steps.put_minibatches(steps.split_minibatches(batch, 2, 2), mesh))
+    want, _, wm = step(params, opt.init(params), losses.put_minibatches(losses.split_minibatches(batch, 2, 2), mesh))
     layout, host = _packed(batch, mini=2, dp=4, budget_rows=1)
     assert layout.accum == 2  # the 2 sequences a replica holds per mini-batch do not fit one row of 16
-    micro = steps.put_minibatches(host, mesh)
+    micro = losses.put_minibatches(host, mesh)
     got, _, gm = step(params, opt.init(params), micro)
     np.testing.assert_allclose(gm["loss"], wm["loss"], atol=1e-5, rtol=0)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=0), got, want)

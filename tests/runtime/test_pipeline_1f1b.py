@@ -14,7 +14,7 @@ from nereus_jax.models import init_params
 from nereus_jax.rl import packing
 from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
-from nereus_jax.runtime import steps
+from nereus_jax.runtime import losses
 from nereus_jax.runtime.job import Job, stage_value_and_grad
 from nereus_jax.sharding import Layout, gather_params, make_mesh, shard_params
 from nereus_jax.sharding.pipeline import PipelineError, check_schedule
@@ -47,9 +47,9 @@ def _micro_batch(packed: bool, dp: int) -> dict:
     batch = _batch()
     if packed:
         layout = packing.pack(batch["tokens"], batch["mask"], prompt_len=P, mini=1, dp=dp, budget_rows=4, quantum=4)
-        data = steps.split_packed(batch, layout, 1)
+        data = losses.split_packed(batch, layout, 1)
     else:
-        data = steps.split_minibatches(batch, 1, 1)
+        data = losses.split_minibatches(batch, 1, 1)
     return jax.tree.map(lambda v: v[0, 0], data)
 
 
@@ -65,15 +65,16 @@ def _close(a, b):
     pytest.param("lm", False, 4, 1, 2, 4, marks=pytest.mark.long),
     pytest.param("value", True, 4, 1, 2, 2, marks=pytest.mark.long)])
 def test_1f1b_value_and_grad_of_the_job_losses_match_the_plain_model(devices, head, packed, pp, tp, dp, m):
-    """steps.pipelined_value_and_grad (what the job's train step calls for pp > 1) against
+    """losses.pipelined_value_and_grad (what the job's train step calls for pp > 1) against
     jax.value_and_grad of the same loss on the plain model: loss, every metric and every gradient."""
     params = init_params(CFG, seed=0, head=head)
-    make_loss = functools.partial(steps.actor_loss if head == "lm" else steps.critic_loss, CFG, ALGO, P)
+    make_loss = functools.partial(losses.actor_loss if head == "lm" else losses.critic_loss, CFG, ALGO, P)
     mb = _micro_batch(packed, dp)
-    (ref_loss, ref_metrics), ref_grads = jax.jit(jax.value_and_grad(make_loss(steps.forward), has_aux=True))(params, mb)
+    reference = jax.jit(jax.value_and_grad(make_loss(losses.forward), has_aux=True))
+    (ref_loss, ref_metrics), ref_grads = reference(params, mb)
     layout = Layout(tp=tp, pp=pp)
     mesh = make_mesh(devices[: layout.size * dp], layout, dp=dp)
-    fn = jax.jit(steps.pipelined_value_and_grad(make_loss, mesh, m))
+    fn = jax.jit(losses.pipelined_value_and_grad(make_loss, mesh, m))
     (loss, metrics), grads = fn(shard_params(params, CFG, layout, mesh), mb)
     _close(loss, ref_loss)
     assert sorted(metrics) == sorted(ref_metrics)
@@ -85,9 +86,9 @@ def test_1f1b_value_and_grad_of_the_job_losses_match_the_plain_model(devices, he
 def _train_step(mesh, params, micro, schedule: str):
     """The job's update (make_minibatch_train_step on the actor loss, AdamW), differentiated as the job does
     (stage_value_and_grad), compiled."""
-    make_loss = functools.partial(steps.actor_loss, CFG, ALGO, P)
-    optimizer = steps.make_optimizer(1e-3)
-    step = steps.make_minibatch_train_step(None, optimizer, CFG,
+    make_loss = functools.partial(losses.actor_loss, CFG, ALGO, P)
+    optimizer = losses.make_optimizer(1e-3)
+    step = losses.make_minibatch_train_step(None, optimizer, CFG,
                                            value_and_grad=stage_value_and_grad(mesh, "train", make_loss, schedule))
     return jax.jit(step).lower(params, optimizer.init(params), micro).compile()
 
@@ -100,7 +101,7 @@ def test_1f1b_train_program_is_pipelined_and_holds_less_than_gpipe_at_m8(devices
     mesh = make_mesh(devices[:2], layout, dp=1)
     params = shard_params(init_params(CFG, seed=0), CFG, layout, mesh)
     batch = _batch()
-    micro = steps.put_minibatches(steps.split_minibatches({k: v[:8] for k, v in batch.items()}, 1, 1), mesh)
+    micro = losses.put_minibatches(losses.split_minibatches({k: v[:8] for k, v in batch.items()}, 1, 1), mesh)
     temp = {}
     for schedule in ("1f1b", "gpipe"):
         compiled = _train_step(mesh, params, micro, schedule)

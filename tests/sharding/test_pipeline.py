@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nereus_jax.config import AlgorithmConfig, ModelConfig
 from nereus_jax.models import forward, init_params
-from nereus_jax.runtime import steps
+from nereus_jax.runtime import losses
 from nereus_jax.sharding import Layout, LayoutError, activation_sharding, gather_params, make_mesh, shard_params
 from nereus_jax.sharding.pipeline import (
     PipelineError,
@@ -170,12 +170,12 @@ def test_pipeline_train_step_composes_with_actor_loss(params, devices):
           "old_logp": rng.normal(-3, 0.1, (B, r_len)).astype(np.float32),
           "advantages": rng.normal(size=(B, r_len)).astype(np.float32),
           "ref_logp": rng.normal(-3, 0.1, (B, r_len)).astype(np.float32), "denom": np.float32(B * r_len)}
-    micro = steps.split_micro(mb, accum)
+    micro = losses.split_micro(mb, accum)
     algo = AlgorithmConfig()
 
-    def run(params, mesh, forward_fn=steps.forward):
-        loss = steps.actor_loss(CFG, algo, p_len, forward_fn)
-        step = jax.jit(steps.make_train_step(loss, optax.sgd(1.0), CFG))
+    def run(params, mesh, forward_fn=losses.forward):
+        loss = losses.actor_loss(CFG, algo, p_len, forward_fn)
+        step = jax.jit(losses.make_train_step(loss, optax.sgd(1.0), CFG))
         spec = lambda v: PartitionSpec(None, "dp") if v.ndim > 1 and "dp" in mesh.axis_names else PartitionSpec()  # noqa: E731
         data = {k: jax.device_put(v, NamedSharding(mesh, spec(v))) for k, v in micro.items()}
         new, _, metrics = step(params, optax.sgd(1.0).init(params), data)

@@ -4,16 +4,17 @@ within 2x of the paper's measured ones."""
 import pytest
 
 from nereus_jax.config import resolve_model
-from nereus_jax.elastic import ExecutionPlan, ModelStage, StagePlan, TransitionGraph
 from nereus_jax.elastic.costs import CostModel, StageChoice
-from nereus_jax.elastic.graph import step_link, transition_seconds
+from nereus_jax.elastic.graph import TransitionGraph, step_link, transition_seconds
 from nereus_jax.elastic.hardware import get_hardware
+from nereus_jax.elastic.plan import ExecutionPlan, StagePlan
 from nereus_jax.elastic.primitives import DESTROY, EXTEND
 from nereus_jax.elastic.recipe import align_ranks
 from nereus_jax.elastic.workload import LengthStats, Workload
+from nereus_jax.model_stage import ModelStage
 from nereus_jax.sharding import Layout
 from nereus_jax.sim import GroundTruth, Simulation
-from nereus_jax.sim.plans import state_specs
+from nereus_jax.sim.plan_cost import state_specs
 from nereus_jax.sim.simulation import true_transition_seconds
 
 CFG = resolve_model("llama3.1-8b")

@@ -28,14 +28,7 @@ from nereus_jax.elastic.costs.model import (
     transfer_seconds,
     transition_seconds,
 )
-from nereus_jax.elastic.costs.stage import (
-    StageChoice,
-    StageError,
-    pipeline_microbatches,
-    split_stage,
-    stage_head,
-    stage_kind,
-)
+from nereus_jax.elastic.costs.stage import StageChoice, pipeline_microbatches
 
 __all__ = [
     "LINK_TYPES",
@@ -43,7 +36,6 @@ __all__ = [
     "CostModel",
     "Measurement",
     "StageChoice",
-    "StageError",
     "StageMemory",
     "allreduce_seconds",
     "attention_flops",
@@ -59,9 +51,6 @@ __all__ = [
     "params_per_device",
     "pipeline_microbatches",
     "resident_bytes",
-    "split_stage",
-    "stage_head",
-    "stage_kind",
     "stage_latency",
     "stage_memory",
     "transfer_seconds",

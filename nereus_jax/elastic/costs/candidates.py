@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nereus_jax.config import STAGE_NAMES, ModelConfig
+from nereus_jax.config import ModelConfig
 from nereus_jax.elastic.costs import counts
 from nereus_jax.elastic.costs.latency import (
     MEM,
@@ -34,7 +34,8 @@ from nereus_jax.elastic.costs.latency import (
 )
 from nereus_jax.elastic.costs.memory import accumulation_bytes, call_working_bytes, resident_bytes, working_bytes
 from nereus_jax.elastic.costs.model import CostModel
-from nereus_jax.elastic.costs.stage import StageChoice, split_stage, stage_head
+from nereus_jax.elastic.costs.stage import StageChoice
+from nereus_jax.model_stage import STAGE_NAMES, split_stage, stage_head
 
 _KIND_HEAD = {s: (split_stage(s)[1], stage_head(s)) for s in STAGE_NAMES}
 

@@ -37,16 +37,10 @@ import numpy as np
 
 from nereus_jax.config import ModelConfig
 from nereus_jax.elastic.costs import counts
-from nereus_jax.elastic.costs.stage import (
-    StageChoice,
-    head_split,
-    one_f_one_b,
-    pipeline_microbatches,
-    split_stage,
-    stage_head,
-)
+from nereus_jax.elastic.costs.stage import StageChoice, head_split, one_f_one_b, pipeline_microbatches
 from nereus_jax.elastic.hardware import EFFICIENCY_CLASSES, Hardware
 from nereus_jax.elastic.workload import Workload
+from nereus_jax.model_stage import split_stage, stage_head
 
 GEMM, ATTN, MEM, COLL_INTRA, COLL_INTER, HOST, OVERHEAD = range(len(EFFICIENCY_CLASSES))
 _COLL = {"intra": COLL_INTRA, "inter": COLL_INTER}

@@ -30,12 +30,11 @@ from nereus_jax.elastic.costs.stage import (
     head_split,
     one_f_one_b,
     pipeline_microbatches,
-    split_stage,
-    stage_head,
     stash_microbatches,
 )
 from nereus_jax.elastic.hardware import Hardware
 from nereus_jax.elastic.workload import Workload
+from nereus_jax.model_stage import split_stage, stage_head
 
 
 class StageMemory(NamedTuple):

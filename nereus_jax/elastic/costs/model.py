@@ -33,9 +33,10 @@ import numpy as np
 from nereus_jax.config import ModelConfig
 from nereus_jax.elastic.costs.latency import SIZE_TERMS, Breakdown, call_sizes, stage_latency
 from nereus_jax.elastic.costs.memory import StageMemory, stage_memory
-from nereus_jax.elastic.costs.stage import StageChoice, split_stage
+from nereus_jax.elastic.costs.stage import StageChoice
 from nereus_jax.elastic.hardware import EFFICIENCY_CLASSES, Hardware, get_hardware
 from nereus_jax.elastic.workload import Workload
+from nereus_jax.model_stage import split_stage
 
 LINK_TYPES = ("local", "intra", "inter", "host")
 _LINK_CLASS = {"local": "memory", "intra": "collective_intra", "inter": "collective_inter", "host": "host"}

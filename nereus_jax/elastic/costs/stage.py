@@ -1,4 +1,5 @@
-"""Model-stage names and the per-stage decision the cost model prices and the planner chooses."""
+"""The per-stage decision the cost model prices and the planner chooses, and the pipeline micro-batching it
+implies (model-stage names and their split live in :mod:`nereus_jax.model_stage`)."""
 
 from __future__ import annotations
 
@@ -7,36 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nereus_jax.config import STAGE_NAMES
-
-STAGE_KINDS = ("gen", "infer", "train")
-# Model roles whose network ends in a value head (scalar per token) instead of the lm head.
-VALUE_HEAD_MODELS = ("critic", "reward")
-
-
-class StageError(ValueError):
-    """An unknown model-stage name or an impossible per-stage choice."""
-
-
-_SPLIT = {name: tuple(name.split("-")) for name in STAGE_NAMES}
-
-
-def split_stage(name: str) -> tuple[str, str]:
-    """'actor-gen' -> ('actor', 'gen'); unknown names list the valid ones."""
-    try:
-        return _SPLIT[name]
-    except KeyError:
-        raise StageError(f"unknown model-stage '{name}'; valid: {', '.join(STAGE_NAMES)}") from None
-
-
-def stage_kind(name: str) -> str:
-    """gen, infer or train."""
-    return split_stage(name)[1]
-
-
-def stage_head(name: str) -> str:
-    """'lm' for actor/ref, 'value' for critic/reward."""
-    return "value" if split_stage(name)[0] in VALUE_HEAD_MODELS else "lm"
+from nereus_jax.model_stage import StageError
 
 
 @dataclass(frozen=True, order=True)

@@ -47,7 +47,7 @@ import numpy as np
 from nereus_jax.config import ModelConfig
 from nereus_jax.elastic.costs.candidates import StageOptions
 from nereus_jax.elastic.costs.model import CostModel
-from nereus_jax.elastic.costs.stage import StageChoice, split_stage
+from nereus_jax.elastic.costs.stage import StageChoice
 from nereus_jax.elastic.plan import ExecutionPlan
 from nereus_jax.elastic.planner.problem import (
     SKIPPABLE,
@@ -78,6 +78,7 @@ from nereus_jax.elastic.planner.search import (
 )
 from nereus_jax.elastic.topology import Topology, gen_sizes
 from nereus_jax.elastic.workload import Workload
+from nereus_jax.model_stage import split_stage
 
 __all__ = [
     "GAP",

@@ -13,9 +13,10 @@ from nereus_jax.config import ModelConfig
 from nereus_jax.elastic.costs.candidates import Pricer, StageOptions, fold_riders, price
 from nereus_jax.elastic.costs.counts import layout_problem
 from nereus_jax.elastic.costs.model import CostModel
-from nereus_jax.elastic.costs.stage import StageChoice, split_stage
+from nereus_jax.elastic.costs.stage import StageChoice
 from nereus_jax.elastic.topology import SKIPPABLE, Topology
 from nereus_jax.elastic.workload import Workload
+from nereus_jax.model_stage import split_stage
 
 __all__ = ["SKIPPABLE", "InfeasiblePlanError", "Problem", "check_fixed", "phases_for"]
 

@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nereus_jax.elastic.costs.stage import StageChoice
-from nereus_jax.elastic.plan import ExecutionPlan, ModelStage, StagePlan
+from nereus_jax.elastic.plan import ExecutionPlan, StagePlan
 from nereus_jax.elastic.planner.problem import Problem
 from nereus_jax.elastic.planner.search import PhaseSolution, memory_need, picked
 from nereus_jax.elastic.topology import critical_path
 from nereus_jax.layout import Layout
+from nereus_jax.model_stage import ModelStage
 
 
 def _tp_slots(devices: Sequence[int], tp: int, node: int) -> list[tuple[int, ...]]:

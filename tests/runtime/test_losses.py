@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nereus_jax.config import AlgorithmConfig, ModelConfig
 from nereus_jax.models import init_params
-from nereus_jax.runtime.steps import (
+from nereus_jax.runtime.losses import (
     accumulation_steps,
     actor_loss,
     critic_loss,

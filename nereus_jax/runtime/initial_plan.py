@@ -14,17 +14,12 @@ import dataclasses
 from nereus_jax.config import Config, ConfigError, ModelConfig
 from nereus_jax.elastic.costs import CostModel
 from nereus_jax.elastic.hardware import get_hardware
-from nereus_jax.elastic.plan import ExecutionPlan, ModelStage, StagePlan
+from nereus_jax.elastic.plan import ExecutionPlan, StagePlan
 from nereus_jax.elastic.pricing import Pricing
 from nereus_jax.elastic.topology import Batching, Topology
 from nereus_jax.layout import Layout
+from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER, REWARD_INFER, ModelStage
 from nereus_jax.rl.registry import algorithm_spec
-
-ACTOR_GEN = ModelStage("actor", "gen")
-ACTOR_TRAIN = ModelStage("actor", "train")
-REF_INFER = ModelStage("ref", "infer")
-CRITIC_TRAIN = ModelStage("critic", "train")
-REWARD_INFER = ModelStage("reward", "infer")
 
 
 def job_topology(cfg: Config) -> Topology:

@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 
 from nereus_jax.config import ModelConfig
 from nereus_jax.elastic.costs import StageChoice, resident_bytes
-from nereus_jax.elastic.costs.stage import split_stage
 from nereus_jax.elastic.graph import TransitionError, TransitionGraph
-from nereus_jax.elastic.plan import ExecutionPlan, ModelStage
+from nereus_jax.elastic.plan import ExecutionPlan
 from nereus_jax.elastic.planner import PlanResult
 from nereus_jax.elastic.recipe import align_ranks
 from nereus_jax.elastic.schedule import Infeasible
 from nereus_jax.elastic.state_bytes import ByteSpec
 from nereus_jax.elastic.topology import Topology, critical_path
+from nereus_jax.model_stage import ModelStage, split_stage
 
 
 @dataclass(frozen=True)
