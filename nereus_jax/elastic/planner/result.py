@@ -94,7 +94,7 @@ def device_memory(placed: Mapping[str, StagePlan], resident: Mapping[str, float]
 
 
 # ------------------------------------------------------------------------------------------ results
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PlanResult:
     """A chosen plan, what the cost model predicts for it, and the runners-up (fastest first)."""
 
@@ -185,6 +185,8 @@ def make_result(problem: Problem, opts, sols: Sequence[PhaseSolution], gap: floa
         for r in opts[s].riders:
             choices[r.stage], latency[r.stage], hosts[r.stage] = r.choice(picks[s]), float(r.latency[picks[s]]), s
     order = problem.topology.stages if problem.topology is not None else problem.stages
-    return PlanResult(plan, {s: choices[s] for s in order}, {s: latency[s] for s in order}, step,
-                      tuple(sol.stages for sol in sols), device_memory(placed, resident, working),
-                      memory_need(opts, picks), problem.usable_bytes, problem.hardware.name, gap, hosts=hosts)
+    return PlanResult(plan=plan, choices={s: choices[s] for s in order}, stage_latency_s={s: latency[s] for s in order},
+                      step_latency_s=step, groups=tuple(sol.stages for sol in sols),
+                      memory_per_device_bytes=device_memory(placed, resident, working),
+                      memory_bound_bytes=memory_need(opts, picks), usable_bytes=problem.usable_bytes,
+                      hardware=problem.hardware.name, gap=gap, hosts=hosts)
