@@ -30,7 +30,8 @@ profitability; when no candidate can be reached live it says so (checkpoint/rest
 Margin (not in the paper): a non-urgent target is admitted only when its predicted dL also exceeds
 ``UNCERTAINTY_Z`` standard deviations of that prediction (``Candidate.uncertainty_s``: the calibrated cost
 model's covariance, small when the target runs calls of sizes the job has measured, large when it
-extrapolates; a prior before any measurement), then Eq. 2 prices the move as the paper does. An urgent
+extrapolates, plus a term per doubling of tp or pp from the layouts measured; a prior before any
+measurement), then Eq. 2 prices the move as the paper does. An urgent
 move (no gain to check) takes the reachable candidate with the least predicted latency plus that
 uncertainty, so a plan of measured call sizes wins over a barely faster guess. A model
 calibrated on one plan extrapolates to others, and a gain inside its uncertainty is a guess.
