@@ -108,14 +108,16 @@ class Pricing:
     def gain_sd(self, current_features, target: Mapping[str, StageChoice], workload: Workload) -> float:
         """Standard deviation (s/step) of the predicted gain of ``target``'s choices over the current plan's
         (``current_features``: :meth:`features` of its choices, computed once for all candidates): the cost
-        model's covariance on the difference of their features (what both run alike cancels)."""
+        model's covariance on the difference of their features (what both run alike cancels), plus
+        ``EXTRAPOLATION_SD`` of a stage's seconds per doubling of tp or pp from the layouts it has run."""
         known = {s: c for s, c in target.items() if self._remembered(s, c)}
         diff = current_features - self.features({s: c for s, c in target.items() if s not in known}, workload)
         noise = sum((NOISE_FLOOR * self.cost.stage_latency(self.model_for(s), s, c, workload).total
                      * self.residual(s, c)) ** 2 for s, c in known.items())
-        unmeasured = sum((EXTRAPOLATION_SD * self.layout_distance(s, c)
-                          * self.cost.stage_latency(self.model_for(s), s, c, workload).total) ** 2
-                         for s, c in target.items() if s not in known)
+        far = {s: d for s, c in target.items() if s not in known and (d := self.layout_distance(s, c)) > 0}
+        unmeasured = sum((EXTRAPOLATION_SD * d * self.cost.stage_latency(self.model_for(s), s, target[s],
+                                                                          workload).total) ** 2
+                         for s, d in far.items())
         return math.sqrt(max(0.0, self.cost.variance(diff)) + noise + unmeasured)
 
     def layout_distance(self, stage: str, choice: StageChoice) -> float:
