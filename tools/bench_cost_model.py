@@ -58,6 +58,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from nereus_jax.config import AlgorithmConfig, ModelConfig  # noqa: E402
 from nereus_jax.elastic.costs import CostModel, Measurement, StageChoice  # noqa: E402
+from nereus_jax.elastic.topology import accumulation_steps  # noqa: E402
 from nereus_jax.elastic.workload import Workload  # noqa: E402
 from nereus_jax.models import count_params, init_params  # noqa: E402
 from nereus_jax.runtime import losses  # noqa: E402
@@ -132,7 +133,7 @@ def build_layout(cfg: ModelConfig, tp: int, dp: int, host: dict, base: dict,
     jitted programs live as long as the dict, so later rounds do not recompile."""
     layout = Layout(tp=tp, pp=pp)
     mesh = make_mesh(jax.devices()[: tp * pp * dp], layout, dp=dp)
-    accum = losses.accumulation_steps(ROWS, dp, PROMPT + RESPONSE, MICRO_BATCH_TOKENS)
+    accum = accumulation_steps(ROWS, dp, PROMPT + RESPONSE, MICRO_BATCH_TOKENS)
     choice = StageChoice(tp=tp, pp=pp, dp=dp, micro_batch=ROWS // dp // accum)
     micro = put(losses.split_micro(host, accum), mesh)
     out = {}

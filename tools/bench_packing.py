@@ -38,6 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from nereus_jax.config import AlgorithmConfig, ModelConfig  # noqa: E402
+from nereus_jax.elastic.topology import accumulation_steps  # noqa: E402
 from nereus_jax.models import abstract_params, count_params, init_params  # noqa: E402
 from nereus_jax.rl import packing  # noqa: E402
 from nereus_jax.runtime import losses  # noqa: E402
@@ -66,7 +67,7 @@ def micro_batches(batch: dict, prompt_len: int, budget: int, packed: bool) -> tu
     """The job's micro-batches of ``batch`` (one mini-batch), padded or packed, and what they hold."""
     rows, width = batch["tokens"].shape
     if not packed:
-        accum = losses.accumulation_steps(rows, 1, width, budget)
+        accum = accumulation_steps(rows, 1, width, budget)
         return losses.split_minibatches(batch, 1, accum), {"micro_batches": accum, "token_slots": rows * width}
     layout = packing.pack(batch["tokens"], batch["mask"], prompt_len=prompt_len, mini=1, dp=1,
                           budget_rows=budget // width)

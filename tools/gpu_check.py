@@ -243,13 +243,14 @@ def prefill(cfg: ModelConfig, raw: dict, shapes: Shapes, matmul_flops: float) ->
 def train(cfg: ModelConfig, raw: dict, shapes: Shapes, matmul_flops: float) -> dict:
     from jax.sharding import NamedSharding, PartitionSpec
 
+    from nereus_jax.elastic.topology import accumulation_steps
     from nereus_jax.runtime import losses
     from nereus_jax.sharding import Layout, make_mesh, shard_params
 
     rows, P, R = shapes.train_rows, shapes.train_prompt, shapes.train_response
     seq = P + R
     mesh = make_mesh(jax.devices()[:1], Layout(), dp=1)
-    accum = losses.accumulation_steps(rows, 1, seq, shapes.micro_batch_tokens)
+    accum = accumulation_steps(rows, 1, seq, shapes.micro_batch_tokens)
     rng = np.random.default_rng(0)
     host = {"tokens": rng.integers(0, cfg.vocab_size, (rows, seq)).astype(np.int32),
             "mask": np.ones((rows, seq), np.int32), "response_mask": np.ones((rows, R), np.float32),

@@ -21,7 +21,6 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nereus_jax.config import AlgorithmConfig, ModelConfig
-from nereus_jax.elastic.topology import accumulation_steps  # noqa: F401  (the job's call sizes: one rule)
 from nereus_jax.models import forward
 from nereus_jax.rl.algorithms import (
     aggregate,

@@ -28,6 +28,7 @@ from nereus_jax.elastic.graph import TransitionGraph
 from nereus_jax.elastic.plan import DEVICE, HOST, ExecutionPlan
 from nereus_jax.elastic.sources import ParamSource, ValueHeadSource, units_from_source
 from nereus_jax.elastic.spec import StateSpec
+from nereus_jax.elastic.topology import accumulation_steps
 from nereus_jax.elastic.weight_sync import WeightSync
 from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER, REWARD_INFER, ModelStage
 from nereus_jax.models import forward
@@ -184,7 +185,7 @@ class StageState:
     def accum(self, kind: str, dp: int) -> int:
         """Micro-batches per program call: an update's rows (train: a mini-batch) over dp in the token budget."""
         rows = self.mini_rows if kind == "train" else self.rows
-        return losses.accumulation_steps(rows, dp, self.P + self.R, self.cfg.trainer.micro_batch_tokens)
+        return accumulation_steps(rows, dp, self.P + self.R, self.cfg.trainer.micro_batch_tokens)
 
     @staticmethod
     def key(kind: str, ms: ModelStage, mesh, accum: int, *rest) -> tuple:

@@ -24,10 +24,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 from nereus_jax.config import Config, ModelConfig
+from nereus_jax.elastic.topology import accumulation_steps
 from nereus_jax.rl.batch import left_pad, right_pad
 from nereus_jax.rl.tasks import Problem
 from nereus_jax.runtime.losses import (
-    accumulation_steps,
     make_optimizer,
     make_train_step,
     put_micro,
