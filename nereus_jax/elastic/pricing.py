@@ -29,8 +29,11 @@ import math
 import statistics
 from collections.abc import Iterable, Mapping
 
+import numpy as np
+
 from nereus_jax.config import ModelConfig
 from nereus_jax.elastic.costs import CostModel, Measurement, StageChoice
+from nereus_jax.elastic.costs.candidates import StageOptions
 from nereus_jax.elastic.costs.model import NOISE_FLOOR
 from nereus_jax.elastic.topology import Topology, critical_path
 from nereus_jax.elastic.workload import Workload
@@ -120,13 +123,44 @@ class Pricing:
                          for s, d in far.items())
         return math.sqrt(max(0.0, self.cost.variance(diff)) + noise + unmeasured)
 
+    @property
+    def measured_layouts(self) -> dict[str, set[tuple[int, int]]]:
+        """Model-stage -> the (tp, pp) layouts the job has measured it on (a copy)."""
+        return {s: set(v) for s, v in self._layouts.items()}
+
     def layout_distance(self, stage: str, choice: StageChoice) -> float:
         """Doublings of tp plus doublings of pp from ``choice`` to the nearest layout the job has measured
         ``stage`` on (0 when it has measured none: the prior's uncertainty covers an unmeasured stage)."""
+        return self._distance(stage, choice.tp, choice.pp)
+
+    def _distance(self, stage: str, tp: int, pp: int) -> float:
         seen = self._layouts.get(stage)
         if not seen:
             return 0.0
-        return min(abs(math.log2(choice.tp / tp)) + abs(math.log2(choice.pp / pp)) for tp, pp in seen)
+        return min(abs(math.log2(tp / t)) + abs(math.log2(pp / p)) for t, p in seen)
+
+    def _distances(self, stage: str, raw: np.ndarray) -> np.ndarray:
+        """:meth:`layout_distance` of each option row (tp, pp first) for ``stage``."""
+        unique, index = np.unique(raw[:, :2], axis=0, return_inverse=True)
+        return np.array([self._distance(stage, int(tp), int(pp)) for tp, pp in unique])[index.reshape(-1)]
+
+    def risk_adjusted(self, options: Mapping[str, StageOptions], z: float) -> dict[str, StageOptions]:
+        """``options`` (a planning problem's, per unit model-stage) ranked by their seconds plus ``z`` times the
+        extrapolation sd of their layout: ``EXTRAPOLATION_SD`` of the seconds of the model-stage, and of each
+        rider, per doubling of tp or pp from the nearest layout the job measured it on (summed, not added in
+        quadrature: a conservative penalty for ranking). A search over them finds the plan that is fast by
+        what the job has measured rather than by what the fit extrapolates to; the options' seconds are
+        replaced by these scores, so price what it picks again. Unchanged before anything was measured."""
+        out = {}
+        for stage, o in options.items():
+            if not len(o) or not self._layouts:
+                out[stage] = o
+                continue
+            own = o.latency - sum((r.latency for r in o.riders), np.zeros(len(o)))
+            sd = own * self._distances(stage, o.raw) + sum((r.latency * self._distances(r.stage, o.raw)
+                                                            for r in o.riders), np.zeros(len(o)))
+            out[stage] = o.ranked_by(o.latency + z * EXTRAPOLATION_SD * sd)
+        return out
 
     def residual(self, stage: str, choice: StageChoice) -> float:
         """Measured / predicted seconds (median) of a call the job ran and whose measurements have left the

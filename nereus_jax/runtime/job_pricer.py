@@ -32,11 +32,12 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from nereus_jax.config import ConfigError
-from nereus_jax.elastic.controller import Candidate, Observation, Priced
+from nereus_jax.elastic.controller import UNCERTAINTY_Z, Candidate, Observation, Priced
 from nereus_jax.elastic.costs import CostModel, link_bandwidth
+from nereus_jax.elastic.costs.candidates import StageOptions
 from nereus_jax.elastic.graph import TransitionGraph
 from nereus_jax.elastic.plan import ExecutionPlan
-from nereus_jax.elastic.planner import InfeasiblePlanError, Planner, PlanResult
+from nereus_jax.elastic.planner import InfeasiblePlanError, Planner, PlanResult, Problem
 from nereus_jax.elastic.pricing import CALIBRATION_WINDOW
 from nereus_jax.elastic.recipe import align_ranks
 from nereus_jax.elastic.workload import LengthStats, Workload
@@ -175,6 +176,7 @@ class JobPricer:
         plans = [r.plan for r in self._planned(obs, workload)]
         if plans:
             plans += partial_moves(obs.plan, plans[0])
+        plans += self._measured_plan(obs, workload)
         # plans the job ran on devices it still has: the per-layout memory prices them as measured
         plans += [p for p in self._ran if set(p.devices) <= set(obs.devices)]
         with contextlib.suppress(ConfigError):  # the configured layouts on the devices present: a candidate
@@ -206,6 +208,21 @@ class JobPricer:
             self.log(f"step {obs.step}: the planner found no plan for {len(obs.devices)} devices: {e}")
             return []
         return [result, *result.runners_up]
+
+    def _measured_plan(self, obs: Observation, workload: Workload) -> list[ExecutionPlan]:
+        """The planner's best plan with options ranked by seconds plus the uncertainty of extrapolating from
+        the layouts the job has measured (``Pricing.risk_adjusted``): the fast plan by what the job knows.
+        Empty before anything was measured, in async mode, or when nothing fits."""
+        if self.async_mode or not self.pricing.measured_layouts:
+            return []
+        try:
+            return [self.planner.plan(self.pricing.models, self.job.cfg.algorithm.name, workload, obs.devices,
+                                      topology=self.topology, options=self._risk_options).plan]
+        except InfeasiblePlanError:
+            return []
+
+    def _risk_options(self, problem: Problem) -> dict[str, StageOptions]:
+        return self.pricing.risk_adjusted(problem.options(), UNCERTAINTY_Z)
 
     def _runnable(self, plan: ExecutionPlan) -> bool:
         """What the job needs beyond time and memory: an engine's replicas each in one process, and async

@@ -73,6 +73,10 @@ class AsyncPlanningModel(PlanningModel):
     def batches(self, wl: Workload | Batches) -> Batches:
         return wl if isinstance(wl, Batches) else Batches(wl, self.in_flight(wl))
 
+    def measured_plan(self, wl: Workload, pool: tuple[int, ...]) -> tuple[SimPlan, ...]:
+        """Empty: a split pool's plans are not re-ranked for risk (nor in the runtime's async mode)."""
+        return ()
+
     def plans(self, wl: Workload | Batches, pool: tuple[int, ...]) -> tuple[SimPlan, ...]:
         """The planner's plans for the interval after observing ``wl`` (or for explicit ``Batches``)."""
         return super().plans(self.batches(wl), pool)

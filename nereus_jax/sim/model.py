@@ -19,7 +19,7 @@ import time
 from collections.abc import Mapping, MutableMapping
 
 from nereus_jax.config import ModelConfig
-from nereus_jax.elastic.controller import Candidate, Observation
+from nereus_jax.elastic.controller import UNCERTAINTY_Z, Candidate, Observation
 from nereus_jax.elastic.costs import CostModel
 from nereus_jax.elastic.costs.candidates import StageOptions
 from nereus_jax.elastic.hardware import Hardware
@@ -116,6 +116,20 @@ class PlanningModel:
             return None
         return tuple(SimPlan.of(r, self.topology) for r in (result, *result.runners_up))
 
+    def measured_plan(self, wl: Workload, pool: tuple[int, ...]) -> tuple[SimPlan, ...]:
+        """The planner's best plan when options are ranked by seconds plus the uncertainty of extrapolating
+        from the layouts this run has measured (:meth:`Pricing.risk_adjusted`); () before any was measured or
+        when nothing fits. Not cached: it depends on the layouts measured, and re-plans are rare."""
+        if self.layouts is not None or not self.pricing.measured_layouts:
+            return ()
+        try:
+            result = self.planner(self.snapshot()).plan(
+                self.models, self.algorithm, wl, pool, topology=self.topology,
+                options=lambda problem: self.pricing.risk_adjusted(problem.options(), UNCERTAINTY_Z))
+        except InfeasiblePlanError:
+            return ()
+        return (SimPlan.of(result, self.topology),)
+
     def planner(self, cm: CostModel) -> Planner:
         s = self.planner_settings
         return Planner(cm, headroom=float(s.get("headroom", 0.1)), gap=float(s.get("gap", GAP)),
@@ -135,7 +149,7 @@ class PlanningModel:
         # the planner's plans, and the plans this run has measured that the pool still holds and that fit
         # (the per-layout memory prices them as measured: coming back to a known layout is a safe choice)
         ran = [p for p in self.ran if p.devices <= pool and self.peak_memory(p, wl) <= usable]
-        for p in (*self.plans(wl, tuple(obs.devices)), *ran):
+        for p in (*self.plans(wl, tuple(obs.devices)), *self.measured_plan(wl, tuple(obs.devices)), *ran):
             p = p.aligned_to(obs.plan)
             if p not in out:
                 out[p] = Candidate(p, self.predict(p, wl), self.pricing.gain_sd(current, dict(p.choices), wl))

@@ -136,3 +136,29 @@ def test_a_layout_far_from_any_measured_one_carries_more_uncertainty(truth):
         parametric = pricing.cost.variance(current - pricing.features({"actor-train": choice}, WL))
         assert pricing.gain_sd(current, {"actor-train": choice}, WL) == pytest.approx(
             np.sqrt(parametric + (EXTRAPOLATION_SD * d * seconds) ** 2), rel=1e-12)
+
+
+def test_risk_adjusted_options_rank_a_measured_layout_above_a_slightly_faster_extrapolated_one(truth):
+    """The planner's options re-ranked by seconds plus z x the extrapolation sd of their layout (each doubling
+    of tp or pp from a measured layout: EXTRAPOLATION_SD of the seconds, the stage's and each rider's).
+    Reference: the scores computed by hand; the measured layout comes first where the fit alone would
+    extrapolate for a gain smaller than that uncertainty."""
+    from nereus_jax.elastic.costs.candidates import StageOptions
+    from nereus_jax.elastic.pricing import EXTRAPOLATION_SD, Pricing
+    from nereus_jax.elastic.topology import Topology
+
+    pricing = Pricing(CostModel(HW), Topology.of_job("grpo"), {r: LLAMA8B for r in ("actor", "ref")}, 80e9)
+    rows = [(10.0, 8, 1e9, 1e9, (8, 1, 1, 4, False)),   # fastest by the fit, 2 doublings from tp 2
+            (10.5, 8, 1e9, 1e9, (2, 1, 4, 4, False)),   # the measured layout
+            (12.0, 8, 1e9, 1e9, (4, 2, 1, 4, False))]   # 2 doublings
+    opts = {"actor-train": StageOptions.build("actor-train", rows)}
+    assert pricing.risk_adjusted(opts, 1.0)["actor-train"] is opts["actor-train"]  # nothing measured: as they are
+    measured = StageChoice(2, 1, 4, 4)
+    pricing.calibrate([Measurement(LLAMA8B, "actor-train", measured, WL,
+                                   truth.stage_latency(LLAMA8B, "actor-train", measured, WL).total)])
+    ranked = pricing.risk_adjusted(opts, 1.0)["actor-train"]
+    by_layout = {(int(r[0]), int(r[1])): float(v) for r, v in zip(ranked.raw, ranked.latency, strict=True)}
+    assert by_layout == pytest.approx({(8, 1): 10.0 * (1 + 2 * EXTRAPOLATION_SD), (2, 1): 10.5,
+                                       (4, 2): 12.0 * (1 + 2 * EXTRAPOLATION_SD)}, rel=1e-12)
+    assert [tuple(int(v) for v in r[:2]) for r in ranked.raw] == [(2, 1), (8, 1), (4, 2)]  # same devices: by score
+    assert pricing.risk_adjusted(opts, 0.0)["actor-train"].latency.tolist() == [10.0, 10.5, 12.0]

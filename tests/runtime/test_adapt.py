@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from nereus_jax.config import load_config
+from nereus_jax.elastic.controller import UNCERTAINTY_Z, Observation
 from nereus_jax.elastic.emu import EMU
 from nereus_jax.elastic.plan import ExecutionPlan, StagePlan
 from nereus_jax.model_stage import ModelStage
@@ -64,6 +65,30 @@ def test_a_device_leaving_moves_the_job_off_it_and_loses_no_sample(device_leaves
     samples = np.concatenate([r.batch.sample_index_b for r in results])
     assert sorted(zip(positions.tolist(), samples.tolist(), strict=True)) == \
         [(p, k) for p in range(STEPS * b) for k in range(n)]
+
+
+def test_the_controller_is_offered_the_plan_fast_by_what_the_job_measured(device_leaves, monkeypatch):
+    """Beside the planner's fastest plans, the job's candidates hold the best plan under the options as
+    ``Pricing.risk_adjusted`` ranks them (seconds plus the extrapolation sd of the layouts the job has not
+    measured). Here the ranking is replaced by its reverse, so that plan is one the plain planner never
+    offers; reference: the planner's plan on those options."""
+    job, adapter, _, _ = device_leaves
+    pricer = adapter.pricer
+    assert pricer.pricing.measured_layouts  # the job measured its stages
+
+    def reverse(options, z):
+        assert z == UNCERTAINTY_Z
+        return {s: o.ranked_by(-o.latency) for s, o in options.items()}
+
+    monkeypatch.setattr(pricer.pricing, "risk_adjusted", reverse)
+    devices = tuple(range(6))
+    obs = Observation(step=STEPS, plan=job.plan, devices=devices, response_length=4.0)
+    plain = pricer.planner.plan(pricer.pricing.models, job.cfg.algorithm.name, pricer.workload, devices,
+                                topology=pricer.topology)
+    slow = pricer.planner.plan(pricer.pricing.models, job.cfg.algorithm.name, pricer.workload, devices,
+                               topology=pricer.topology, options=lambda p: reverse(p.options(), UNCERTAINTY_Z)).plan
+    assert slow not in {plain.plan, *(r.plan for r in plain.runners_up)}
+    assert slow in {c.plan for c in pricer.candidates(obs)}
 
 
 def test_steps_after_the_move_match_a_restart_on_the_smaller_pool(device_leaves):

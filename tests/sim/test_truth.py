@@ -13,7 +13,7 @@ from nereus_jax.elastic.recipe import align_ranks
 from nereus_jax.elastic.workload import LengthStats, Workload
 from nereus_jax.model_stage import ModelStage
 from nereus_jax.sharding import Layout
-from nereus_jax.sim import GroundTruth, Simulation
+from nereus_jax.sim import GroundTruth, Simulation, load_trace
 from nereus_jax.sim.plan_cost import state_specs
 from nereus_jax.sim.simulation import true_transition_seconds
 
@@ -55,6 +55,35 @@ def test_calibration_error_shrinks_from_a_wrong_start(small_trace):
         model.calibrate(plan, wl, seconds, changed=False)
     assert errors[0] > 0.3
     assert max(errors[3:]) < 0.1 < errors[0] / 3
+
+
+def test_candidates_include_the_plan_fast_by_what_was_measured():
+    """Beside the planner's fastest plans, the controller is offered the best plan under risk-adjusted prices
+    (seconds plus the extrapolation sd of layouts the run has not measured). preemptible's first shrink: 45
+    steps measured on 16 H100s, then 8. Reference: the planner's own best plan, which extrapolates further
+    from the layouts measured, is predicted faster, and runs slower in the ground truth."""
+    from nereus_jax.elastic.controller import Observation
+
+    trace = load_trace("preemptible")
+    sim = Simulation(trace)
+    model, plan = sim.model(), sim.initial_plan()
+    pool = tuple(range(8))
+    assert model.measured_plan(trace.workload(0), pool) == ()  # nothing measured: the planner's plans only
+    for step in range(45):
+        wl = trace.workload(step)
+        model.calibrate(plan, wl, sim.measure(plan, wl, step)[1], changed=False)
+    model.observed = wl
+    (safe,) = model.measured_plan(wl, pool)
+    best = model.best(wl, pool)
+
+    def distance(p):
+        return sum(model.pricing.layout_distance(s, c) for s, c in p.choices)
+
+    assert distance(safe) < distance(best)
+    assert model.predict(safe, wl) > model.predict(best, wl)
+    assert sim.measure(safe, wl, 45)[0] < sim.measure(best, wl, 45)[0]
+    obs = Observation(step=45, plan=plan, devices=pool, response_length=wl.response_length.mean)
+    assert safe.aligned_to(plan) in {c.plan for c in model.plan_fn(obs)}
 
 
 @pytest.mark.parametrize(("what", "old", "new", "paper"), [

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -102,6 +102,12 @@ class StageOptions:
         riders = tuple(RiderCalls(r.stage, r.raw[keep], r.latency[keep], r.working[keep]) for r in self.riders)
         return StageOptions(self.stage, self.latency[keep], self.devices[keep], self.resident[keep],
                             self.working[keep], self.raw[keep], riders)
+
+    def ranked_by(self, latency: np.ndarray) -> StageOptions:
+        """The same options with ``latency`` (one value per option) in place of their seconds, re-sorted by
+        (devices, latency) as the search expects; riders kept in step, their own seconds unchanged."""
+        order = np.lexsort((self.working, latency, self.devices))
+        return replace(self.masked(order), latency=np.asarray(latency)[order])
 
     @classmethod
     def build(cls, stage: str, rows: Iterable[Row]) -> StageOptions:

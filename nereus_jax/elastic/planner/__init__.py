@@ -145,12 +145,14 @@ class Planner:
 
     def plan(self, models: ModelConfig | Mapping[str, ModelConfig], algorithm: str, workload: Workload,
              devices: int | Sequence[int], *, fixed: Mapping[str, StageChoice] | None = None,
-             skip: Sequence[str] = (), topology: Topology | None = None) -> PlanResult:
+             skip: Sequence[str] = (), topology: Topology | None = None,
+             options: Callable[[Problem], Mapping[str, StageOptions]] | None = None) -> PlanResult:
         """The fastest plan (Eq. 1) and runners-up; InfeasiblePlanError names the model-stage and bytes short.
-        ``fixed`` pins model-stages to a choice (e.g. keep their current layout: a cheaper transition)."""
+        ``fixed`` pins model-stages to a choice (e.g. keep their current layout: a cheaper transition);
+        ``options(problem)``: the options to search (default ``problem.options()``; e.g. re-ranked for risk)."""
         start = time.perf_counter()
         problem = self.problem(models, algorithm, workload, devices, fixed=fixed, skip=skip, topology=topology)
-        opts = problem.options()
+        opts = options(problem) if options else problem.options()
         result = self.solve(problem, opts)
         if result is None and problem.concurrent:  # a pool with holes may not place side-by-side groups
             result = self.solve(dataclasses.replace(problem, allow_concurrency=False), opts)
