@@ -244,7 +244,7 @@ def job_row(pp: int, schedule: str, reps: int) -> dict:
     job = Job(cfg, make_task(cfg.task), CharTokenizer())
     try:
         seconds = [job.step(s).metrics["stage_seconds"]["actor-train"] for s in range(reps + 1)][1:]
-        programs = job.prepare(job.plan).programs
+        programs = job.stages.prepare_programs(job.plan, changed_only=False)
         programs = [c for key, c in programs.items() if key[0] == "train" and key[1] == ACTOR_TRAIN]
         params = jax.tree.map(np.asarray, job.actor_host_params())
     finally:

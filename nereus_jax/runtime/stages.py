@@ -104,15 +104,16 @@ class StageState:
         return WeightSync(plan, self.specs[ACTOR_TRAIN], self.specs[ACTOR_GEN],
                           caps=self.cfg.cluster.device_memory_bytes)
 
-    def prepare_programs(self, plan: ExecutionPlan) -> dict[Any, Any]:
+    def prepare_programs(self, plan: ExecutionPlan, changed_only: bool = True) -> dict[Any, Any]:
         """The training and scoring programs ``plan`` needs, lowered and compiled for its shardings ahead of
         time from the input signatures of the steps run so far (a stage whose devices and layout stay keeps
-        its programs). Touches nothing: safe on a background thread while the current plan keeps stepping."""
+        its programs; ``changed_only=False`` compiles those too, e.g. to read the current plan's compiled
+        programs). Touches nothing: safe on a background thread while the current plan keeps stepping."""
         _check_plan_devices(plan, len(self.devices))
         _check_rows(plan, self.rows, self.mini_rows)
         programs = {}
         for (kind, ms, *rest), signature in list(self.signatures.items()):
-            if ms not in plan or (ms in self.plan and plan[ms] == self.plan[ms]):
+            if ms not in plan or (changed_only and ms in self.plan and plan[ms] == self.plan[ms]):
                 continue  # same devices and layout: the current programs run as they are
             mesh = _plan_mesh(plan[ms], self.devices)
             accum = self.accum(kind, plan[ms].dp)

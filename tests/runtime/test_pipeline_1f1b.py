@@ -142,7 +142,7 @@ def _run(overrides, warm):
     job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
     try:
         metrics = [job.step(s).metrics for s in range(3)]
-        programs = job.prepare(job.plan).programs  # the train program, compiled ahead as a plan change would
+        programs = job.stages.prepare_programs(job.plan, changed_only=False)  # compiled ahead, as a move would
         hlo = [c.as_text() for key, c in programs.items() if key[0] == "train"]
         return metrics, job.actor_host_params(), hlo, job.plan
     finally:
@@ -154,25 +154,38 @@ def flat(warm4):
     return _run([], warm4)
 
 
-@pytest.mark.long  # ~35 s for the pp = 1 job, ~12 s per pipelined one
+@pytest.mark.long  # ~35 s for the pp = 1 job, ~12 s per pipelined run
 @pytest.mark.parametrize("pp", [2, 4])
 def test_job_with_pp_trains_as_pp1_with_1f1b(warm4, flat, pp):
-    """GRPO with actor-train and ref-infer at pp (dp = 8 / pp), 1F1B training: for 3 steps the losses (and kl,
-    reward, gradient norm) equal the pp = 1 job's within 1e-5, so do the actor's parameters after them, and the
-    compiled train program is the pipelined one.
+    """GRPO with actor-train and ref-infer at pp (dp = 8 / pp), 1F1B training, against the pp = 1 job: the
+    compiled train program is the pipelined one; the first step (same parameters in) gives the same loss, kl,
+    reward and gradient norm within 1e-5; over 3 steps the metrics and the actor's parameters stay within
+    1e-5 of the pp = 1 job's, or within 4x of where GPipe (the other valid reduction order of the same
+    pipeline) lands, whichever is larger.
 
-    The parameter check is the data-sensitive one: AdamW's update g / (|g| + eps) divides a coordinate's
-    gradient by itself, so where a gradient is within ~10 eps of 0 the float noise of another reduction order
-    (any micro-batch split, GPipe's too) can move the update by a good part of lr. If this fails on a few
-    elements, check their first-step gradients before suspecting the schedule."""
+    Why the GPipe envelope after the first step: AdamW's update g / (|g| + eps) divides a coordinate's gradient
+    by itself, so where a gradient is within ~10 eps of 0 the float noise of any other reduction order (another
+    micro-batch split, GPipe's too) moves the update by a good part of lr, and the next steps' metrics with it
+    (measured: step 1's gradient norm 8.47917 at pp = 1, 8.47916 under GPipe, 8.47915 under 1F1B; the first
+    step's agree within 5e-7). A schedule bug (a wrong tick, a dropped micro-batch, optimizer state on the wrong
+    stage) moves them by orders of magnitude more."""
     stages = [f"plan.stages.{s}.{key}={v}" for s in ("actor-train", "ref-infer")
               for key, v in (("pp", pp), ("dp", 8 // pp))]
     metrics, params, hlo, plan = _run(stages + ["trainer.pipeline_schedule=1f1b"], warm4)
+    gp_metrics, gp_params, _, _ = _run(stages + ["trainer.pipeline_schedule=gpipe"], warm4)
     ref_metrics, ref_params, ref_hlo, _ = flat
     assert {str(ms): sp.layout.pp for ms, sp in plan.items()} == {"actor-gen": 1, "ref-infer": pp, "actor-train": pp}
     assert hlo and all("collective-permute" in h for h in hlo)
     assert not any("collective-permute" in h for h in ref_hlo)
-    for a, b in zip(metrics, ref_metrics, strict=True):
-        for key in ("loss", "kl", "reward_mean", "grad_norm"):
-            assert abs(a[key] - b[key]) < 1e-5, (key, a[key], b[key])
-    jax.tree.map(_close, params, ref_params)
+    keys = ("loss", "kl", "reward_mean", "grad_norm")
+    for key in keys:
+        assert abs(metrics[0][key] - ref_metrics[0][key]) < 1e-5, (key, metrics[0][key], ref_metrics[0][key])
+    for step, (a, g, b) in enumerate(zip(metrics, gp_metrics, ref_metrics, strict=True)):
+        for key in keys:
+            assert abs(a[key] - b[key]) <= max(1e-5, 4 * abs(g[key] - b[key])), (step, key, a[key], g[key], b[key])
+
+    def close(a, g, b):
+        a, g, b = (np.asarray(x) for x in (a, g, b))
+        assert np.max(np.abs(a - b)) <= max(1e-5, 4 * float(np.max(np.abs(g - b))))
+
+    jax.tree.map(close, params, gp_params, ref_params)
