@@ -16,7 +16,9 @@ One :class:`Pricing` object serves the running job (``runtime.job_pricer``) and 
 - a memory per layout: the last measurements of every (model-stage, call) the job has run. One that has
   left the window is priced by the fit times its remembered measured / predicted ratio (a bias the shared
   efficiencies do not capture, e.g. a pipeline schedule the model prices optimistically), and counts as
-  measured in a gain's uncertainty: coming back to a layout it ran, the controller knows what it costs.
+  measured in a gain's uncertainty: coming back to a layout it ran, the controller knows what it costs;
+- a planning problem's options re-ranked for the risk of extrapolating to layouts the job has not measured
+  (:meth:`Pricing.risk_adjusted`), so the planner can also name the plan that is fast by what was measured.
 
 Plans are anything mapping model-stage -> stage plan with ``devices`` (an ``ExecutionPlan``); choices map
 every priced model-stage (riders too) to its :class:`~nereus_jax.elastic.costs.StageChoice`.
