@@ -135,6 +135,12 @@ class Pricing:
         ``stage`` on (0 when it has measured none: the prior's uncertainty covers an unmeasured stage)."""
         return self._distance(stage, choice.tp, choice.pp)
 
+    def all_measured(self, choices: Mapping[str, StageChoice]) -> bool:
+        """Whether every model-stage of ``choices`` runs at a layout the job measured it on (or one it has not
+        measured at all): then no option of that plan is penalised by :meth:`risk_adjusted`, and a search over
+        the re-ranked options finds it again."""
+        return all(self.layout_distance(s, c) == 0 for s, c in choices.items())
+
     def _distance(self, stage: str, tp: int, pp: int) -> float:
         seen = self._layouts.get(stage)
         if not seen:

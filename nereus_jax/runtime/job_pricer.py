@@ -176,7 +176,8 @@ class JobPricer:
         plans = [r.plan for r in self._planned(obs, workload)]
         if plans:
             plans += partial_moves(obs.plan, plans[0])
-        plans += self._measured_plan(obs, workload)
+            if not self.pricing.all_measured(self.pricing.choices(plans[0], workload)):
+                plans += self._measured_plan(obs, workload)
         # plans the job ran on devices it still has: the per-layout memory prices them as measured
         plans += [p for p in self._ran if set(p.devices) <= set(obs.devices)]
         with contextlib.suppress(ConfigError):  # the configured layouts on the devices present: a candidate
@@ -212,7 +213,8 @@ class JobPricer:
     def _measured_plan(self, obs: Observation, workload: Workload) -> list[ExecutionPlan]:
         """The planner's best plan with options ranked by seconds plus the uncertainty of extrapolating from
         the layouts the job has measured (``Pricing.risk_adjusted``): the fast plan by what the job knows.
-        Empty before anything was measured, in async mode, or when nothing fits."""
+        Empty before anything was measured, in async mode, or when nothing fits; asked only when the planner's
+        best runs a layout the job has not measured (else it is that plan)."""
         if self.async_mode or not self.pricing.measured_layouts:
             return []
         try:

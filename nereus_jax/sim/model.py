@@ -119,8 +119,12 @@ class PlanningModel:
     def measured_plan(self, wl: Workload, pool: tuple[int, ...]) -> tuple[SimPlan, ...]:
         """The planner's best plan when options are ranked by seconds plus the uncertainty of extrapolating
         from the layouts this run has measured (:meth:`Pricing.risk_adjusted`); () before any was measured or
-        when nothing fits. Not cached: it depends on the layouts measured, and re-plans are rare."""
+        when nothing fits, or when the planner's best already runs only measured layouts (the same plan).
+        Not cached: it depends on the layouts measured, and re-plans are rare."""
         if self.layouts is not None or not self.pricing.measured_layouts:
+            return ()
+        best = self.plans(wl, pool)
+        if best and self.pricing.all_measured(dict(best[0].choices)):
             return ()
         try:
             result = self.planner(self.snapshot()).plan(

@@ -70,8 +70,9 @@ def test_a_device_leaving_moves_the_job_off_it_and_loses_no_sample(device_leaves
 def test_the_controller_is_offered_the_plan_fast_by_what_the_job_measured(device_leaves, monkeypatch):
     """Beside the planner's fastest plans, the job's candidates hold the best plan under the options as
     ``Pricing.risk_adjusted`` ranks them (seconds plus the extrapolation sd of the layouts the job has not
-    measured). Here the ranking is replaced by its reverse, so that plan is one the plain planner never
-    offers; reference: the planner's plan on those options."""
+    measured), unless the planner's best already runs only measured layouts (then that search would find it
+    again). Here the ranking is replaced by its reverse, so that plan is one the plain planner never offers;
+    reference: the planner's plan on those options."""
     job, adapter, _, _ = device_leaves
     pricer = adapter.pricer
     assert pricer.pricing.measured_layouts  # the job measured its stages
@@ -88,6 +89,9 @@ def test_the_controller_is_offered_the_plan_fast_by_what_the_job_measured(device
     slow = pricer.planner.plan(pricer.pricing.models, job.cfg.algorithm.name, pricer.workload, devices,
                                topology=pricer.topology, options=lambda p: reverse(p.options(), UNCERTAINTY_Z)).plan
     assert slow not in {plain.plan, *(r.plan for r in plain.runners_up)}
+    assert pricer.pricing.all_measured(pricer.pricing.choices(plain.plan, pricer.workload))  # tp 1 everywhere
+    assert slow not in {c.plan for c in pricer.candidates(obs)}  # no second search
+    monkeypatch.setattr(pricer.pricing, "all_measured", lambda choices: False)  # as if it extrapolated
     assert slow in {c.plan for c in pricer.candidates(obs)}
 
 
