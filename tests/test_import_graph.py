@@ -58,7 +58,8 @@ PLANNING = (
 
 # Metadata: importing these loads no JAX. Model-stages, layouts, execution plans, and the transition graph
 # built from plans and state sizes (only the executor runs it on arrays).
-METADATA = ("nereus_jax.model_stage", "nereus_jax.layout", "nereus_jax.elastic.plan", "nereus_jax.elastic.state_bytes",
+METADATA = ("nereus_jax.model_stage", "nereus_jax.layout", "nereus_jax.vocab_chunks", "nereus_jax.elastic.plan",
+            "nereus_jax.elastic.state_bytes",
             "nereus_jax.elastic.primitives", "nereus_jax.elastic.factor", "nereus_jax.elastic.recipe",
             "nereus_jax.elastic.ledger", "nereus_jax.elastic.schedule", "nereus_jax.elastic.graph")
 

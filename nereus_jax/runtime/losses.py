@@ -12,6 +12,7 @@ compiles its body once, so the program does not grow with mini_batches x epochs)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -22,14 +23,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nereus_jax.config import AlgorithmConfig, ModelConfig
 from nereus_jax.models import forward
+from nereus_jax.models.vocab import DEFAULT_VOCAB_CHUNK, head_logprobs
 from nereus_jax.rl.algorithms import (
     aggregate,
-    entropy_from_logits,
     kl_estimate,
     masked_mean,
     policy_loss,
     settings,
-    token_logprobs,
     value_loss,
 )
 from nereus_jax.sharding import pipeline as pipe
@@ -48,10 +48,10 @@ def response_logits(params, cfg: ModelConfig, tokens_bl, mask_bl, prompt_len: in
 
 
 def response_logprobs(params, cfg: ModelConfig, tokens_bl, mask_bl, prompt_len: int,
-                      forward_fn: ForwardFn = forward) -> jax.Array:
+                      forward_fn: ForwardFn = forward, *, vocab_chunk: int = DEFAULT_VOCAB_CHUNK) -> jax.Array:
     """log p(response token t | everything before it), [b, R] (the actor-infer and ref-infer output)."""
-    logits = response_logits(params, cfg, tokens_bl, mask_bl, prompt_len, forward_fn)
-    return token_logprobs(logits, tokens_bl[:, prompt_len:])
+    mb = {"tokens": tokens_bl, "mask": mask_bl}
+    return response_stats(params, cfg, mb, prompt_len, forward_fn, vocab_chunk=vocab_chunk)[0]
 
 
 def response_values(params, cfg: ModelConfig, tokens_bl, mask_bl, prompt_len: int,
@@ -69,18 +69,19 @@ def sequence_scores(params, cfg: ModelConfig, tokens_bl, mask_bl, forward_fn: Fo
 
 
 def response_stats(params, cfg: ModelConfig, mb: dict, prompt_len: int, forward_fn: ForwardFn = forward, *,
-                   entropy: bool = False) -> tuple[jax.Array, jax.Array | None]:
+                   entropy: bool = False, vocab_chunk: int = DEFAULT_VOCAB_CHUNK) -> tuple[jax.Array, jax.Array | None]:
     """Each response token's log-prob [b, R] (and entropy [b, R] with ``entropy``) from a micro-batch, padded
-    (``tokens`` / ``mask`` [b, P + R]) or packed (:func:`split_packed`), in the padded batch's layout."""
+    (``tokens`` / ``mask`` [b, P + R]) or packed (:func:`split_packed`), in the padded batch's layout. The
+    output head runs over ``vocab_chunk``-wide vocabulary chunks (:func:`~nereus_jax.models.vocab.head_logprobs`;
+    0: the whole logits tensor at once), so no call holds ``tokens x vocab`` logits or their gradient."""
+    stats = functools.partial(head_logprobs, params, vocab_chunk=vocab_chunk, entropy=entropy)
     if "packed_tokens" not in mb:
-        logits = response_logits(params, cfg, mb["tokens"], mb["mask"], prompt_len, forward_fn)
-        logp = token_logprobs(logits, mb["tokens"][:, prompt_len:])
-        return logp, entropy_from_logits(logits) if entropy else None
-    logits = _packed_forward(params, cfg, mb, forward_fn)  # [dp, rows * L, vocab]
+        hidden = forward_fn(params, cfg, mb["tokens"], None, mb["mask"], return_hidden=True)[:, prompt_len - 1: -1]
+        return stats(hidden, mb["tokens"][:, prompt_len:])
+    hidden = _packed_forward(params, cfg, mb, forward_fn, return_hidden=True)  # [dp, rows * L, embed]
     # the output at each column predicts the next column's token (a row's last column is never gathered)
-    logp = token_logprobs(logits, jnp.roll(mb["packed_tokens"], -1, axis=-1).reshape(logits.shape[:2]))
-    ent = _unpack(entropy_from_logits(logits), mb["unpack_index"]) if entropy else None
-    return _unpack(logp, mb["unpack_index"]), ent
+    logp, ent = stats(hidden, jnp.roll(mb["packed_tokens"], -1, axis=-1).reshape(hidden.shape[:2]))
+    return _unpack(logp, mb["unpack_index"]), _unpack(ent, mb["unpack_index"]) if entropy else None
 
 
 def stage_values(params, cfg: ModelConfig, mb: dict, prompt_len: int, forward_fn: ForwardFn = forward) -> jax.Array:
@@ -111,12 +112,13 @@ def split_packed(data: dict, layout, mini: int | None = None) -> dict:
     return split_minibatches(fields, mini, layout.accum) | packed
 
 
-def _packed_forward(params, cfg: ModelConfig, mb: dict, forward_fn: ForwardFn) -> jax.Array:
+def _packed_forward(params, cfg: ModelConfig, mb: dict, forward_fn: ForwardFn, *,
+                    return_hidden: bool = False) -> jax.Array:
     """The forward over a micro-batch's packed rows ``[dp, rows, L]``, as ``[dp, rows * L, ...]``."""
     dp, rows, width = mb["packed_tokens"].shape
     flat = lambda x: x.reshape(dp * rows, width)  # noqa: E731
     out = forward_fn(params, cfg, flat(mb["packed_tokens"]), flat(mb["packed_positions"]), None,
-                     segment_ids_bt=flat(mb["segment_ids"]))
+                     return_hidden=return_hidden, segment_ids_bt=flat(mb["segment_ids"]))
     return out.reshape(dp, rows * width, *out.shape[2:])
 
 
@@ -127,15 +129,18 @@ def _unpack(x: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, index.reshape(dp, -1), axis=1).reshape(index.shape)
 
 
-def actor_loss(cfg: ModelConfig, algo: AlgorithmConfig, prompt_len: int, forward_fn: ForwardFn = forward) -> LossFn:
+def actor_loss(cfg: ModelConfig, algo: AlgorithmConfig, prompt_len: int, forward_fn: ForwardFn = forward, *,
+               vocab_chunk: int = DEFAULT_VOCAB_CHUNK) -> LossFn:
     """The algorithm's clipped policy loss (token or GSPO's sequence ratio, asymmetric clipping, aggregated by
     ``algorithm.loss_agg``), minus the entropy bonus, plus the KL term when it is not in the reward; the
-    entropy and KL terms are aggregated like the policy loss. ``mb["denom"]`` / ``mb["seq_denom"]``: the
+    entropy and KL terms are aggregated like the policy loss; log-probs and entropy over ``vocab_chunk``-wide
+    vocabulary chunks (:func:`response_stats`). ``mb["denom"]`` / ``mb["seq_denom"]``: the
     (mini-)batch's tokens / sequences (absent: the micro-batch's own)."""
     s = settings(algo, max_response_length=0)  # the loss reads no length-derived setting
 
     def loss(params, mb):
-        logp, entropy = response_stats(params, cfg, mb, prompt_len, forward_fn, entropy=bool(algo.entropy_coef))
+        logp, entropy = response_stats(params, cfg, mb, prompt_len, forward_fn, entropy=bool(algo.entropy_coef),
+                                       vocab_chunk=vocab_chunk)
         mask, denom, seq_denom = mb["response_mask"], mb.get("denom"), mb.get("seq_denom")
         pl = policy_loss(logp, mb["old_logp"], mb["advantages"], mask, s.clip_low, s.clip_high, agg=s.loss_agg,
                          level=s.ratio_level, denom=denom, seq_denom=seq_denom)
@@ -164,10 +169,11 @@ def critic_loss(cfg: ModelConfig, algo: AlgorithmConfig, prompt_len: int, forwar
     return loss
 
 
-def sft_loss(cfg: ModelConfig, prompt_len: int, forward_fn: ForwardFn = forward) -> LossFn:
+def sft_loss(cfg: ModelConfig, prompt_len: int, forward_fn: ForwardFn = forward, *,
+             vocab_chunk: int = DEFAULT_VOCAB_CHUNK) -> LossFn:
     """Supervised next-token loss on the response (reference answer) tokens only."""
     def loss(params, mb):
-        logp, _ = response_stats(params, cfg, mb, prompt_len, forward_fn)
+        logp, _ = response_stats(params, cfg, mb, prompt_len, forward_fn, vocab_chunk=vocab_chunk)
         nll = -masked_mean(logp, mb["response_mask"], denom=mb["denom"])
         return nll, {"sft_loss": nll}
 

@@ -27,6 +27,7 @@ from nereus_jax.config import Config, ModelConfig
 from nereus_jax.elastic.topology import accumulation_steps
 from nereus_jax.rl.batch import left_pad, right_pad
 from nereus_jax.rl.tasks import Problem
+from nereus_jax.runtime.initial_plan import with_micro_batch_tokens
 from nereus_jax.runtime.losses import (
     make_optimizer,
     make_train_step,
@@ -106,9 +107,9 @@ def run_sft(params: dict, cfg: Config, task, tokenizer, mesh: Mesh,
     t, m = cfg.trainer, cfg.model
     P, R = cfg.rollout.max_prompt_length, cfg.rollout.max_response_length
     dp = mesh.shape.get("dp", 1)
-    opt, step = _sft_program(m, P, t.sft_lr)
+    opt, step = _sft_program(m, P, t.sft_lr, t.vocab_chunk)
     opt_state = opt.init(params)
-    accum = accumulation_steps(t.sft_batch, dp, P + R, t.micro_batch_tokens)
+    accum = accumulation_steps(t.sft_batch, dp, P + R, with_micro_batch_tokens(cfg).trainer.micro_batch_tokens)
     target = t.warmup_target_accuracy if max_seconds is None else 0.0
     valid = encode_sft([task.problem(VALIDATION_OFFSET + j) for j in range(256)], tokenizer, P, R,
                        cfg.task) if target else None
@@ -127,11 +128,12 @@ def run_sft(params: dict, cfg: Config, task, tokenizer, mesh: Mesh,
 
 
 @functools.lru_cache(maxsize=8)
-def _sft_program(cfg: ModelConfig, prompt_len: int, lr: float):
+def _sft_program(cfg: ModelConfig, prompt_len: int, lr: float, vocab_chunk: int):
     """One jitted supervised step per (model, prompt length, lr), shared by the warm start and the SFT
     control so the control does not compile it again."""
     opt = make_optimizer(lr)
-    return opt, jax.jit(make_train_step(sft_loss(cfg, prompt_len), opt, cfg), donate_argnums=(0, 1))
+    return opt, jax.jit(make_train_step(sft_loss(cfg, prompt_len, vocab_chunk=vocab_chunk), opt, cfg),
+                        donate_argnums=(0, 1))
 
 
 def cached_warm_start(params: dict, cfg: Config, task, tokenizer, mesh: Mesh, cache_dir: str,

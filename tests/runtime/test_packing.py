@@ -95,12 +95,14 @@ def test_bad_rows_are_refused():
     AlgorithmConfig(name="gspo", kl_in_reward=False),
     AlgorithmConfig(name="dr_grpo"),
 ], ids=lambda a: a.name)
-def test_packed_loss_and_gradients_equal_the_padded_batch(algo):
+@pytest.mark.parametrize("vocab_chunk", [0, 32], ids=["whole-vocab", "vocab-chunks"])
+def test_packed_loss_and_gradients_equal_the_padded_batch(algo, vocab_chunk):
     """Token-mean (ppo, with entropy), seq-mean-token-mean (grpo, with the KL loss), GSPO's sequence ratio and
-    Dr.GRPO's constant normaliser: loss and every gradient leaf within 1e-5 of the padded micro-batch."""
+    Dr.GRPO's constant normaliser: loss and every gradient leaf within 1e-5 of the padded micro-batch, with the
+    whole logits tensor and over vocabulary chunks (128 ids in 4 chunks)."""
     params = init_params(CFG, seed=0)
     batch = _batch(4)
-    loss = losses.actor_loss(CFG, algo, P)
+    loss = losses.actor_loss(CFG, algo, P, vocab_chunk=vocab_chunk)
     padded = jax.tree.map(lambda x: x[0, 0], losses.split_minibatches(batch, 1, 1))
     layout, host = _packed(batch, mini=1, dp=1, budget_rows=16, quantum=1)
     assert layout.accum == 1
