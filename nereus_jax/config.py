@@ -44,6 +44,7 @@ from nereus_jax._typed_tree import (
     unknown_name_error,
 )
 from nereus_jax.model_stage import STAGE_NAMES  # re-exported: the keys of plan.stages
+from nereus_jax.vocab_chunks import DEFAULT_VOCAB_CHUNK
 
 _PRESET_KEYS = ("model", "model.preset")
 _WANDB_PROJECT_FORBIDS = "/\\#?%:"  # wandb.init rejects these in a project name (its settings' validate_project)
@@ -351,7 +352,13 @@ class TrainerConfig(_Node):
 
     steps: int = 20
     prompts_per_step: int = 32
-    micro_batch_tokens: int = _field(4096, "token budget per forward/backward micro-batch")
+    micro_batch_tokens: int | None = _field(
+        None, "token budget per scoring/training micro-batch; null: the largest of 4096, 2048, ... (down to one "
+              "row) whose predicted peak memory fits the devices under the starting plan")
+    vocab_chunk: int = _field(
+        DEFAULT_VOCAB_CHUNK, "vocabulary chunk of the output head in scoring and training: log-probs, entropy and "
+                             "their gradient run over chunks of about this many ids with a running log-sum-exp, so "
+                             "no call holds tokens x vocab logits (0 = the whole logits tensor at once)")
     actor_lr: float = 1e-5
     critic_lr: float = 1e-5
     mini_batches: int = _field(
@@ -386,10 +393,12 @@ class TrainerConfig(_Node):
     sft_control: bool = _field(True, "after RL, also run the supervised phase for the same wall time (information)")
 
     def __post_init__(self) -> None:
-        _check_positive("trainer", self, "prompts_per_step", "micro_batch_tokens", "sft_batch")
+        _check_positive("trainer", self, "prompts_per_step", "sft_batch")
+        if self.micro_batch_tokens is not None:
+            _check_positive("trainer", self, "micro_batch_tokens")
         names = ("steps", "actor_lr", "critic_lr", "max_staleness", "warmup_sft_steps", "sft_lr",
                  "warmup_target_accuracy")
-        _check_at_least("trainer", self, 0, *names)
+        _check_at_least("trainer", self, 0, *names, "vocab_chunk")
         _check_positive("trainer", self, "sync_every", "importance_clip", "max_nonfinite_steps", "mini_batches",
                         "ppo_epochs")
         require(self.sync_every <= self.max_staleness + 1,

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 from nereus_jax.config import PIPELINE_SCHEDULES
 from nereus_jax.rl.registry import algorithm_spec
+from nereus_jax.vocab_chunks import DEFAULT_VOCAB_CHUNK
 
 
 class WorkloadError(ValueError):
@@ -68,7 +69,8 @@ class Workload:
     trainer.ppo_epochs), each on ``train_sequences``: the cost model prices each update's calls, optimizer
     step and gradient all-reduce, and a micro-batch divides one mini-batch. ``pipeline_schedule``
     (trainer.pipeline_schedule): how a training stage with pp > 1 runs, 1F1B or GPipe, which sets its
-    activation memory and work per micro-batch.
+    activation memory and work per micro-batch. ``vocab_chunk`` (trainer.vocab_chunk): the output head's
+    vocabulary chunk in scoring and training (0: whole logits), which sets its working set and its work.
     """
 
     prompts_per_step: int
@@ -80,6 +82,7 @@ class Workload:
     mini_batches: int = 1
     epochs: int = 1
     pipeline_schedule: str = "1f1b"
+    vocab_chunk: int = DEFAULT_VOCAB_CHUNK
 
     def __post_init__(self) -> None:
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
@@ -88,6 +91,8 @@ class Workload:
         for name in ("prompts_per_step", "samples_per_prompt", "mini_batches", "epochs"):
             if getattr(self, name) < 1:
                 raise WorkloadError(f"workload.{name} must be >= 1, got {getattr(self, name)}")
+        if self.vocab_chunk < 0:
+            raise WorkloadError(f"workload.vocab_chunk must be >= 0 (0 = whole logits), got {self.vocab_chunk}")
         if self.sequences % self.mini_batches:
             raise WorkloadError(f"workload.mini_batches={self.mini_batches} does not divide the step's "
                                 f"{self.sequences} sequences")
@@ -126,6 +131,13 @@ class Workload:
         """Longest prompt + longest response: the context a KV slot or a micro-batch row must hold."""
         return self.prompt_length.max + self.response_length.max
 
+    @property
+    def head_tokens(self) -> float:
+        """Positions of a scoring/training row the output head runs on: the response (a padded row's hidden
+        states are cut to it first; the longest response sets the shape), or every position of a packed row
+        (its mean)."""
+        return self.mean_tokens if self.packed else float(self.response_length.max)
+
     def with_response_length(self, stats: LengthStats) -> Workload:
         """The same step with another response-length distribution (length drift)."""
         return replace(self, response_length=stats)
@@ -133,10 +145,10 @@ class Workload:
     @classmethod
     def fixed(cls, prompts: int, prompt_length: int, response_length: int, samples_per_prompt: int = 1,
               greedy_baseline: bool = False, packed: bool = False, mini_batches: int = 1,
-              epochs: int = 1, pipeline_schedule: str = "1f1b") -> Workload:
+              epochs: int = 1, pipeline_schedule: str = "1f1b", vocab_chunk: int = DEFAULT_VOCAB_CHUNK) -> Workload:
         """Every prompt and every response of one length."""
         return cls(prompts, LengthStats.fixed(prompt_length), LengthStats.fixed(response_length),
-                   samples_per_prompt, greedy_baseline, packed, mini_batches, epochs, pipeline_schedule)
+                   samples_per_prompt, greedy_baseline, packed, mini_batches, epochs, pipeline_schedule, vocab_chunk)
 
     @classmethod
     def from_lengths(cls, prompt_lengths: Sequence[int], response_lengths: Sequence[int],
@@ -157,4 +169,5 @@ class Workload:
         return cls.fixed(config.trainer.prompts_per_step, config.rollout.max_prompt_length,
                          config.rollout.max_response_length, config.rollout.samples_per_prompt, greedy,
                          packed=config.trainer.packing, mini_batches=config.trainer.mini_batches,
-                         epochs=config.trainer.ppo_epochs, pipeline_schedule=config.trainer.pipeline_schedule)
+                         epochs=config.trainer.ppo_epochs, pipeline_schedule=config.trainer.pipeline_schedule,
+                         vocab_chunk=config.trainer.vocab_chunk)

@@ -40,6 +40,7 @@ from nereus_jax.elastic.workload import LengthStats, Workload, WorkloadError
 from nereus_jax.model_stage import StageError
 from nereus_jax.models import abstract_params, count_params, param_axes
 from nereus_jax.sharding import Layout, LayoutError, check_layout, logical_to_spec, stored_shapes
+from nereus_jax.vocab_chunks import chunk_width
 
 # A small config whose counts are easy by hand: d=64, 4 heads of 16, 2 kv heads, mlp 256, 2 layers, vocab 128.
 SMALL = ModelConfig(name="small", vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -118,7 +119,8 @@ def test_train_step_is_three_forwards_and_remat_four():
     attn = SMALL.num_layers * attention_flops(SMALL, 1, s, s, fused=True)
     for remat, passes in ((False, 3), (True, 4)):
         b = stage_latency(SMALL, "actor-train", StageChoice(1, 1, 1, 4, remat), wl, COMPUTE_ONLY, ONES)
-        head = 3 * 4 * s * 2 * SMALL.hidden_size * SMALL.vocab_size  # the head is not recomputed
+        # the head runs on the 40 response positions and is not recomputed (128 ids fit one vocabulary chunk)
+        head = 3 * 4 * 40 * 2 * SMALL.hidden_size * SMALL.vocab_size
         assert b.gemm * COMPUTE_ONLY.peak_flops == pytest.approx(passes * 4 * s * (per_token - 2 * 64 * 128) + head)
         assert b.attention * COMPUTE_ONLY.peak_flops == pytest.approx(passes * 4 * attn)
 
@@ -131,7 +133,7 @@ def test_train_moves_its_saved_activations_and_infer_does_not():
     wl = Workload.fixed(4, 24, 40)
     s = wl.max_tokens
     layer = s * layer_activation_bytes_per_token(SMALL, 1, SMALL.compute_dtype)
-    saved = 4 * (SMALL.num_layers * layer + s * SMALL.vocab_size * 4.0)  # + the lm head's float32 logits
+    saved = 4 * (SMALL.num_layers * layer + 40 * SMALL.vocab_size * 4.0)  # + the lm head's float32 logits
     train = call_latency(SMALL, "actor-train", 1, 1, 4, False, wl, hw, ONES, 1)
     assert train.memory * hw.memory_bandwidth == pytest.approx(2 * saved)
     assert call_latency(SMALL, "actor-infer", 1, 1, 4, False, wl, hw, ONES, 1).memory == 0.0
@@ -148,7 +150,7 @@ def test_pipeline_bubble_gpipe():
     # split over 2 stages, so every stage runs the head on all 8 rows (sharding.pipeline's hand-off)
     call = call_latency(SMALL, "actor-infer", 1, 2, 8, False, wl, COMPUTE_ONLY, ONES, 2)
     tick = s * layer_flops_per_token(SMALL, 1) * 1
-    head = 8 * s * 2 * SMALL.hidden_size * SMALL.vocab_size
+    head = 8 * 40 * 2 * SMALL.hidden_size * SMALL.vocab_size  # the head runs on the 40 response positions
     assert call.gemm * COMPUTE_ONLY.peak_flops == pytest.approx(9 * tick + head)
     bubble = (9 - 8) / 9  # (pp - 1) / (m + pp - 1)
     useful = 8 * tick / (9 * tick)
@@ -170,7 +172,7 @@ def test_pipeline_training_prices_the_schedule_that_runs(schedule):
     call = call_latency(SMALL, "actor-train", 1, 2, 16, False, wl, COMPUTE_ONLY, ONES, 2)
     tick = s * layer_flops_per_token(SMALL, 1) * 2  # one layer a stage, two rows
     passes, head_rows = (4, 16) if schedule == "1f1b" else (3, 16 / 2)
-    head = 3 * head_rows * s * 2 * SMALL.hidden_size * SMALL.vocab_size
+    head = 3 * head_rows * 40 * 2 * SMALL.hidden_size * SMALL.vocab_size  # on the 40 response positions
     assert call.gemm * COMPUTE_ONLY.peak_flops == pytest.approx(passes * 9 * tick + head)
     shared = dataclasses.replace(COMPUTE_ONLY, shared_compute=True)
     call = call_latency(SMALL, "actor-train", 1, 2, 16, False, wl, shared, ONES, 2)
@@ -184,12 +186,14 @@ def test_pipeline_training_memory_follows_the_schedule():
     activations, and the last stage makes the logits of one micro-batch at a time."""
     hw = get_hardware("h100")
     choice = StageChoice(1, 2, 1, 16)
-    gpipe, one = (working_bytes(LLAMA8B, "actor-train", choice, Workload.fixed(16, 512, 512, pipeline_schedule=s),
-                                hw) for s in ("gpipe", "1f1b"))
+    gpipe, one = (working_bytes(LLAMA8B, "actor-train", choice, Workload.fixed(16, 512, 512, pipeline_schedule=s,
+                                                                              vocab_chunk=0), hw)
+                  for s in ("gpipe", "1f1b"))
     s, layers, rows = 1024, LLAMA8B.num_layers / 2, 2
     per_row = s * layer_activation_bytes_per_token(LLAMA8B, 1, LLAMA8B.compute_dtype)
     stage_input = s * LLAMA8B.hidden_size * 2  # bfloat16
-    logits = 3 * s * LLAMA8B.vocab_size * 4.0  # float32 logits, log-probs and their gradient, per row
+    # float32 logits, their softmax and gradient, per row, on its 512 response positions (whole vocabulary)
+    logits = 3 * 512 * LLAMA8B.vocab_size * 4.0
     gpipe_part = layers * 9 * rows * per_row + logits * 16 / 2
     one_part = 3 * rows * stage_input + layers * rows * per_row + logits * rows
     assert gpipe - one == pytest.approx(gpipe_part - one_part)
@@ -198,6 +202,20 @@ def test_pipeline_training_memory_follows_the_schedule():
     flat = [working_bytes(LLAMA8B, "actor-train", StageChoice(1, 1, 1, 8), Workload.fixed(8, 512, 512,
                           pipeline_schedule=s), hw) for s in ("gpipe", "1f1b")]
     assert flat[0] == flat[1]
+
+
+def test_head_working_set_follows_the_vocabulary_chunk():
+    """Over vocabulary chunks the head holds [positions, chunk width / tp] arrays (2 scoring, 4 training: see
+    memory._HEAD_ARRAYS), not [positions, vocab]: for Llama 3.1's 128,256 ids at the default 8,192, 8,016-id
+    chunks. The difference between chunked and whole-vocabulary working sets is exactly the head's."""
+    hw, choice = get_hardware("h100"), StageChoice(2, 1, 1, 8)
+    for stage, arrays in (("actor-infer", (1, 2)), ("actor-train", (3, 4))):
+        whole, chunked = (working_bytes(LLAMA8B, stage, choice, Workload.fixed(8, 512, 1024, vocab_chunk=c), hw)
+                          for c in (0, 8192))
+        positions = 8 * 1024  # the response positions of the call's 8 rows
+        assert chunk_width(LLAMA8B.vocab_size, 8192) == 8016
+        expected = positions * 4.0 / 2 * (arrays[0] * LLAMA8B.vocab_size - arrays[1] * 8016)
+        assert whole - chunked == pytest.approx(expected)
 
 
 def test_workload_takes_the_configured_schedule_and_rejects_others():

@@ -8,8 +8,9 @@ memory-bound (decode, small calls) the roofline takes the larger side and charge
   ``choice.micro_batch``; steps = max(longest response, sequences x mean response / slots); plus the
   per-step weight sync from actor-train for the actor.
 - infer: calls of ``micro_batch`` sequences; each call a GPipe pass of m + pp - 1 ticks; the output head
-  runs after the stack, data-parallel over pp when each micro-batch's rows divide by pp, else on every
-  stage over the whole call (as ``sharding.pipeline`` does).
+  runs after the stack on the response positions (``Workload.head_tokens``), data-parallel over pp when each
+  micro-batch's rows divide by pp, else on every stage over the whole call (as ``sharding.pipeline`` does);
+  over vocabulary chunks a training backward recomputes the head's logits (4 head passes, not 3).
 - train: per optimizer update (mini-batches x epochs of them a step, each over one mini-batch), the same
   calls with forward + backward = 3 x forward FLOPs (4 x with remat), TP all-reduces
   4 per layer (6 with remat), the saved activations written by the forward and read back by the
@@ -224,7 +225,7 @@ def _head_pass(x: _Ctx, acc: _Acc, rows: float, passes: float, split, alone: boo
     vocab-parallel reductions. ``alone`` (1F1B): the last stage runs it inside its ticks, after the layer
     work every stage does, so on shared compute the other stages have finished their part of the tick and
     the host is shared by the last stage's devices, not by all pp stages."""
-    s = x.rows_length() / split
+    s = x.wl.head_tokens / split
     flops = passes * rows * s * counts.head_flops_per_token(x.cfg, x.tp, x.head)
     weights = x.cfg.hidden_size * x.cfg.vocab_size / x.tp * x.act_bytes if x.head == "lm" else 0.0
     scale = x.pp if alone and x.hw.shared_compute else 1
@@ -233,10 +234,16 @@ def _head_pass(x: _Ctx, acc: _Acc, rows: float, passes: float, split, alone: boo
         acc.add(COLL_INTRA, 2 * allreduce_seconds(rows * s * 4.0, x.tp, "intra", x.hw))
 
 
+def chunked_head(cfg: ModelConfig, wl: Workload) -> bool:
+    """Whether the lm head runs over vocabulary chunks (its training backward then recomputes the logits)."""
+    return 0 < wl.vocab_chunk < cfg.vocab_size
+
+
 def saved_activation_bytes(x: _Ctx, micro_batch, remat: bool, stash: bool = False) -> float:
     """Bytes one device of a train call keeps from its forward for its backward: every layer's saved
     tensors (norm, SwiGLU and residual inputs; the [t, s] scores without a fused kernel) and the lm head's
-    float32 logits; with remat, the layer inputs, then each layer's tensors again when it is recomputed.
+    float32 logits over its positions (none over vocabulary chunks: the backward recomputes them); with
+    remat, the layer inputs, then each layer's tensors again when it is recomputed.
     The forward writes them to device memory and the backward reads them back (2 x this in traffic),
     which scales with the call's tokens, not with parameters or replicas; an inference forward consumes
     its activations as it makes them. ``stash`` (1F1B): the stage's inputs are kept instead, its tensors
@@ -249,8 +256,8 @@ def saved_activation_bytes(x: _Ctx, micro_batch, remat: bool, stash: bool = Fals
     if remat:
         per_row += s * x.cfg.hidden_size * x.act_bytes
     stage_input = s * x.cfg.hidden_size * x.act_bytes if stash else 0.0
-    logits = s / (1 if stash else head_split(micro_batch, x.pp)) * x.cfg.vocab_size / x.tp * 4.0 \
-        if x.head == "lm" else 0.0
+    logits = x.wl.head_tokens / (1 if stash else head_split(micro_batch, x.pp)) * x.cfg.vocab_size / x.tp * 4.0 \
+        if x.head == "lm" and not chunked_head(x.cfg, x.wl) else 0.0  # chunked: recomputed in the backward
     return micro_batch * (x.layers * per_row + stage_input + logits)
 
 
@@ -274,8 +281,8 @@ def call_latency(cfg: ModelConfig, stage: str, tp: int, pp: int, micro_batch, re
     # on zeros anyway)
     ticks = m if recompute and hw.shared_compute else m + pp - 1
     _forward_ticks(x, acc, micro_batch / m, ticks, passes, allreduces, weight_dtype)
-    _head_pass(x, acc, micro_batch, 1.0 if kind == "infer" else 3.0, 1 if recompute else head_split(micro_batch, pp),
-               alone=recompute)
+    head_passes = 1.0 if kind == "infer" else 4.0 if chunked_head(cfg, workload) else 3.0  # chunks: recomputed
+    _head_pass(x, acc, micro_batch, head_passes, 1 if recompute else head_split(micro_batch, pp), alone=recompute)
     if kind == "train":
         acc.add(MEM, 2.0 * saved_activation_bytes(x, micro_batch, remat, stash=recompute) / x.rates[1])
     acc.add(OVERHEAD, x.launch)

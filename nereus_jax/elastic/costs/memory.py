@@ -6,13 +6,15 @@ only while it runs.
   v (and a float32 master copy when parameters are not float32). kv heads count once per stored copy.
 - working (only while the stage runs): gen: the KV cache of its decode slots at the longest context,
   slot logits, one prefill; infer: one call's hidden states, one layer's activations, attention scores
-  when materialised, float32 logits; train: gradients (twice with accumulation), the stored activations
-  of a call (remat keeps only layer inputs plus one layer recomputed), float32 logits and their gradient;
-  plus the hardware's workspace. With pp > 1 the schedule that runs (``Workload.pipeline_schedule``) sets
-  the activations: GPipe, differentiated through, keeps every tick's (m micro-batches and pp - 1 bubble
-  ticks) and runs the head over the call (rows split over pp when they divide); 1F1B keeps
-  min(m, 2 pp - 1) stashed stage inputs and one micro-batch's activations (its backward recomputes it),
-  and the last stage runs the head one micro-batch at a time.
+  when materialised, the output head's float32 working set; train: gradients (twice with accumulation),
+  the stored activations of a call (remat keeps only layer inputs plus one layer recomputed), the head's
+  working set in the backward; plus the hardware's workspace. The head runs on a row's response positions
+  (every position of a packed row) over ``Workload.vocab_chunk``-wide vocabulary chunks
+  (:mod:`nereus_jax.vocab_chunks`): :func:`head_bytes`. With pp > 1 the schedule that runs
+  (``Workload.pipeline_schedule``) sets the activations: GPipe, differentiated through, keeps every tick's
+  (m micro-batches and pp - 1 bubble ticks) and runs the head over the call (rows split over pp when they
+  divide); 1F1B keeps min(m, 2 pp - 1) stashed stage inputs and one micro-batch's activations (its backward
+  recomputes it), and the last stage runs the head one micro-batch at a time.
 
 A device's peak is the resident state of every model-stage placed on it plus the largest working set
 among them (``device_peak_bytes``); the planner keeps that under capacity x (1 - headroom).
@@ -35,6 +37,14 @@ from nereus_jax.elastic.costs.stage import (
 from nereus_jax.elastic.hardware import Hardware
 from nereus_jax.elastic.workload import Workload
 from nereus_jax.model_stage import split_stage, stage_head
+from nereus_jax.vocab_chunks import chunk_width
+
+# float32 [positions, vocab columns] arrays the lm head holds at once (XLA:CPU buffer assignment of the job's
+# programs, compiled memory_analysis: tools/bench_vocab.py): whole logits: the scoring forward 1 (log-softmax
+# and the gather fuse into it), the training step 3 (logits, their softmax, the gradient); over chunks: 2 in
+# a scoring forward (a chunk's logits, their exponent), 4 in the backward (logits recomputed, probabilities,
+# the cotangent, its transposed copy for the kernel's gradient).
+_HEAD_ARRAYS = {("infer", False): 1, ("train", False): 3, ("infer", True): 2, ("train", True): 4}
 
 
 class StageMemory(NamedTuple):
@@ -95,6 +105,17 @@ def _logit_bytes(cfg: ModelConfig, head: str, rows: float, tp: int) -> float:
     return rows * (cfg.vocab_size / tp if head == "lm" else 1) * 4.0
 
 
+def head_bytes(cfg: ModelConfig, head: str, positions: float, tp: int, kind: str, vocab_chunk: int) -> float:
+    """The output head's float32 working set on one device for ``positions`` positions: ``_HEAD_ARRAYS`` arrays
+    of [positions, columns], columns = the vocabulary's chunk width (the whole vocabulary when ``vocab_chunk``
+    is 0 or covers it) over tp; a value head's [positions, 1] twice."""
+    if head != "lm":
+        return 2 * positions * 4.0
+    chunked = 0 < vocab_chunk < cfg.vocab_size
+    columns = chunk_width(cfg.vocab_size, vocab_chunk) if chunked else cfg.vocab_size
+    return _HEAD_ARRAYS[kind, chunked] * positions * columns / tp * 4.0
+
+
 def _gen(cfg: ModelConfig, head: str, c: StageChoice, wl: Workload, hw: Hardware) -> float:
     slots = min(c.micro_batch, wl.generated_sequences / c.dp)
     cache = slots * wl.max_tokens * counts.kv_bytes_per_token(cfg, c.tp, 1, cfg.compute_dtype)
@@ -121,7 +142,7 @@ def _infer(cfg, head, tp, pp, mb, rows, remat, wl: Workload, hw: Hardware, accum
     layer = rows * s * counts.layer_activation_bytes_per_token(cfg, tp, cfg.compute_dtype)
     if not hw.fused_attention:
         layer = layer + rows * counts.attention_score_bytes(cfg, tp, s, s, cfg.compute_dtype)
-    logits = 2 * _logit_bytes(cfg, head, mb * s / head_split(mb, pp), tp)
+    logits = head_bytes(cfg, head, mb * wl.head_tokens / head_split(mb, pp), tp, "infer", wl.vocab_chunk)
     return 2 * hidden + layer + logits
 
 
@@ -141,9 +162,9 @@ def _train(cfg, head, tp, pp, mb, rows, remat, wl: Workload, hw: Hardware, accum
 
     if one_f_one_b(pp, wl):  # stashed stage inputs, one micro-batch's activations, its logits on the last stage
         stored = stash_microbatches(m, pp) * rows * layer_input + activations(1)
-        logits = 3 * _logit_bytes(cfg, head, rows * s, tp)
+        logits = head_bytes(cfg, head, rows * wl.head_tokens, tp, "train", wl.vocab_chunk)
     else:  # GPipe, differentiated through: every tick's activations (bubble ticks' too) until the backward
         stored = activations(m + pp - 1)
-        logits = 3 * _logit_bytes(cfg, head, mb * s / head_split(mb, pp), tp)
+        logits = head_bytes(cfg, head, mb * wl.head_tokens / head_split(mb, pp), tp, "train", wl.vocab_chunk)
     hidden = 2 * mb * s * cfg.hidden_size * act  # the stack's input and its cotangent (or output)
     return grads + stored + hidden + logits
