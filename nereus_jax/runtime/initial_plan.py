@@ -17,14 +17,42 @@ from nereus_jax.elastic.hardware import get_hardware
 from nereus_jax.elastic.plan import ExecutionPlan, StagePlan
 from nereus_jax.elastic.pricing import Pricing
 from nereus_jax.elastic.topology import Batching, Topology
+from nereus_jax.elastic.workload import Workload
 from nereus_jax.layout import Layout
 from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER, REWARD_INFER, ModelStage
 from nereus_jax.rl.registry import algorithm_spec
+
+AUTO_MICRO_BATCH_TOKENS = 4096  # trainer.micro_batch_tokens=null starts here and halves until the plan fits
+
+
+def with_micro_batch_tokens(cfg: Config) -> Config:
+    """``cfg`` with ``trainer.micro_batch_tokens`` set: as given, or (null) the largest of 4096, 2048, ...
+    whose predicted peak per device under the starting plan (:func:`plan_from_config`) fits the usable memory,
+    stopping at one row of prompt + response (which may still not fit: :func:`predicted_peak` says)."""
+    if cfg.trainer.micro_batch_tokens is not None:
+        return cfg
+    row = cfg.rollout.max_prompt_length + cfg.rollout.max_response_length
+    budget = AUTO_MICRO_BATCH_TOKENS
+    while True:
+        tried = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, micro_batch_tokens=budget))
+        peak, usable = predicted_peak(tried)
+        if peak <= usable or budget <= row:
+            return tried
+        budget //= 2
+
+
+def predicted_peak(cfg: Config, plan: ExecutionPlan | None = None) -> tuple[float, float]:
+    """(the memory model's peak bytes per device of ``plan`` (default: the starting plan) on the configured
+    worst case: every prompt and response at its maximum, the shapes padded programs run; usable bytes)."""
+    pricing, workload = job_pricing(cfg), Workload.from_config(cfg)
+    plan = plan_from_config(cfg) if plan is None else plan
+    return pricing.peak_bytes(plan, pricing.choices(plan, workload), workload), pricing.usable_bytes
 
 
 def job_topology(cfg: Config) -> Topology:
     """What this config's job runs, for the planner and the pricing: scoring on the training units,
     stages in turn (async: generation beside the rest), calls cut by the token budget."""
+    cfg = with_micro_batch_tokens(cfg)
     batching = Batching(cfg.rollout.max_prompt_length + cfg.rollout.max_response_length, cfg.trainer.micro_batch_tokens,
                         cfg.rollout.max_concurrent_decodes, cfg.model.remat)
     return Topology.of_job(cfg.algorithm.name, reward_model=bool(cfg.task.reward_model_path),

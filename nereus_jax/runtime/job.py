@@ -53,13 +53,13 @@ from nereus_jax.models import init_params
 from nereus_jax.rl import algorithms as alg
 from nereus_jax.rl.batch import RolloutBatch
 from nereus_jax.rl.tasks import Problem
-from nereus_jax.runtime.initial_plan import plan_from_config
+from nereus_jax.runtime.device_memory import device_bytes_in_use
+from nereus_jax.runtime.initial_plan import plan_from_config, with_micro_batch_tokens
 from nereus_jax.runtime.learner import (
     EXTRA_INDEX_OFFSET,
     Learner,
     NonFiniteTraining,
     StepResult,
-    device_bytes_in_use,
     plan_short,
 )
 from nereus_jax.runtime.move import move
@@ -132,6 +132,7 @@ class Job:
         tree, or None for random weights. ``rewarder``: the task's reward (default: built from the config;
         the job does not close one it was given)."""
         serialize_cpu_compile_cache()  # engines, the compile-ahead thread and the loop compile concurrently
+        cfg = with_micro_batch_tokens(cfg)  # trainer.micro_batch_tokens=null: what the memory allows
         self.cfg, self.task, self.tok = cfg, task, tokenizer
         self.algo = alg.algorithm_spec(cfg.algorithm.name)
         self.settings = alg.settings(cfg.algorithm, cfg.rollout.max_response_length)

@@ -28,9 +28,10 @@ from nereus_jax.rl import algorithms as alg
 from nereus_jax.rl.batch import RolloutBatch
 from nereus_jax.rl.registry import AlgorithmSpec
 from nereus_jax.rl.tasks import Problem
+from nereus_jax.runtime.device_memory import device_bytes_in_use
 from nereus_jax.runtime.rollout import Rollout
 from nereus_jax.runtime.stages import JobError, StageState, infer_program, stage_forward
-from nereus_jax.sharding import is_local, to_numpy, tree_to_numpy
+from nereus_jax.sharding import to_numpy, tree_to_numpy
 
 # dynamic sampling's extra prompts: a part of the data stream steps never reach, whose sampling keys
 # (position mod 2**31) start at 2**30, away from the steps' own
@@ -67,6 +68,7 @@ class Learner:
         """Reward, score, train on ``batch`` (the rollouts of step ``step``), then ``sync()`` the weights
         (see :meth:`nereus_jax.runtime.job.Job.learn`)."""
         t = time.perf_counter()
+        self.stages.peak_bytes = 0  # this step's scoring and training programs' peak (StageState.run)
         scores, reward_metrics = self.rewards(problems, batch)
         seconds["reward-infer" if self.stages.reward_model is not None else "reward"] = time.perf_counter() - t
         sampled = {}
@@ -165,8 +167,9 @@ class Learner:
         leaves, mesh, key, micro, layout = stages.stage_inputs(ms, data, ("infer", ms, what))
         order = self._packed(layout)
         params = spec.unflatten(leaves)["params"]
-        fn = stages.program(key, lambda: infer_program(spec.model, self.P, what, stage_forward(mesh, spec.kind)))
-        out = to_numpy(fn(params, micro))
+        build = lambda: infer_program(spec.model, self.P, what, stage_forward(mesh, spec.kind),  # noqa: E731
+                                      vocab_chunk=self.cfg.trainer.vocab_chunk)
+        out = to_numpy(stages.run(key, build, params, micro))
         if ms.kind == "infer":
             stages.park(ms)
         out = out.reshape(self.rows, -1)
@@ -243,8 +246,7 @@ class Learner:
         stages, spec = self.stages, self.stages.specs[ms]
         leaves, mesh, key, micro, layout = stages.stage_inputs(ms, data, ("train", ms), self.cfg.trainer.mini_batches)
         self._packed(layout)
-        fn = stages.program(key, lambda: stages.train_program(ms, spec, mesh))
-        new_leaves, metrics = fn(leaves, micro)
+        new_leaves, metrics = stages.run(key, lambda: stages.train_program(ms, spec, mesh), leaves, micro)
         stages.units[ms] = split_replicas(new_leaves, mesh, ms, spec)
         self.updates[ms] = self.updates.get(ms, 0) + 1
         if ms != ACTOR_TRAIN:  # the actor's state is read again by the weight sync
@@ -283,9 +285,11 @@ class Learner:
         # rows masked out of the loss (dynamic sampling's filler, dropped stale rows) are not responses of length 0
         lengths = mask.sum(1)[mask.sum(1) > 0] if mask.any() else np.zeros(1)
         held = max(device_bytes_in_use(self.stages.devices).values(), default=0)
+        peak = max(held, self.stages.peak_bytes)
         cap = self.cfg.cluster.device_memory_bytes
         plan = self.stages.plan
-        return {"step": step, "device_bytes_max": held, "over_memory_cap": bool(cap and held > cap),
+        return {"step": step, "device_bytes_max": held, "device_peak_bytes": peak,
+                "predicted_peak_bytes": self.stages.predicted_peak_bytes(), "over_memory_cap": bool(cap and peak > cap),
                 "reward_mean": float(scores.mean()), "accuracy": float(np.mean(scores >= 1.0)),
                 "kl": kl, "response_length_mean": float(lengths.mean()),
                 "response_length_p95": float(np.percentile(lengths, 95)), "response_tokens": tokens,
@@ -293,26 +297,6 @@ class Learner:
                 "stage_seconds": {k: round(v, 4) for k, v in seconds.items()}, **train_metrics,
                 "policy_version": self.stages.version, "plan": repr(plan), "plan_short": plan_short(plan),
                 **({"packing_fill": self.packing_fill} if self.packing_fill is not None else {})}
-
-
-def device_bytes_in_use(devices: Sequence[jax.Device]) -> dict[int, int]:
-    """Bytes each of ``devices`` holds now (parameters, optimizer state, the engines' KV caches, anything
-    alive): the allocator's count where the backend keeps one (GPU, TPU), else the live arrays' shards on it
-    (CPU). Shards that share a buffer count once."""
-    stats = {d.id: (d.memory_stats() or {}).get("bytes_in_use") for d in devices if is_local(d)}
-    if all(v is not None for v in stats.values()):
-        return stats
-    held, seen = dict.fromkeys(stats, 0), set()
-    for array in jax.live_arrays():
-        try:  # another thread (async generation, a move) may delete an array while we look
-            shards = [(s.device.id, s.data.unsafe_buffer_pointer(), s.data.nbytes) for s in array.addressable_shards]
-        except RuntimeError:
-            continue
-        for device, pointer, nbytes in shards:
-            if device in held and (device, pointer) not in seen:
-                seen.add((device, pointer))
-                held[device] += nbytes
-    return held
 
 
 def plan_short(plan: ExecutionPlan) -> str:

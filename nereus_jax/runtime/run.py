@@ -38,6 +38,7 @@ from nereus_jax.runtime.checkpoint import (
 )
 from nereus_jax.runtime.distributed import is_primary
 from nereus_jax.runtime.export import export_actor
+from nereus_jax.runtime.initial_plan import AUTO_MICRO_BATCH_TOKENS, predicted_peak, with_micro_batch_tokens
 from nereus_jax.runtime.job import DeviceLost, Job, JobError, StepResult, prompt_ids
 from nereus_jax.runtime.recovery import training_snapshot
 from nereus_jax.runtime.report import RunReport
@@ -85,6 +86,7 @@ def check_inputs(cfg: Config, log: Callable[[str], None] = print) -> Inputs:
     _check_chat_template(tok)
     _check_vocabularies(cfg, tok)
     _check_layouts(cfg)
+    _check_memory(cfg)
     task = make_task(cfg.task, seed=cfg.trainer.seed)
     dropped = _check_prompt_lengths(cfg, task, tok, log)
     rewarder = make_rewarder(cfg.task, task, log=log)
@@ -131,6 +133,23 @@ def _check_vocabularies(cfg: Config, tok) -> None:
         if tok.vocab_size > size:
             raise JobError(f"the tokenizer has {tok.vocab_size} tokens but {name} is {size}: every model must "
                            "cover the tokenizer's ids; use the tokenizer the model was trained with")
+
+
+def _check_memory(cfg: Config) -> None:
+    """The starting plan's predicted peak per device (the memory model the planner uses, on the configured
+    worst case) fits the usable memory: a plan that does not is refused here, not found out by an
+    out-of-memory kill mid-step."""
+    cfg = with_micro_batch_tokens(cfg)
+    peak, usable = predicted_peak(cfg)
+    if peak <= usable:
+        return
+    gib = 2.0**30
+    raise JobError(
+        f"the starting plan needs an estimated {peak / gib:.2f} GiB per device, but {usable / gib:.2f} GiB are usable "
+        f"(cluster.device_memory_bytes, else the {cfg.controller.hardware or cfg.cluster.hardware} table's memory, "
+        f"less controller.memory_headroom={cfg.controller.memory_headroom}): lower trainer.micro_batch_tokens "
+        f"(now {cfg.trainer.micro_batch_tokens}) or trainer.vocab_chunk ({cfg.trainer.vocab_chunk}), raise tp "
+        "(plan.default.tp or plan.stages.<stage>.tp), set model.remat=true, or give the job more devices")
 
 
 def _check_layouts(cfg: Config) -> None:
@@ -189,11 +208,16 @@ def _check_prompt_lengths(cfg: Config, task, tok, log: Callable[[str], None]) ->
 
 def run_job(cfg: Config, run_dir: str, *, started: float | None = None) -> dict:
     started = time.perf_counter() if started is None else started
+    auto = cfg.trainer.micro_batch_tokens is None
+    cfg = with_micro_batch_tokens(cfg)
     opts = cfg.logging
     wandb = dict(project=opts.wandb_project, mode=opts.wandb_mode, config=cfg.to_dict()) if opts.wandb else None
     report = RunReport(run_dir, cfg.trainer.steps, progress=opts.progress, tensorboard=opts.tensorboard, wandb=wandb,
                        primary=is_primary())
     inputs = check_inputs(cfg, log=report.log)
+    if auto:
+        report.log(f"trainer.micro_batch_tokens: {cfg.trainer.micro_batch_tokens} (chosen: the largest of "
+                   f"{AUTO_MICRO_BATCH_TOKENS}, {AUTO_MICRO_BATCH_TOKENS // 2}, ... whose predicted peak fits)")
     try:
         return _run(cfg, run_dir, inputs, report, started)
     finally:

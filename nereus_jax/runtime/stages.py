@@ -32,9 +32,11 @@ from nereus_jax.elastic.topology import accumulation_steps
 from nereus_jax.elastic.weight_sync import WeightSync
 from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER, REWARD_INFER, ModelStage
 from nereus_jax.models import forward
+from nereus_jax.models.vocab import DEFAULT_VOCAB_CHUNK
 from nereus_jax.rl import packing
 from nereus_jax.runtime import losses
-from nereus_jax.runtime.initial_plan import job_stages
+from nereus_jax.runtime.device_memory import device_bytes_in_use, program_extra_bytes
+from nereus_jax.runtime.initial_plan import job_stages, predicted_peak
 from nereus_jax.sharding import device_index, make_mesh
 from nereus_jax.sharding.pipeline import check_schedule, pipeline_axis, pipeline_forward_fn
 
@@ -67,6 +69,9 @@ class StageState:
         self.sync: WeightSync | None = None
         self.programs: dict[Any, Any] = {}
         self.signatures: dict[Any, dict[str, tuple]] = {}  # program -> its host inputs' (shape, dtype)
+        self.peak_bytes = 0  # the largest peak per device a program reached (see run); the job resets it a step
+        self._extra_bytes: dict[Any, int] = {}  # program -> its bytes per device beyond its inputs
+        self._predicted: dict[ExecutionPlan, float] = {}
         self._move_state = move_state
 
     def place(self, actor: ParamSource) -> None:
@@ -126,7 +131,8 @@ class StageState:
                 fn = self.train_program(ms, spec, mesh)
                 programs[self.key("train", ms, mesh, accum)] = fn.lower(leaves, micro).compile()
             else:
-                fn = infer_program(spec.model, self.P, rest[0], stage_forward(mesh, spec.kind))
+                fn = infer_program(spec.model, self.P, rest[0], stage_forward(mesh, spec.kind),
+                                   vocab_chunk=self.cfg.trainer.vocab_chunk)
                 params = spec.unflatten(leaves)["params"]
                 programs[self.key("infer", ms, mesh, accum, rest[0])] = fn.lower(params, micro).compile()
         return programs
@@ -199,10 +205,34 @@ class StageState:
             self.programs[key] = build()
         return self.programs[key]
 
+    def predicted_peak_bytes(self) -> float:
+        """The memory model's peak per device of the current plan on the configured worst case (every prompt
+        and response at its maximum: a padded program's shapes), as the planner and the memory trigger see it."""
+        if self.plan not in self._predicted:
+            self._predicted[self.plan] = predicted_peak(self.cfg, self.plan)[0]
+        return self._predicted[self.plan]
+
+    def run(self, key, build, *args):
+        """Calls the program under ``key`` (``build()``'s jitted function, compiled for ``args`` the first time,
+        or one compiled ahead by :meth:`prepare_programs`) and records the peak bytes it reaches on its busiest
+        device in ``peak_bytes``: what the device held when it started plus the program's temporaries and new
+        outputs (:func:`~nereus_jax.runtime.device_memory.program_extra_bytes`)."""
+        program = self.programs.get(key)
+        if program is None:
+            program = self.programs[key] = build().lower(*args).compile()
+        if key not in self._extra_bytes:
+            self._extra_bytes[key] = program_extra_bytes(program)
+        held = device_bytes_in_use([self.devices[i] for i in key[3]])
+        self.peak_bytes = max(self.peak_bytes, max(held.values(), default=0) + self._extra_bytes[key])
+        return program(*args)
+
     def train_program(self, ms: ModelStage, spec: StateSpec, mesh):
         """One training step of ``ms`` on ``mesh``: mini_batches x ppo_epochs optimizer updates (donates the state)."""
         a, m = self.cfg.algorithm, self.cfg.model
-        make_loss = functools.partial(losses.actor_loss if ms.role == "actor" else losses.critic_loss, m, a, self.P)
+        if ms.role == "actor":
+            make_loss = functools.partial(losses.actor_loss, m, a, self.P, vocab_chunk=self.cfg.trainer.vocab_chunk)
+        else:
+            make_loss = functools.partial(losses.critic_loss, m, a, self.P)
         grad_fn = stage_value_and_grad(mesh, spec.kind, make_loss, self.cfg.trainer.pipeline_schedule)
         step = losses.make_minibatch_train_step(None, spec.optimizer, m, epochs=self.cfg.trainer.ppo_epochs,
                                                value_and_grad=grad_fn)
@@ -290,15 +320,15 @@ def stage_value_and_grad(mesh, kind: str, make_loss: losses.MakeLoss, schedule: 
     return jax.value_and_grad(make_loss(stage_forward(mesh, kind)), has_aux=True)
 
 
-def infer_program(cfg, prompt_len: int, what: str, forward_fn=forward):
+def infer_program(cfg, prompt_len: int, what: str, forward_fn=forward, *, vocab_chunk: int = DEFAULT_VOCAB_CHUNK):
     """A scoring stage over its micro-batches (padded or packed): log-probs or values [accum, b, R], or
-    scores [accum, b]."""
+    scores [accum, b]; log-probs over ``vocab_chunk``-wide vocabulary chunks."""
     def one(params, mb):
         if what == "scores":
             return losses.stage_scores(params, cfg, mb, forward_fn)
         if what == "values":
             return losses.stage_values(params, cfg, mb, prompt_len, forward_fn)
-        return losses.response_stats(params, cfg, mb, prompt_len, forward_fn)[0]
+        return losses.response_stats(params, cfg, mb, prompt_len, forward_fn, vocab_chunk=vocab_chunk)[0]
 
     def program(params, micro):
         return jax.lax.map(lambda mb: one(params, mb), micro)

@@ -1,0 +1,44 @@
+"""What the job's devices hold: live bytes per device, and the peak a compiled program reaches on them.
+
+On GPU and TPU the allocator counts bytes in use; a CPU device keeps no count, so the live arrays' shards are
+summed. Neither sees a program's temporaries while it runs: XLA's buffer assignment does
+(``Compiled.memory_analysis()``), so a program's peak on a device is what the device held when it started
+plus its temporaries and the outputs that do not reuse a donated input (:func:`program_extra_bytes`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+
+from nereus_jax.sharding import is_local
+
+
+def device_bytes_in_use(devices: Sequence[jax.Device]) -> dict[int, int]:
+    """Bytes each of ``devices`` holds now (parameters, optimizer state, the engines' KV caches, anything
+    alive): the allocator's count where the backend keeps one (GPU, TPU), else the live arrays' shards on it
+    (CPU). Shards that share a buffer count once."""
+    stats = {d.id: (d.memory_stats() or {}).get("bytes_in_use") for d in devices if is_local(d)}
+    if all(v is not None for v in stats.values()):
+        return stats
+    held, seen = dict.fromkeys(stats, 0), set()
+    for array in jax.live_arrays():
+        try:  # another thread (async generation, a move) may delete an array while we look
+            shards = [(s.device.id, s.data.unsafe_buffer_pointer(), s.data.nbytes) for s in array.addressable_shards]
+        except RuntimeError:
+            continue
+        for device, pointer, nbytes in shards:
+            if device in held and (device, pointer) not in seen:
+                seen.add((device, pointer))
+                held[device] += nbytes
+    return held
+
+
+def program_extra_bytes(compiled) -> int:
+    """Bytes per device a compiled program needs beyond its inputs: temporaries plus outputs that do not alias
+    a donated input (0 when the backend gives no analysis)."""
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return 0
+    return int(analysis.temp_size_in_bytes + max(0, analysis.output_size_in_bytes - analysis.alias_size_in_bytes))
