@@ -1,0 +1,158 @@
+"""Peak memory and speed of one scoring and one training micro-batch with a real vocabulary, over vocabulary
+chunks vs the whole logits tensor, in the same process.
+
+    python tools/bench_vocab.py                      # V = 151,936 (Qwen3), 4,096 response tokens a micro-batch
+    python tools/bench_vocab.py --vocab 128256 --tokens 8192 --chunk 16384 --repeats 5
+    python tools/bench_vocab.py --quick              # a small shape (tests)
+
+The model is Qwen3-shaped and tiny (2 layers, width 64, tied embeddings: ~10M parameters, almost all
+embedding), so the output head is nearly all of a call, as in the issue's run. Scoring: actor-infer's
+program (``response_stats``: the log-prob of every response token). Training: one ``make_train_step``
+update of the PPO actor loss with the entropy bonus (AdamW). Peak bytes per device come from XLA's buffer
+assignment of each compiled program (``memory_analysis``: arguments + temporaries + outputs that do not
+reuse a donated input), the exact figure XLA allocates; the peak of a mode is the larger of its two
+programs. Seconds are the median of ``--repeats`` calls after a warm-up. The machine's limits are measured
+in the same run: float32 matmul FLOP/s (a square matmul) and copy bandwidth (a large array copy); the head's
+achieved FLOP/s is reported against the first. Prints one JSON object on its last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nereus_jax.config import AlgorithmConfig, ModelConfig
+from nereus_jax.models import init_params
+from nereus_jax.runtime import losses
+from nereus_jax.vocab_chunks import DEFAULT_VOCAB_CHUNK, vocab_split
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--tokens", type=int, default=4096, help="response tokens per micro-batch")
+    p.add_argument("--response", type=int, default=128, help="response length (rows = tokens / response)")
+    p.add_argument("--prompt", type=int, default=32)
+    p.add_argument("--chunk", type=int, default=DEFAULT_VOCAB_CHUNK)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="V 8,192, 512 tokens, chunk 1,024, 2 repeats")
+    args = p.parse_args()
+    if args.quick:
+        args.vocab, args.tokens, args.response, args.chunk, args.repeats = 8192, 512, 64, 1024, 2
+    return args
+
+
+def _model(vocab: int) -> ModelConfig:
+    return ModelConfig(name="qwen3-tiny-real-vocab", family="qwen3", vocab_size=vocab, hidden_size=64, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=128, qk_norm=True,
+                       tie_embeddings=True, rms_norm_eps=1e-6)
+
+
+def _batch(cfg: ModelConfig, rows: int, prompt: int, response: int) -> dict:
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab_size, size=(rows, prompt + response)).astype(np.int32)
+    mask = np.ones_like(tokens)
+    mask[: rows // 2, : prompt // 2] = 0  # left padding on half the rows
+    return {"tokens": tokens, "mask": mask, "response_mask": np.ones((rows, response), np.float32),
+            "old_logp": rng.normal(-12.0, 0.1, (rows, response)).astype(np.float32),
+            "ref_logp": rng.normal(-12.0, 0.1, (rows, response)).astype(np.float32),
+            "advantages": rng.normal(size=(rows, response)).astype(np.float32)}
+
+
+def _peak(compiled) -> int:
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _programs(cfg, chunk: int, params, opt_state, batch, prompt: int):
+    algo = AlgorithmConfig(kl_in_reward=False, entropy_coef=0.01)
+    optimizer = losses.make_optimizer(1e-5)
+    score = jax.jit(lambda p, mb: losses.response_stats(p, cfg, mb, prompt, vocab_chunk=chunk)[0])
+    train = jax.jit(losses.make_train_step(losses.actor_loss(cfg, algo, prompt, vocab_chunk=chunk), optimizer, cfg))
+    mb = {"tokens": batch["tokens"], "mask": batch["mask"]}
+    micro = losses.split_micro({**batch, "denom": np.float32(batch["response_mask"].sum())}, 1)
+    score_c = score.lower(params, mb).compile()
+    train_c = train.lower(params, opt_state, micro).compile()
+    return score_c, train_c, mb, micro
+
+
+def run(args: argparse.Namespace) -> dict:
+    cfg = _model(args.vocab)
+    rows = args.tokens // args.response
+    params = init_params(cfg, seed=0)
+    opt_state = losses.make_optimizer(1e-5).init(params)
+    batch = _batch(cfg, rows, args.prompt, args.response)
+    out, logp = {}, {}
+    for name, chunk in (("chunked", args.chunk), ("unchunked", 0)):
+        score, train, mb, micro = _programs(cfg, chunk, params, opt_state, batch, args.prompt)
+        logp[name] = np.asarray(score(params, mb))
+        new_params = train(params, opt_state, micro)[0]
+        logp[name + "_trained"] = np.asarray(losses.response_stats(new_params, cfg, mb, args.prompt, vocab_chunk=0)[0])
+        s_score = _median_seconds(lambda score=score, mb=mb: score(params, mb), args.repeats)
+        s_train = _median_seconds(lambda train=train, micro=micro: train(params, opt_state, micro), args.repeats)
+        out[name] = {"score_peak_bytes": _peak(score), "train_peak_bytes": _peak(train),
+                     "score_seconds": s_score, "train_seconds": s_train}
+    flops, gbps = _matmul_flops_per_s(), _copy_bytes_per_s()
+    head_flops = 2.0 * args.tokens * cfg.hidden_size * cfg.vocab_size  # one pass of the head over the tokens
+    c, u = out["chunked"], out["unchunked"]
+    peak = {k: max(v["score_peak_bytes"], v["train_peak_bytes"]) for k, v in out.items()}
+    n, padded = vocab_split(args.vocab, args.chunk)
+    return {
+        "vocab": args.vocab, "tokens": args.tokens, "rows": rows, "vocab_chunk": args.chunk, "chunks": n,
+        "chunk_width": padded // n, "hidden_size": cfg.hidden_size, "params": int(sum(x.size for x in
+                                                                                       jax.tree.leaves(params))),
+        "chunked_peak_bytes": peak["chunked"], "unchunked_peak_bytes": peak["unchunked"],
+        "peak_ratio": peak["chunked"] / peak["unchunked"],
+        "score_peak_ratio": c["score_peak_bytes"] / u["score_peak_bytes"],
+        "train_peak_ratio": c["train_peak_bytes"] / u["train_peak_bytes"],
+        "chunked": c, "unchunked": u,
+        "max_abs_diff": float(np.max(np.abs(logp["chunked"] - logp["unchunked"]))),
+        "max_abs_diff_after_update": float(np.max(np.abs(logp["chunked_trained"] - logp["unchunked_trained"]))),
+        "chunked_tokens_per_s": args.tokens / (c["score_seconds"] + c["train_seconds"]),
+        "unchunked_tokens_per_s": args.tokens / (u["score_seconds"] + u["train_seconds"]),
+        "speed_ratio": (u["score_seconds"] + u["train_seconds"]) / (c["score_seconds"] + c["train_seconds"]),
+        "matmul_flops_per_s": flops, "copy_bytes_per_s": gbps,
+        "chunked_score_head_flops_fraction": head_flops / c["score_seconds"] / flops,
+        "chunked_train_head_flops_fraction": 4 * head_flops / c["train_seconds"] / flops,
+        "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+    }
+
+
+def _matmul_flops_per_s(n: int = 2048, repeats: int = 3) -> float:
+    a = jnp.asarray(np.random.default_rng(1).normal(size=(n, n)), jnp.float32)
+    f = jax.jit(lambda a: a @ a)
+    return 2.0 * n**3 / _median_seconds(lambda: f(a), repeats)
+
+
+def _copy_bytes_per_s(n_bytes: int = 2**28, repeats: int = 3) -> float:
+    x = jnp.ones((n_bytes // 4,), jnp.float32)
+    f = jax.jit(lambda x: x + 1.0)  # reads and writes every byte once
+    return 2.0 * n_bytes / _median_seconds(lambda: f(x), repeats)
+
+
+def main() -> None:
+    args = _parse()
+    if args.tokens % args.response:
+        raise SystemExit(f"--tokens ({args.tokens}) must be a multiple of --response ({args.response})")
+    result = run(args)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
