@@ -35,7 +35,10 @@ def with_micro_batch_tokens(cfg: Config) -> Config:
     budget = AUTO_MICRO_BATCH_TOKENS
     while True:
         tried = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, micro_batch_tokens=budget))
-        peak, usable = predicted_peak(tried)
+        try:
+            peak, usable = predicted_peak(tried)
+        except ValueError:  # the plan's dp cannot split a batch: the job's row check names that and its fix
+            return tried
         if peak <= usable or budget <= row:
             return tried
         budget //= 2
@@ -43,7 +46,8 @@ def with_micro_batch_tokens(cfg: Config) -> Config:
 
 def predicted_peak(cfg: Config, plan: ExecutionPlan | None = None) -> tuple[float, float]:
     """(the memory model's peak bytes per device of ``plan`` (default: the starting plan) on the configured
-    worst case: every prompt and response at its maximum, the shapes padded programs run; usable bytes)."""
+    worst case: every prompt and response at its maximum, the shapes padded programs run; usable bytes).
+    ValueError when the plan's dp cannot split a stage's batch."""
     pricing, workload = job_pricing(cfg), Workload.from_config(cfg)
     plan = plan_from_config(cfg) if plan is None else plan
     return pricing.peak_bytes(plan, pricing.choices(plan, workload), workload), pricing.usable_bytes

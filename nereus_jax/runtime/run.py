@@ -140,7 +140,10 @@ def _check_memory(cfg: Config) -> None:
     worst case) fits the usable memory: a plan that does not is refused here, not found out by an
     out-of-memory kill mid-step."""
     cfg = with_micro_batch_tokens(cfg)
-    peak, usable = predicted_peak(cfg)
+    try:
+        peak, usable = predicted_peak(cfg)
+    except ValueError:  # a dp that cannot split a batch: the job refuses it before any compile, naming the fix
+        return
     if peak <= usable:
         return
     gib = 2.0**30

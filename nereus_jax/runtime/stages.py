@@ -129,12 +129,14 @@ class StageState:
                       for a, sh in zip(spec.abstract(plan[ms].layout), spec.shardings(mesh), strict=True)]
             if kind == "train":
                 fn = self.train_program(ms, spec, mesh)
-                programs[self.key("train", ms, mesh, accum)] = fn.lower(leaves, micro).compile()
+                programs[self.key("train", ms, mesh, accum, _signature((leaves, micro)))] = \
+                    fn.lower(leaves, micro).compile()
             else:
                 fn = infer_program(spec.model, self.P, rest[0], stage_forward(mesh, spec.kind),
                                    vocab_chunk=self.cfg.trainer.vocab_chunk)
                 params = spec.unflatten(leaves)["params"]
-                programs[self.key("infer", ms, mesh, accum, rest[0])] = fn.lower(params, micro).compile()
+                key = self.key("infer", ms, mesh, accum, rest[0], _signature((params, micro)))
+                programs[key] = fn.lower(params, micro).compile()
         return programs
 
     def adopt(self, plan: ExecutionPlan, units: dict[ModelStage, list[EMU]], sync: WeightSync,
@@ -213,10 +215,11 @@ class StageState:
         return self._predicted[self.plan]
 
     def run(self, key, build, *args):
-        """Calls the program under ``key`` (``build()``'s jitted function, compiled for ``args`` the first time,
-        or one compiled ahead by :meth:`prepare_programs`) and records the peak bytes it reaches on its busiest
-        device in ``peak_bytes``: what the device held when it started plus the program's temporaries and new
-        outputs (:func:`~nereus_jax.runtime.device_memory.program_extra_bytes`)."""
+        """Calls the program under ``key`` and the shapes of ``args`` (``build()``'s jitted function, compiled
+        for them the first time, or one compiled ahead by :meth:`prepare_programs`) and records the peak bytes
+        it reaches on its busiest device in ``peak_bytes``: what the device held when it started plus the
+        program's temporaries and new outputs (:func:`~nereus_jax.runtime.device_memory.program_extra_bytes`)."""
+        key = (*key, _signature(args))  # a packed batch's shapes vary from step to step: one program each
         program = self.programs.get(key)
         if program is None:
             program = self.programs[key] = build().lower(*args).compile()
@@ -339,6 +342,13 @@ def infer_program(cfg, prompt_len: int, what: str, forward_fn=forward, *, vocab_
 def _plan_mesh(sp, devices: Sequence[jax.Device]):
     """The SPMD mesh of a stage's replicas, exactly as ``assemble_replicas`` builds it."""
     return make_mesh([devices[i] for r in sp.replicas for i in r], sp.layout, dp=sp.dp)
+
+
+def _signature(args) -> tuple:
+    """The structure, shapes and dtypes of a program's arguments (arrays or ShapeDtypeStructs): what a
+    compiled executable is bound to beyond its key."""
+    leaves, tree = jax.tree.flatten(args)
+    return tree, tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in leaves)
 
 
 def _abstract_micro(signature: dict[str, tuple], accum: int, mesh, mini: int | None = None) -> dict:

@@ -3,6 +3,7 @@ and the summary to a W&B run and finishes it, on the primary process only. The w
 stand-in ``wandb`` module (always), the real package in offline mode by reading back the run file it writes
 (skipped when wandb is not installed), and a missing package stops the job before any work with the fix."""
 
+import dataclasses
 import json
 import os
 import struct
@@ -15,6 +16,7 @@ from google.protobuf.message import DecodeError
 
 from nereus_jax.config import ConfigError, load_config
 from nereus_jax.runtime import run as run_mod
+from nereus_jax.runtime.initial_plan import AUTO_MICRO_BATCH_TOKENS
 from nereus_jax.runtime.report import RunReport
 
 CONFIG = {"algorithm": {"name": "grpo"}, "trainer": {"steps": 2}}
@@ -93,7 +95,10 @@ def test_the_job_passes_the_logging_keys_and_the_whole_config(tmp_path, monkeypa
     cfg = load_config("grpo_tiny", ["logging.wandb=true", "logging.wandb_project=demo", "logging.wandb_mode=offline"])
     with pytest.raises(Stop):
         run_mod.run_job(cfg, str(tmp_path / "run"))
-    assert got["wandb"] == {"project": "demo", "mode": "offline", "config": cfg.to_dict()}
+    # the config the job ran: trainer.micro_batch_tokens=null resolved to the budget the memory model chose
+    ran = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, micro_batch_tokens=AUTO_MICRO_BATCH_TOKENS))
+    assert cfg.trainer.micro_batch_tokens is None
+    assert got["wandb"] == {"project": "demo", "mode": "offline", "config": ran.to_dict()}
     monkeypatch.setattr(run_mod, "RunReport", capture)
     with pytest.raises(Stop):
         run_mod.run_job(load_config("grpo_tiny"), str(tmp_path / "run"))
