@@ -3,7 +3,8 @@
 :class:`Learner` rewards the rollouts (the task's reward, or reward-infer's model), tops a batch up by dynamic
 sampling, scores it (actor-infer, ref-infer, critic-infer), estimates the advantages, corrects them for the
 rollout/train mismatch and staleness (the order: :mod:`nereus_jax.runtime.job`), trains actor-train and
-critic-train, stops after ``trainer.max_nonfinite_steps`` non-finite steps in a row, and reports the metrics.
+critic-train, stops after ``trainer.max_nonfinite_steps`` non-finite steps in a row (a step whose scores or
+an update are not finite changes no weights), and reports the metrics.
 It runs the programs of the stage state (:class:`~nereus_jax.runtime.stages.StageState`) and generates the
 extra rollouts it needs (dynamic sampling, ReMax's greedy baseline) through the rollout side.
 """
@@ -39,8 +40,13 @@ EXTRA_INDEX_OFFSET = (1 << 42) + (1 << 30)
 
 
 class NonFiniteTraining(JobError):
-    """Training stopped: a model-stage's updates were non-finite ``trainer.max_nonfinite_steps`` times in a
-    row (each was skipped, so the state and its checkpoints stay finite)."""
+    """Training stopped: ``trainer.max_nonfinite_steps`` steps in a row were non-finite (see
+    :meth:`Learner.check_finite`); no non-finite update was applied. ``first_step``: the streak's first step
+    (run_job adds the checkpoint to resume from: the newest written before the update that preceded it)."""
+
+    def __init__(self, message: str, first_step: int):
+        super().__init__(message)
+        self.first_step = first_step
 
 
 @dataclasses.dataclass
@@ -51,7 +57,8 @@ class StepResult:
 
 class Learner:
     """Rewards, scores, advantages, corrections and training of a step (see the module docstring); holds the
-    training counts (``updates``, ``nonfinite``, ``skipped``) and the last packed stage's fill."""
+    training counts (``updates``, ``nonfinite``, ``nonfinite_since``, ``skipped``) and the last packed stage's
+    fill."""
 
     def __init__(self, cfg: Config, stages: StageState, rollout: Rollout, rewarder, algo: AlgorithmSpec,
                  settings: alg.Settings):
@@ -60,8 +67,10 @@ class Learner:
         self.P, self.R, self.n, self.rows = stages.P, stages.R, rollout.n, stages.rows
         self.updates: dict[ModelStage, int] = {}  # successful training updates per model-stage (this Job)
         self.packing_fill: float | None = None  # with trainer.packing: the last packed stage's real tokens / slots
-        self.nonfinite: dict[ModelStage, int] = {}  # consecutive skipped (non-finite) updates per stage
+        self.nonfinite = 0  # consecutive non-finite steps (scores or an update): the current streak
+        self.nonfinite_since: int | None = None  # the streak's first step (None: the last step was finite)
         self.skipped: dict[ModelStage, int] = {}  # skipped updates per stage in all
+        self._step_skips: dict[ModelStage, str] = {}  # this step's stages with an update skipped: the cause
 
     def learn(self, step: int, problems: Sequence[Problem], batch: RolloutBatch, seconds: dict[str, float],
               sync) -> StepResult:
@@ -87,9 +96,15 @@ class Learner:
                                            self.cfg.algorithm.overlong_penalty)
             scores, sampled["overlong_penalty_mean"] = scores + penalty, float(penalty.mean())
         scored = self.score(batch, seconds)
-        adv = self.advantages(step, batch, scores, scored)
-        adv, corrected = self.correct(adv, batch, scored["old_logp"], staleness)
-        train_metrics = self.train(batch, scored, adv, seconds)
+        self._step_skips = {}
+        bad = nonfinite_scores(scored)
+        if bad:  # nothing to learn from: no advantages, corrections or updates (the weights stay as they are)
+            train_metrics, corrected = self.skip_training(), {}
+        else:
+            adv = self.advantages(step, batch, scores, scored)
+            adv, corrected = self.correct(adv, batch, scored["old_logp"], staleness)
+            train_metrics = self.train(batch, scored, adv, seconds)
+        self.check_finite(step, bad)
         t = time.perf_counter()
         sync()
         seconds["weight-sync"] = time.perf_counter() - t
@@ -252,28 +267,57 @@ class Learner:
         if ms != ACTOR_TRAIN:  # the actor's state is read again by the weight sync
             stages.park(ms)
         per_update = {k: np.asarray(v, np.float64) for k, v in tree_to_numpy(metrics).items()}  # a collective
-        skipped = int(per_update.pop("nonfinite").sum())
+        flags = per_update.pop("nonfinite")
+        skipped = int(flags.sum())
         metrics = {k: float(_REDUCE.get(k.rsplit("_", 1)[-1], np.mean)(v)) for k, v in per_update.items()}
-        self._check_finite(ms, skipped, metrics)
-        metrics[f"{ms.role}_updates_skipped"] = self.skipped.get(ms, 0)
+        if skipped:
+            self._step_skips[ms] = (f"{ms}'s loss, gradient norm or update ({skipped} of {len(flags)} updates skipped;"
+                                    f" loss {metrics.get('loss')}, gradient norm {metrics.get('grad_norm')})")
+        self.skipped[ms] = self.skipped.get(ms, 0) + skipped
+        metrics[f"{ms.role}_updates_skipped"] = self.skipped[ms]
         if len(next(iter(per_update.values()))) > 1:
             metrics[f"{ms.role}_per_update"] = {k: v.tolist() for k, v in per_update.items() if k in _PER_UPDATE}
         return metrics
 
-    def _check_finite(self, ms: ModelStage, skipped: int, metrics: dict[str, float]) -> None:
-        """Counts consecutive training steps with an update skipped as non-finite (the program kept the old
-        state; ``skipped``: how many of the step's updates); after ``trainer.max_nonfinite_steps`` such steps
-        in a row the job stops, naming the stage and the cause."""
-        self.nonfinite[ms] = self.nonfinite.get(ms, 0) + 1 if skipped else 0
-        self.skipped[ms] = self.skipped.get(ms, 0) + skipped
+    def skip_training(self) -> dict[str, float]:
+        """A step whose scores are not finite: no stage trains (every update it would have run is counted as
+        skipped); the ``*_updates_skipped`` metrics."""
+        updates = self.cfg.trainer.mini_batches * self.cfg.trainer.ppo_epochs
+        metrics = {}
+        for ms in (ACTOR_TRAIN, CRITIC_TRAIN) if self.algo.uses_critic else (ACTOR_TRAIN,):
+            self.skipped[ms] = self.skipped.get(ms, 0) + updates
+            metrics[f"{ms.role}_updates_skipped"] = self.skipped[ms]
+        return metrics
+
+    def check_finite(self, step: int, bad_scores: dict[str, int]) -> None:
+        """Counts step ``step`` into the streak of non-finite steps, or ends the streak. A step is non-finite
+        when a score of its rollouts is (``bad_scores``: actor-infer's or ref-infer's log-probs, critic-infer's
+        values; the step then trained nothing), or when a stage's loss, gradient norm or update is (the
+        training program kept the stage's old state). No non-finite update is applied, but the weights the
+        streak started from may be what is wrong: an update to huge but finite weights passes, and the next
+        step's forward overflows. After ``trainer.max_nonfinite_steps`` such steps in a row the job stops,
+        naming the causes."""
+        causes = [f"{_SCORE_SOURCE[k]} ({n} non-finite values)" for k, n in bad_scores.items()]
+        causes += list(self._step_skips.values())  # none when the scores were: nothing trained
+        if not causes:
+            self.nonfinite, self.nonfinite_since = 0, None
+            return
+        if self.nonfinite == 0:
+            self.nonfinite_since = step
+        self.nonfinite += 1
         limit = self.cfg.trainer.max_nonfinite_steps
-        if self.nonfinite[ms] >= limit:
-            lr = self.cfg.trainer.actor_lr if ms.role == "actor" else self.cfg.trainer.critic_lr
-            raise NonFiniteTraining(
-                f"{ms}: {limit} consecutive training steps gave a non-finite loss, gradient norm or update (last "
-                f"loss {metrics.get('loss')}, gradient norm {metrics.get('grad_norm')}); their updates were skipped "
-                f"and no checkpoint holds them. Likely cause: the learning rate (trainer.{ms.role}_lr={lr}) or the "
-                "loss coefficients; lower it and resume from the last checkpoint")
+        if self.nonfinite < limit:
+            return
+        t = self.cfg.trainer
+        roles = {"actor"} if "old_logp" in bad_scores or ACTOR_TRAIN in self._step_skips else set()
+        roles |= {"critic"} if "values" in bad_scores or CRITIC_TRAIN in self._step_skips else set()
+        lrs = " or ".join(f"trainer.{r}_lr={t.actor_lr if r == 'actor' else t.critic_lr}" for r in sorted(roles))
+        cause = (f"the learning rate ({lrs}) or the loss coefficients: lower it" if roles else
+                 "the reference model's weights (ref-infer): check that they are finite")
+        first = self.nonfinite_since
+        raise NonFiniteTraining(
+            f"{limit} consecutive training steps were non-finite (steps {first}..{step}; step {step}: "
+            f"{'; '.join(causes)}); no non-finite update was applied. Likely cause: {cause}", first)
 
     # ------------------------------------------------------------------------------------ metrics
     def metrics(self, step, batch, scores, scored, train_metrics, seconds) -> dict[str, Any]:
@@ -323,5 +367,12 @@ def _k1_mean(old_logp, ref_logp, mask) -> jax.Array:
     return alg.masked_mean(alg.kl_estimate(old_logp, ref_logp, "k1"), mask)
 
 
+def nonfinite_scores(scored: dict[str, np.ndarray]) -> dict[str, int]:
+    """Each score (``old_logp``, ``ref_logp``, ``values``) holding NaN or inf: how many such values."""
+    return {k: int(n) for k, v in scored.items() if (n := np.size(v) - np.count_nonzero(np.isfinite(v)))}
+
+
+_SCORE_SOURCE = {"old_logp": "actor-infer's log-probs", "ref_logp": "ref-infer's log-probs",
+                 "values": "critic-infer's values"}
 _REDUCE = {"max": np.max, "min": np.min}  # a per-update metric named *_max / *_min; the rest: the mean
 _PER_UPDATE = ("clip_fraction", "approx_kl", "ratio_mean", "ratio_max", "ratio_min", "grad_norm")
