@@ -382,8 +382,9 @@ class TrainerConfig(_Node):
         "staler than max_staleness and keep the rest unweighted")
     importance_clip: float = _field(2.0, "async, reweight: upper bound of the per-token importance weight")
     max_nonfinite_steps: int = _field(
-        3, "a step whose loss, gradient norm or update is not finite skips its update; this many in a row stop "
-           "the job (the state and checkpoints stay finite)")
+        3, "a step whose scores (actor/ref log-probs, critic values) or loss, gradient norm or update are not "
+           "finite applies no such update and writes no checkpoint; this many in a row stop the job, naming the "
+           "newest checkpoint from before the update the streak started from (or saying none exists)")
     seed: int = 0
     warmup_sft_steps: int = _field(0, "supervised steps before RL, at most (cached on disk, reused next time)")
     warmup_target_accuracy: float = _field(

@@ -81,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         from nereus_jax.runtime.checkpoint import resume_command
 
         argv = sys.argv[1:] if argv is None else argv
-        print(f"stopped by {summary['stopped_by']} after step {summary['resume_step'] - 1}; resume with:\n  "
-              f"{resume_command(argv, summary['resume_from'])}", file=sys.stderr)
+        how = (f"resume with:\n  {resume_command(argv, summary['resume_from'])}" if summary["resume_from"] else
+               "no checkpoint to resume from (the steps before the stop were non-finite)")
+        print(f"stopped by {summary['stopped_by']} after step {summary['stopped_after']}; {how}", file=sys.stderr)
     return 0 if summary.get("ok", True) else 1
 
 

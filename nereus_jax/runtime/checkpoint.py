@@ -245,13 +245,20 @@ def locate(path: str) -> tuple[str, int]:
     name = os.path.basename(path)
     if name.isdigit() and os.path.isdir(os.path.join(path, "meta")):
         return os.path.dirname(path), int(name)
-    steps = sorted(int(n) for n in os.listdir(path) if n.isdigit() and os.path.isdir(os.path.join(path, n)))
+    steps = complete_steps(path)
     if not steps:
         partial = [n for n in os.listdir(path) if "tmp" in n]
         why = f" (only unfinished saves: {partial})" if partial else ""
         raise CheckpointError(f"no complete checkpoint in {path!r}{why}: resume from another folder or start "
                               "fresh by dropping checkpoint.resume_from")
     return path, steps[-1]
+
+
+def complete_steps(directory: str) -> list[int]:
+    """The steps saved completely under ``directory`` (a checkpoint root), in order; [] when it does not exist."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(n) for n in os.listdir(directory) if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
 
 
 def read_metadata(path: str) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from nereus_jax.runtime.checkpoint import (
     Checkpointer,
     GracefulStop,
     checkpoint_dir,
+    complete_steps,
     load_controller,
     restore_job,
     stop_agreed,
@@ -39,7 +40,7 @@ from nereus_jax.runtime.checkpoint import (
 from nereus_jax.runtime.distributed import is_primary
 from nereus_jax.runtime.export import export_actor
 from nereus_jax.runtime.initial_plan import AUTO_MICRO_BATCH_TOKENS, predicted_peak, with_micro_batch_tokens
-from nereus_jax.runtime.job import DeviceLost, Job, JobError, StepResult, prompt_ids
+from nereus_jax.runtime.job import DeviceLost, Job, JobError, NonFiniteTraining, StepResult, prompt_ids
 from nereus_jax.runtime.recovery import training_snapshot
 from nereus_jax.runtime.report import RunReport
 from nereus_jax.runtime.warmstart import SFT_INDEX_OFFSET, cached_warm_start, run_sft
@@ -249,7 +250,7 @@ def _run(cfg: Config, run_dir: str, inputs: Inputs, report: RunReport, started: 
         report.log("the controller starts afresh (the checkpoint was written on another device count)")
     ckpt = Checkpointer(checkpoint_dir(cfg, run_dir), every_steps=cfg.checkpoint.every_steps,
                         keep=cfg.checkpoint.keep, export_hf=cfg.checkpoint.export_hf)
-    rl_start, tokens, step_s, stopped, over_cap = time.perf_counter(), 0, 0.0, None, 0
+    rl_start, tokens, step_s, stopped, over_cap, diverged = time.perf_counter(), 0, 0.0, None, 0, None
     with GracefulStop() as stop:
         try:
             for result in rl_steps(job, adapter, cfg.trainer.steps, first=first, checkpointer=ckpt):
@@ -261,13 +262,19 @@ def _run(cfg: Config, run_dir: str, inputs: Inputs, report: RunReport, started: 
                 stopped = _after_step(cfg, job, adapter, ckpt, stop, metrics["step"] + 1)
                 if stopped is not None:
                     break
+        except NonFiniteTraining as e:
+            diverged = e
         finally:
             adapter.close()
-            ckpt.close()
+            ckpt.close()  # waits for the save in flight: the checkpoints listed below are complete
+    if diverged is not None:
+        where = _resume_point(ckpt.directory, diverged.first_step, meta)
+        raise NonFiniteTraining(f"{diverged}. {_resume_advice(ckpt.directory, diverged.first_step, where)}",
+                                diverged.first_step) from None
     job = adapter.job
     rl_s = time.perf_counter() - rl_start
     if stopped is not None:
-        return _stopped(cfg, job, adapter, report, ckpt.directory, stopped, started)
+        return _stopped(cfg, job, adapter, report, ckpt.directory, stopped, started, meta)
     after = job.evaluate(held_out, samples)
     report.log(f"held-out after {cfg.trainer.steps} RL steps: {_scores_text(after, samples)}")
     exported = export_actor(job, os.path.join(run_dir, "hf"))
@@ -328,26 +335,63 @@ def _start_job(cfg: Config, inputs: Inputs, warm, report: RunReport) -> tuple[Jo
 
 def _after_step(cfg: Config, job: Job, adapter: Adapter, ckpt: Checkpointer, stop: GracefulStop, done: int):
     """Periodic and end-of-run checkpoints (with the controller's state); after SIGTERM / SIGINT (on any
-    process) a save, and (signal name, step to resume at) to stop the loop."""
+    process) a save, and (signal name, step to resume at) to stop the loop. No checkpoint is written while
+    the learner is in a streak of non-finite steps (``job.nonfinite``): its weights are the ones the streak
+    started from, and resuming from them would run into it again."""
     stopping = done < cfg.trainer.steps and stop_agreed(stop)  # every process asks every step (a collective)
     final = done == cfg.trainer.steps and cfg.checkpoint.every_steps > 0
-    if ckpt.due(done) or final or stopping:  # the controller's state is read only for a save
+    if (ckpt.due(done) or final or stopping) and job.nonfinite:
+        adapter.log(f"step {done - 1} was non-finite ({job.nonfinite} in a row since step {job.nonfinite_since}): "
+                    "no checkpoint is written until a step is finite again")
+    elif ckpt.due(done) or final or stopping:  # the controller's state is read only for a save
         controller = adapter.state_dict()
         ckpt.maybe_save(job, done, controller=controller)
         if final or stopping:
             ckpt.save(job, done, controller=controller)  # a no-op when the periodic save took this step
-    return (stop.signal or "a signal to another process", done) if stopping else None
+    return (stop.signal or "a signal to another process", done, job.nonfinite_since) if stopping else None
+
+
+def _resume_point(directory: str, first_step: int, meta: dict | None) -> tuple[str, int] | None:
+    """The checkpoint to resume from after a non-finite streak that began at ``first_step``: the newest
+    written before the update of step ``first_step - 1`` (that update gave the weights the streak started
+    from; huge but finite ones pass every check and overflow in the next forward), i.e. of a step number
+    below ``first_step``: the step it resumes at ran finite. Looked for under ``directory`` and at the
+    checkpoint this run resumed from (``meta``); None when none exists."""
+    found = [(os.path.join(directory, str(s)), s) for s in complete_steps(directory) if s < first_step]
+    if meta is not None and meta["step"] < first_step:
+        found.append((meta["_step_dir"], meta["step"]))
+    return max(found, key=lambda f: f[1]) if found else None
+
+
+def _resume_advice(directory: str, first_step: int, where: tuple[str, int] | None) -> str:
+    if where is not None:
+        return (f"Resume from the newest checkpoint written before step {first_step - 1}'s update (which gave the "
+                f"weights the streak started from): checkpoint.resume_from={where[0]}")
+    if first_step == 0:
+        return "The streak began at the run's first step, so no checkpoint precedes it: start afresh"
+    newer = [s for s in complete_steps(directory) if s >= first_step]
+    held = f" ({directory}/{newer[0]} holds the weights the streak started from)" if newer else ""
+    return (f"No checkpoint written before step {first_step - 1}'s update exists{held}: start afresh "
+            "(checkpoint.every_steps and checkpoint.keep decide which checkpoints exist)")
 
 
 def _stopped(cfg: Config, job: Job, adapter: Adapter, report: RunReport, directory: str, stopped,
-             started: float) -> dict:
-    """The summary of a run that a signal stopped after saving (no final evaluation)."""
-    name, step = stopped
-    report.log(f"stopped by {name} after step {step - 1}; saved {directory}/{step}. Resume: the same command "
-               f"with checkpoint.resume_from={directory}")
+             started: float, meta: dict | None) -> dict:
+    """The summary of a run that a signal stopped after saving (no final evaluation); stopped during a
+    non-finite streak, it saved nothing and names the checkpoint to resume from (:func:`_resume_point`)."""
+    name, step, streak = stopped
+    resume_from, resume_step = directory, step
+    if streak is None:
+        report.log(f"stopped by {name} after step {step - 1}; saved {directory}/{step}. Resume: the same command "
+                   f"with checkpoint.resume_from={directory}")
+    else:
+        where = _resume_point(directory, streak, meta)
+        resume_from, resume_step = where if where is not None else (None, None)
+        report.log(f"stopped by {name} after step {step - 1}, unsaved: steps {streak}..{step - 1} were non-finite. "
+                   f"{_resume_advice(directory, streak, where)}")
     summary = {"algorithm": cfg.algorithm.name, "model": cfg.model.name, "task": cfg.task.name,
-               "steps": cfg.trainer.steps, "stopped_by": name, "resume_step": step, "resume_from": directory,
-               "plan": repr(job.plan), "wall_s": time.perf_counter() - started}
+               "steps": cfg.trainer.steps, "stopped_by": name, "stopped_after": step - 1, "resume_step": resume_step,
+               "resume_from": resume_from, "plan": repr(job.plan), "wall_s": time.perf_counter() - started}
     _save_calibration(cfg, adapter, report, step)
     report.finish(summary)
     return summary
