@@ -1,21 +1,31 @@
 """Non-finite training never reaches the state or a checkpoint: a step whose loss, gradient norm or update is
-not finite keeps the old state bit for bit and is counted; ``trainer.max_nonfinite_steps`` of them in a row
-stop the job with a message naming the stage and the learning rate; the checkpoints left behind are finite
-and resume."""
+not finite keeps the old state bit for bit and is counted, and so is a step whose scores (log-probs, values)
+are not finite (it trains nothing); ``trainer.max_nonfinite_steps`` of them in a row stop the job with a
+message naming the stage and the learning rate. No checkpoint is written during such a streak, and the
+message names one that resumes to a finite step (or says none exists)."""
+
+import json
+import os
+import re
+import signal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from nereus_jax import train
 from nereus_jax.config import ModelConfig, load_config
 from nereus_jax.models import init_params
-from nereus_jax.runtime.checkpoint import latest_step, restore_job
+from nereus_jax.runtime.checkpoint import complete_steps, latest_step, restore_job
 from nereus_jax.runtime.job import NonFiniteTraining
 from nereus_jax.runtime.losses import make_optimizer, make_train_step
 from nereus_jax.runtime.run import check_inputs, run_job
 
 CFG = ModelConfig()
+TINY_JOB = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=16",
+            "rollout.samples_per_prompt=2", "trainer.actor_lr=1e-3", "trainer.critic_lr=1e-3",
+            "logging.progress=false", "task.num_digits=1", "task.eval_size=16", "plan.stages.actor-gen.dp=2"]
 
 
 def _step(poison: bool):
@@ -54,7 +64,7 @@ def test_a_diverging_run_stops_naming_the_stage_and_leaves_a_finite_checkpoint_t
         "trainer.actor_lr=1e9", "algorithm.entropy_coef=0.1", "checkpoint.every_steps=1", "trainer.steps=12",
         "trainer.warmup_sft_steps=0", "trainer.prompts_per_step=8", "task.eval_size=8", "cluster.schedule=[]",
         "logging.progress=false", "logging.tensorboard=false", "controller.enabled=false"])
-    with pytest.raises(NonFiniteTraining, match=r"actor-train: 3 consecutive .*trainer\.actor_lr=1000000000"):
+    with pytest.raises(NonFiniteTraining, match=r"3 consecutive training steps .*trainer\.actor_lr=1000000000"):
         run_job(cfg, str(tmp_path / "run"))
     ckpt = tmp_path / "run" / "checkpoints"
     step = latest_step(str(ckpt))
@@ -68,3 +78,90 @@ def test_a_diverging_run_stops_naming_the_stage_and_leaves_a_finite_checkpoint_t
         assert meta["step"] == step
     finally:
         inputs.rewarder.close()
+
+
+# --------------------------------------------------------------------- a non-finite forward (lr 1e9)
+# Adam moves every weight by about the learning rate: at 1e9 the update is huge but finite (it passes the
+# training program's check and the checkpoint's), and the next step's forward overflows to NaN log-probs.
+def _diverging(tmp_path, *extra):
+    return TINY_JOB + ["algorithm.entropy_coef=0.1", "checkpoint.every_steps=1", "checkpoint.keep=2",
+                       "logging.tensorboard=false", "controller.enabled=false", f"logging.cache_dir={tmp_path}/cache",
+                       *extra]
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+def _one_step_from(tmp_path, name, checkpoint, step):
+    """Step ``step`` of the lr-1e9 run resumed from ``checkpoint``: its metrics."""
+    run_job(load_config(None, _diverging(tmp_path, "trainer.actor_lr=1e9", f"trainer.steps={step + 1}",
+                                         f"checkpoint.resume_from={checkpoint}")), str(tmp_path / name))
+    (metrics,) = _metrics(tmp_path / name)
+    assert metrics["step"] == step
+    return metrics
+
+
+def _finite(m) -> bool:
+    """A step's scores and the actor's update were finite."""
+    return all(np.isfinite(m[k]) for k in ("kl", "policy_loss", "grad_norm")) and m["actor_updates_skipped"] == 0
+
+
+def test_a_diverging_run_writes_no_checkpoint_in_the_streak_and_names_one_that_resumes_finite(tmp_path, capsys):
+    """Two steps at a sane learning rate (checkpoints 1, 2), then the run resumed at lr 1e9: step 2's update
+    is huge but finite (checkpoint 3 holds it), the steps after it are not finite. The CLI exits 2 with one
+    line; no checkpoint is written once the streak began; the one the line names resumes to a finite step,
+    and the newest one before the streak (3, not named) does not."""
+    ckpt = str(tmp_path / "ckpt")
+    run_job(load_config(None, _diverging(tmp_path, "trainer.steps=2", f"checkpoint.dir={ckpt}")),
+            str(tmp_path / "sane"))
+    assert complete_steps(ckpt) == [1, 2]
+    args = _diverging(tmp_path, "trainer.actor_lr=1e9", "trainer.steps=10", f"checkpoint.dir={ckpt}",
+                      f"checkpoint.resume_from={ckpt}")
+    assert train.main(["default", *args, "--run-dir", str(tmp_path / "diverged")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: 3 consecutive training steps were non-finite"), err
+    assert "trainer.actor_lr=1000000000.0" in err
+    first, last = (int(x) for x in re.search(r"steps (\d+)\.\.(\d+)", err).groups())
+    steps = _metrics(tmp_path / "diverged")
+    assert [m["step"] for m in steps] == list(range(2, last))  # the step that raises logs nothing
+    assert all(_finite(m) for m in steps if m["step"] < first) and not _finite(steps[first - 2])
+    assert max(complete_steps(ckpt)) == first  # written before step `first`, none after it
+    named = re.search(r"checkpoint\.resume_from=(\S+)", err).group(1)
+    step = int(os.path.basename(named))
+    assert os.path.dirname(named) == ckpt and step < first
+    assert _finite(_one_step_from(tmp_path, "named", named, step))
+    assert not _finite(_one_step_from(tmp_path, "newest", os.path.join(ckpt, str(first)), first))
+
+
+def test_a_run_whose_first_update_poisons_the_weights_says_no_checkpoint_resumes(tmp_path):
+    """lr 1e9 from the start: step 0's update is the poisoned one, so checkpoint 1 (written before the streak)
+    resumes into NaN too; the message says plainly that no checkpoint precedes it, and none is written after."""
+    none = r"steps 1\.\.3; step 3: actor-infer's log-probs .*No checkpoint written before step 0's update exists"
+    with pytest.raises(NonFiniteTraining, match=none + r" \(\S+/checkpoints/1 holds the weights") as stop:
+        run_job(load_config(None, _diverging(tmp_path, "trainer.actor_lr=1e9", "trainer.steps=10")),
+                str(tmp_path / "run"))
+    assert stop.value.first_step == 1
+    assert complete_steps(str(tmp_path / "run" / "checkpoints")) == [1]
+
+
+def test_a_signal_during_a_streak_stops_without_saving_and_names_no_checkpoint(tmp_path, monkeypatch, capsys):
+    """SIGTERM after step 1 (non-finite, lr 1e9 from the start): the CLI stops with exit 0 as usual, but writes no
+    checkpoint of the streak's weights and says that none resumes (checkpoint 1 would resume into NaN)."""
+    from nereus_jax.runtime import report as report_mod
+
+    step = report_mod.RunReport.step
+
+    def step_then_signal(self, metrics):
+        step(self, metrics)
+        if metrics["step"] == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(report_mod.RunReport, "step", step_then_signal)
+    args = _diverging(tmp_path, "trainer.actor_lr=1e9", "trainer.steps=10")
+    assert train.main(["default", *args, "--run-dir", str(tmp_path / "run")]) == 0
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "stopped by SIGTERM after step 1; no checkpoint to resume from (the steps before the stop were non-finite)")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["stopped_after"] == 1 and summary["resume_from"] is None and summary["resume_step"] is None
+    assert complete_steps(str(tmp_path / "run" / "checkpoints")) == [1]
