@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from nereus_jax.config import ModelConfig
 from nereus_jax.engine import decode, paged
 from nereus_jax.engine.contract import DecodeState, Parked, Prefix, ResultTokens
-from nereus_jax.engine.sampling import Requests, make_requests, sample
+from nereus_jax.engine.sampling import Requests, make_requests, sample_blocks
 from nereus_jax.sharding import Layout, activation_sharding, logical_to_spec, param_shardings
 
 
@@ -124,8 +124,8 @@ class DecodePrograms:
         logits = decode.logits(params, hidden[:, 0])
         per_sample = jax.tree.map(lambda x: jnp.repeat(x, num_samples, axis=0), requests)
         per_sample = per_sample._replace(sample=jnp.tile(jnp.arange(num_samples, dtype=jnp.int32), rows))
-        tokens, logprobs = sample(jnp.repeat(logits, num_samples, axis=0), per_sample,
-                                  jnp.zeros((rows * num_samples,), jnp.int32))
+        tokens, logprobs = sample_blocks(logits, per_sample, jnp.zeros((rows * num_samples,), jnp.int32),
+                                         repeat=num_samples)
         done = _is_done(tokens, jnp.ones_like(tokens), per_sample)
         shape = (rows, num_samples)
         tokens, logprobs, done = tokens.reshape(shape), logprobs.reshape(shape), done.reshape(shape)
@@ -194,7 +194,7 @@ class DecodePrograms:
             return self._paged_generate_impl(params, state, items)
         positions = jnp.minimum(state.lengths, self.max_target_length - 1)
         hidden, caches = decode.run(params, self.cfg, state.tokens[:, None], positions, state.caches)
-        tokens, logprobs = sample(decode.logits(params, hidden[:, 0]), state.requests, state.steps)
+        tokens, logprobs = sample_blocks(decode.logits(params, hidden[:, 0]), state.requests, state.steps)
         active = state.active
         steps = state.steps + active
         done = active & _is_done(tokens, steps, state.requests)
@@ -210,7 +210,7 @@ class DecodePrograms:
         pages, run, write = paged.grow(state.pages, positions, active, self.page_size)
         work = paged.work_items(pages, positions, run, items, self.page_size)
         hidden, caches = decode.run_paged(params, self.cfg, state.tokens, positions, state.caches, write, work)
-        tokens, logprobs = sample(decode.logits(params, hidden[:, 0]), state.requests, state.steps)
+        tokens, logprobs = sample_blocks(decode.logits(params, hidden[:, 0]), state.requests, state.steps)
         steps = state.steps + run
         done = run & _is_done(tokens, steps, state.requests)
         new = DecodeState(caches, jnp.where(run, tokens, state.tokens), state.lengths + run, steps, active & ~done,

@@ -10,6 +10,11 @@ bisection over the float bits (exact, and far cheaper than a sort on XLA:CPU).
 
 The returned log-probability is ``log_softmax(logits / temperature)`` at the chosen token (plain
 ``log_softmax(logits)`` when greedy); top-k / top-p truncation does not renormalise it.
+
+Each row's draw reads only its own row, so :func:`sample_blocks` runs :func:`sample` over blocks of rows:
+with a real vocabulary (151,936 tokens) the working arrays of the threshold search and the inverse CDF
+(several ``[rows, vocab]`` float32 arrays) then exist for one block at a time, beside the logits
+themselves, whatever the number of decode slots.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import numpy as np
 from nereus_jax.config import RolloutConfig
 
 _BLOCK = 128  # vocabulary block of the two-level inverse CDF
+SAMPLE_BLOCK_ELEMENTS = 2**22  # rows x vocab of one block of sample_blocks (16 MiB of float32 per array)
 
 
 class SamplingError(ValueError):
@@ -121,6 +127,47 @@ def sample(logits_nv: jax.Array, requests: Requests, index_n: jax.Array) -> tupl
     drawn = _inverse_cdf(jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf), uniform)
     tokens = jnp.where(greedy, _argmax(scaled), drawn)
     logprobs = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0] - lse
+    return tokens, logprobs
+
+
+def block_rows(vocab: int, elements: int = SAMPLE_BLOCK_ELEMENTS) -> int:
+    """Rows of one :func:`sample_blocks` block for a vocabulary of ``vocab`` tokens (at least 1)."""
+    return max(1, elements // max(vocab, 1))
+
+
+def sample_blocks(logits_rv: jax.Array, requests: Requests, index_n: jax.Array, repeat: int = 1,
+                  rows_per_block: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """:func:`sample` with each row of ``logits_rv`` [r, vocab] repeated ``repeat`` times (row i's copies
+    are rows ``i * repeat ..`` of ``requests`` / ``index_n``, n = r * repeat), over blocks of
+    ``rows_per_block`` rows of the repeated logits (default :func:`block_rows`) one after another, so
+    sampling holds ``[block, vocab]`` working arrays, not ``[n, vocab]``. Draws exactly what
+    :func:`sample` draws on the whole (each row's result depends on that row alone)."""
+    r, v = logits_rv.shape
+    n = r * repeat
+    per_block = max(1, (rows_per_block or block_rows(v)) // repeat)  # logits rows per block
+    if per_block >= r:
+        rows = logits_rv if repeat == 1 else jnp.repeat(logits_rv, repeat, axis=0)
+        return sample(rows, requests, index_n)
+
+    def one(start: int | jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:  # logits rows start..start+rows
+        logits = jax.lax.dynamic_slice_in_dim(logits_rv, start, rows)
+        logits = logits if repeat == 1 else jnp.repeat(logits, repeat, axis=0)
+        take = lambda x: jax.lax.dynamic_slice_in_dim(x, start * repeat, rows * repeat)  # noqa: E731
+        return sample(logits, jax.tree.map(take, requests), take(index_n))
+
+    def block(i, carry):  # in place: no padded or regrouped copy of the logits
+        tokens, logprobs = carry
+        t, lp = one(i * per_block, per_block)
+        at = i * per_block * repeat
+        return (jax.lax.dynamic_update_slice_in_dim(tokens, t, at, 0),
+                jax.lax.dynamic_update_slice_in_dim(logprobs, lp, at, 0))
+
+    full, rest = divmod(r, per_block)
+    carry = (jnp.zeros((n,), jnp.int32), jnp.zeros((n,), jnp.float32))
+    tokens, logprobs = jax.lax.fori_loop(0, full, block, carry)
+    if rest:
+        t, lp = one(full * per_block, rest)
+        tokens, logprobs = tokens.at[full * per_block * repeat:].set(t), logprobs.at[full * per_block * repeat:].set(lp)
     return tokens, logprobs
 
 
