@@ -87,6 +87,7 @@ class Generator:
         self._lock = threading.Lock()
         self._state = engine.init_decode_state()
         self._clean = True  # False while a rollouts call runs: one that raised leaves slots behind
+        self._running = False  # a rollouts call is decoding (set_params must wait for a step boundary)
         self._run: _Run | None = None
 
     def progress(self) -> dict[str, int]:
@@ -101,9 +102,15 @@ class Generator:
 
     def set_params(self, params: Params, version: int | None = None) -> None:
         """Parameters (as ``engine.load_params`` returns them) to use from the next decode step on.
-        Thread-safe; ``version`` defaults to the current one + 1."""
+        Thread-safe; ``version`` defaults to the current one + 1. With no rollouts call running they replace
+        the current ones at once, so the old parameters are freed now, not held beside the new ones until
+        the next call (with a real model that is a whole second copy of the weights on the devices)."""
         with self._lock:
-            self._pending = (params, self.version + 1 if version is None else version)
+            pending = (params, self.version + 1 if version is None else version)
+            if self._running:
+                self._pending = pending
+            else:
+                (self._params, self.version), self._pending = pending, None
 
     def rollouts(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
                  forced_lengths: Sequence[int] | None = None, refill: Refill = "continuous",
@@ -121,14 +128,20 @@ class Generator:
         ids = np.arange(len(prompts)) if prompt_ids is None else np.asarray(prompt_ids, np.int64).reshape(-1)
         if ids.shape[0] != len(prompts) or np.any(ids < 0) or np.any(ids >= 2**31):
             raise EngineError(f"prompt_ids needs one id in [0, 2**31) per prompt ({len(prompts)} prompts)")
-        if not self._clean:  # an earlier call stopped mid-way: start from an empty state
-            self._state = self.engine.init_decode_state()
-        run = _Run(self, prompts, sampling, limits, forced=forced_lengths is not None, refill=refill)
-        run.prompt_ids = ids
-        self._run = run
-        start, cpu = time.perf_counter(), time.thread_time()
-        self._clean = False
-        run.loop(on_step)
+        with self._lock:
+            self._running = True
+        try:
+            if not self._clean:  # an earlier call stopped mid-way: start from an empty state
+                self._state = self.engine.init_decode_state()
+            run = _Run(self, prompts, sampling, limits, forced=forced_lengths is not None, refill=refill)
+            run.prompt_ids = ids
+            self._run = run
+            start, cpu = time.perf_counter(), time.thread_time()
+            self._clean = False
+            run.loop(on_step)
+        finally:
+            with self._lock:
+                self._running = False
         self._clean = True
         run.stats["thread_cpu_s"] = time.thread_time() - cpu  # this thread's Python and dispatch seconds
         return run.result(time.perf_counter() - start)

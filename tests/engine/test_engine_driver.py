@@ -2,7 +2,9 @@
 counts over a steady workload, parameter swaps between decode steps."""
 
 import dataclasses
+import gc
 import heapq
+import weakref
 
 import jax
 import numpy as np
@@ -118,6 +120,20 @@ def test_param_swap_between_steps_keeps_live_slots_and_records_versions(gen, eng
     for r, logits in zip(fresh, teacher_forced_logits(other_raw, TINY, [prompts[r] for r in fresh],
                                                       _rows(out, fresh)), strict=True):
         np.testing.assert_array_equal(out.tokens[r], np.argmax(logits, -1))
+
+
+def test_params_set_between_calls_replace_the_old_ones_at_once(engine, params):
+    """No call running: the old parameters are dropped by set_params itself (not held beside the new ones
+    until the next call: a second copy of the weights), and the next call runs on the new ones throughout."""
+    gen = Generator(engine, engine.load_params(init_params(TINY, seed=2)))
+    old = weakref.ref(jax.tree.leaves(gen._params)[0])
+    gen.set_params(params, version=4)
+    gc.collect()
+    assert old() is None and gen.version == 4
+    prompts = make_prompts(3, seed=1)
+    out = gen.rollouts(prompts, GREEDY)
+    assert np.all(out.param_versions == 4) and out.stats.get("param_swaps", 0) == 0
+    np.testing.assert_array_equal(out.tokens, Generator(engine, params).rollouts(prompts, GREEDY).tokens)
 
 
 def _rows(out, rows):
