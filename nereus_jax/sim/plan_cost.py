@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from nereus_jax.config import ModelConfig
-from nereus_jax.elastic.costs import StageChoice, resident_bytes
+from nereus_jax.elastic.costs import StageChoice, state_bytes
 from nereus_jax.elastic.graph import TransitionError, TransitionGraph
 from nereus_jax.elastic.plan import ExecutionPlan
 from nereus_jax.elastic.planner import PlanResult
@@ -81,7 +81,7 @@ class SimPlan:
 
 def state_specs(models: Mapping[str, ModelConfig], stages: Sequence[str]) -> dict[ModelStage, ByteSpec]:
     """A replica's state of each model-stage as bytes (weights; + Adam state for training)."""
-    return {ModelStage.parse(s): ByteSpec(int(resident_bytes(models[split_stage(s)[0]], s, 1, 1))) for s in stages}
+    return {ModelStage.parse(s): ByteSpec(int(state_bytes(models[split_stage(s)[0]], s, 1, 1))) for s in stages}
 
 
 def build_graph(old: SimPlan, new: SimPlan, specs: Mapping[ModelStage, ByteSpec], cap: int) -> TransitionGraph | None:

@@ -22,6 +22,7 @@ from nereus_jax.elastic.costs import (
     resident_bytes,
     stage_latency,
     stage_memory,
+    state_bytes,
     transfer_seconds,
     transition_seconds,
     working_bytes,
@@ -250,7 +251,8 @@ def test_memory_of_llama_8b():
     n = 8_030_261_248
     assert param_count(LLAMA8B) == n
     assert resident_bytes(LLAMA8B, "actor-train", 1, 1) == 12 * n  # float32 params + Adam m, v
-    assert resident_bytes(LLAMA8B, "actor-gen", 1, 1) == 2 * n  # bfloat16 weights
+    assert state_bytes(LLAMA8B, "actor-gen", 1, 1) == 2 * n  # bfloat16 weights
+    assert resident_bytes(LLAMA8B, "actor-gen", 1, 1) == 4 * n  # the unit's and the engine's per-layer copy
     bf16 = dataclasses.replace(LLAMA8B, param_dtype="bfloat16")
     assert resident_bytes(bf16, "actor-train", 1, 1) == 14 * n  # bf16 params + m, v + float32 master
     hw = get_hardware("h100")

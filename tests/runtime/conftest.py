@@ -1,5 +1,8 @@
 """Shared by the runtime tests: the tiny job's overrides and one warm-started actor per session."""
 
+import os
+import signal
+
 import pytest
 
 from nereus_jax.config import load_config
@@ -27,3 +30,23 @@ def warm(tmp_path_factory):
 
     cache = str(tmp_path_factory.getbasetemp() / "warm-cache")
     return warm_start(cfg, make_task(cfg.task), CharTokenizer(), cache, _Quiet())[0]
+
+
+@pytest.fixture
+def sigterm_after(monkeypatch):
+    """``sigterm_after(n)``: this process gets SIGTERM right after the run report logs step ``n`` (the step
+    has finished, as when a scheduler preempts the job then); it returns a function that disarms it."""
+    from nereus_jax.runtime import report as report_mod
+
+    step = report_mod.RunReport.step
+
+    def arm(at: int):
+        def step_then_signal(self, metrics):
+            step(self, metrics)
+            if metrics["step"] == at:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        monkeypatch.setattr(report_mod.RunReport, "step", step_then_signal)
+        return lambda: monkeypatch.setattr(report_mod.RunReport, "step", step)
+
+    return arm

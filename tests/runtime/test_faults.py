@@ -188,29 +188,20 @@ def test_run_job_survives_devices_failing_mid_step(tmp_path, straight, monkeypat
 
 
 # ------------------------------------------------------------------------------------------ SIGTERM
-def test_run_stopped_by_sigterm_and_resumed_logs_the_metrics_of_the_straight_run(tmp_path, straight, monkeypatch):
+def test_run_stopped_by_sigterm_and_resumed_logs_the_metrics_of_the_straight_run(tmp_path, straight, sigterm_after):
     """run_job end to end, in this process: the straight 4 steps vs SIGTERM during step 1 (the step
     finishes and is saved), then the same run with checkpoint.resume_from. The resumed run logs steps 2
     and 3 exactly as the straight run does (same plan)."""
-    from nereus_jax.runtime import report as report_mod
     from nereus_jax.runtime.run import run_job
 
     args, a = straight
-
-    step = report_mod.RunReport.step
-
-    def step_then_signal(self, metrics):
-        step(self, metrics)
-        if metrics["step"] == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(report_mod.RunReport, "step", step_then_signal)
+    disarm = sigterm_after(1)
     ckdir = tmp_path / "b" / "checkpoints"
     stopped = run_job(load_config(None, args), str(tmp_path / "b"))
     assert stopped["stopped_by"] == "SIGTERM" and stopped["resume_step"] == 2
     assert stopped["resume_from"] == str(ckdir) and read_metadata(str(ckdir))["step"] == 2
     assert read_calibration(tmp_path / "b")["steps"] == 2  # written with the summary of a stopped run too
-    monkeypatch.setattr(report_mod.RunReport, "step", step)
+    disarm()
     resumed = run_job(load_config(None, args + [f"checkpoint.resume_from={ckdir}"]), str(tmp_path / "b"))
     assert "stopped_by" not in resumed
     assert read_calibration(tmp_path / "b")["steps"] == 4

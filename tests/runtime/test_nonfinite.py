@@ -7,7 +7,6 @@ message names one that resumes to a finite step (or says none exists)."""
 import json
 import os
 import re
-import signal
 
 import jax
 import jax.numpy as jnp
@@ -145,19 +144,10 @@ def test_a_run_whose_first_update_poisons_the_weights_says_no_checkpoint_resumes
     assert complete_steps(str(tmp_path / "run" / "checkpoints")) == [1]
 
 
-def test_a_signal_during_a_streak_stops_without_saving_and_names_no_checkpoint(tmp_path, monkeypatch, capsys):
+def test_a_signal_during_a_streak_stops_without_saving_and_names_no_checkpoint(tmp_path, sigterm_after, capsys):
     """SIGTERM after step 1 (non-finite, lr 1e9 from the start): the CLI stops with exit 0 as usual, but writes no
     checkpoint of the streak's weights and says that none resumes (checkpoint 1 would resume into NaN)."""
-    from nereus_jax.runtime import report as report_mod
-
-    step = report_mod.RunReport.step
-
-    def step_then_signal(self, metrics):
-        step(self, metrics)
-        if metrics["step"] == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(report_mod.RunReport, "step", step_then_signal)
+    sigterm_after(1)
     args = _diverging(tmp_path, "trainer.actor_lr=1e9", "trainer.steps=10")
     assert train.main(["default", *args, "--run-dir", str(tmp_path / "run")]) == 0
     assert capsys.readouterr().err.strip().splitlines()[-1] == (

@@ -59,14 +59,15 @@ def test_calibration_error_shrinks_from_a_wrong_start(small_trace):
 
 def test_candidates_include_the_plan_fast_by_what_was_measured():
     """Beside the planner's fastest plans, the controller is offered the best plan under risk-adjusted prices
-    (seconds plus the extrapolation sd of layouts the run has not measured). preemptible: 45 steps measured on
-    its 16 H100s; the planner's best plan for the same 16 devices trains at a layout two doublings from any
-    measured one. Reference: that plan, which is predicted faster and extrapolates further. (Whether the
-    measured-layout plan also runs faster in the ground truth depends on the trace and step; the job-level
-    figures are in docs/results.md.)"""
+    (seconds plus the extrapolation sd of layouts the run has not measured). llama_growth: 45 steps measured
+    on its 64 H200s; the planner's best plan on 16 of them puts stages at layouts the run never measured.
+    Reference: that plan, which is predicted faster and extrapolates further. (Whether the measured-layout
+    plan also runs faster in the ground truth depends on the trace and step; the job-level figures are in
+    docs/results.md. preemptible's scenario stopped showing the mechanism once the memory
+    model counted the engine's copy of actor-gen's weights: its best plan is then a measured one.)"""
     from nereus_jax.elastic.controller import Observation
 
-    trace = load_trace("preemptible")
+    trace = load_trace("llama_growth")
     sim = Simulation(trace)
     model, plan = sim.model(), sim.initial_plan()
     pool = tuple(range(16))

@@ -18,6 +18,7 @@ from nereus_jax.elastic.costs.memory import (
     device_peak_bytes,
     resident_bytes,
     stage_memory,
+    state_bytes,
     working_bytes,
 )
 from nereus_jax.elastic.costs.model import (
@@ -51,6 +52,7 @@ __all__ = [
     "params_per_device",
     "pipeline_microbatches",
     "resident_bytes",
+    "state_bytes",
     "stage_latency",
     "stage_memory",
     "transfer_seconds",

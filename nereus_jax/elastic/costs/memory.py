@@ -2,8 +2,9 @@
 only while it runs.
 
 - resident (parked while other model-stages run on the same devices): the weights, stored in the
-  compute dtype for gen/infer; for train the parameters in their stored dtype plus Adam's float32 m and
-  v (and a float32 master copy when parameters are not float32). kv heads count once per stored copy.
+  compute dtype for gen/infer (gen twice: the unit's, the engine's per-layer copy); for train the
+  parameters in their stored dtype plus Adam's float32 m and v (and a float32 master copy when
+  parameters are not float32). kv heads count once per stored copy.
 - working (only while the stage runs): gen: the KV cache of its decode slots at the longest context,
   slot logits, one prefill; infer: one call's hidden states, one layer's activations, attention scores
   when materialised, the output head's float32 working set; train: gradients (twice with accumulation),
@@ -58,14 +59,22 @@ class StageMemory(NamedTuple):
         return self.resident + self.working
 
 
-def resident_bytes(cfg: ModelConfig, stage: str, tp: int, pp: int) -> float:
-    """State one device keeps for ``stage`` between its runs (depends on the layout only)."""
+def state_bytes(cfg: ModelConfig, stage: str, tp: int, pp: int) -> float:
+    """What one device of one of ``stage``'s units holds (the state a transition moves)."""
     kind = split_stage(stage)[1]
     params = counts.params_per_device(cfg, tp, pp, stage_head(stage))
     if kind != "train":
         return params * counts.dtype_bytes(cfg.compute_dtype)
     pb = counts.dtype_bytes(cfg.param_dtype)
     return params * (pb + 8 + (4 if pb != 4 else 0))
+
+
+def resident_bytes(cfg: ModelConfig, stage: str, tp: int, pp: int) -> float:
+    """Bytes one device keeps for ``stage`` between its runs (depends on the layout only): its unit's state,
+    and for gen the engine's own copy of the weights beside it (per-layer arrays in the compute dtype,
+    ``JaxEngine.adopt_params``), held for as long as the engine lives."""
+    unit = state_bytes(cfg, stage, tp, pp)
+    return 2 * unit if split_stage(stage)[1] == "gen" else unit
 
 
 def working_bytes(cfg: ModelConfig, stage: str, choice: StageChoice, workload: Workload, hw: Hardware,
