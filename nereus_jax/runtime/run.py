@@ -340,10 +340,11 @@ def _after_step(cfg: Config, job: Job, adapter: Adapter, ckpt: Checkpointer, sto
     started from, and resuming from them would run into it again."""
     stopping = done < cfg.trainer.steps and stop_agreed(stop)  # every process asks every step (a collective)
     final = done == cfg.trainer.steps and cfg.checkpoint.every_steps > 0
-    if (ckpt.due(done) or final or stopping) and job.nonfinite:
+    saving = ckpt.due(done) or final or stopping
+    if saving and job.nonfinite:
         adapter.log(f"step {done - 1} was non-finite ({job.nonfinite} in a row since step {job.nonfinite_since}): "
                     "no checkpoint is written until a step is finite again")
-    elif ckpt.due(done) or final or stopping:  # the controller's state is read only for a save
+    elif saving:  # the controller's state is read only for a save
         controller = adapter.state_dict()
         ckpt.maybe_save(job, done, controller=controller)
         if final or stopping:
