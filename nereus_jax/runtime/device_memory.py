@@ -24,9 +24,10 @@ def device_bytes_in_use(devices: Sequence[jax.Device]) -> dict[int, int]:
         return stats
     held, seen = dict.fromkeys(stats, 0), set()
     for array in jax.live_arrays():
-        try:  # another thread (async generation, a move) may delete an array while we look
+        try:  # another thread (async generation, a move) may delete an array while we look: jax then raises
+            # RuntimeError ("deleted") or, when the deletion lands mid-read, TypeError on its cleared buffer list
             shards = [(s.device.id, s.data.unsafe_buffer_pointer(), s.data.nbytes) for s in array.addressable_shards]
-        except RuntimeError:
+        except (RuntimeError, TypeError):
             continue
         for device, pointer, nbytes in shards:
             if device in held and (device, pointer) not in seen:
