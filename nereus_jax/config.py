@@ -116,6 +116,16 @@ class ModelConfig(_Node):
     param_dtype: Literal["float32", "bfloat16"] = _field("float32", "master weights and optimizer state")
     compute_dtype: Literal["float32", "bfloat16"] = _field("float32", "generation/inference compute, weights")
     remat: bool = _field(False, "rematerialise activations in training (time for memory)")
+    lora_rank: int = _field(0, "LoRA rank r: > 0 trains low-rank adapters on lora_targets and freezes the base "
+                               "(0: full fine-tuning)")
+    lora_alpha: float = _field(16.0, "LoRA scaling numerator: the adapters' output is scaled by lora_alpha / "
+                                     "lora_rank (PEFT's convention)")
+    lora_targets: tuple[str, ...] = _field(
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        "projections that get adapters, by their Hugging Face module names")
+    lora_dropout: float = _field(0.0, "dropout on the adapters' input (only 0 is supported so far)")
+    lora_path: str | None = _field(None, "a local PEFT LoRA adapter folder (adapter_config.json, "
+                                         "adapter_model.safetensors) the adapters start from")
 
     def __post_init__(self) -> None:
         _check_positive(
@@ -147,6 +157,20 @@ class ModelConfig(_Node):
         _check_positive("model", self, "head_dim")
         if self.family == "qwen3":
             require(self.qk_norm, "model.family=qwen3 has per-head q/k RMSNorm: set model.qk_norm=true")
+        require(self.lora_rank >= 0, f"model.lora_rank must be >= 0 (0: no adapters), got {self.lora_rank}")
+        if self.lora_rank:
+            from nereus_jax.models.lora import ALL_TARGETS
+
+            unknown = [t for t in self.lora_targets if t not in ALL_TARGETS]
+            require(not unknown and len(self.lora_targets) > 0,
+                    f"model.lora_targets={list(self.lora_targets)}: unknown {unknown or 'empty list'}; choose among "
+                    f"{list(ALL_TARGETS)}")
+            require(self.lora_alpha > 0, f"model.lora_alpha must be > 0, got {self.lora_alpha}")
+            require(self.lora_dropout == 0.0,
+                    f"model.lora_dropout={self.lora_dropout}: adapter dropout is not supported yet; set "
+                    "model.lora_dropout=0 (RL post-training usually runs without it)")
+        require(self.lora_path is None or self.lora_rank > 0,
+                "model.lora_path is set but model.lora_rank=0: set model.lora_rank to the adapter's rank")
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from nereus_jax.model_stage import ModelStage
+from nereus_jax.models.lora import split_trainable
 from nereus_jax.sharding import Layout, make_mesh
 
 from .emu import EMU
@@ -147,6 +148,7 @@ def _init_optimizer(spec: StateSpec, shardings: Sequence[Any]):
     out = list(shardings[n:])
 
     def init(params: list) -> list:
-        return jax.tree.leaves(spec.optimizer.init(jax.tree.unflatten(spec.params_def, params)))
+        tree = jax.tree.unflatten(spec.params_def, params)
+        return jax.tree.leaves(spec.optimizer.init(split_trainable(tree, spec.model)[0]))
 
     return jax.jit(init, out_shardings=out)

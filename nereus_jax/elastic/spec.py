@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nereus_jax.config import ModelConfig
 from nereus_jax.models import abstract_params, param_axes
+from nereus_jax.models.lora import split_trainable
 from nereus_jax.sharding import Layout, check_layout, kv_repeat, logical_to_spec, make_mesh, stored_shapes
 
 from .plan import DEVICE, ExecutionPlan
@@ -74,8 +75,10 @@ class StateSpec:
         self._converters: dict[tuple, Callable[[list], list]] = {}
 
     def _add_optimizer(self, optimizer: optax.GradientTransformation, params: Any) -> None:
+        # the optimizer sees the trainable leaves only (all, or LoRA's adapters and a value head)
+        params = split_trainable(params, self.model)[0]
         opt = jax.eval_shape(optimizer.init, params)
-        index = jax.tree.unflatten(self.params_def, list(range(self.n_params)))
+        index = split_trainable(jax.tree.unflatten(self.params_def, list(range(self.n_params))), self.model)[0]
         which = optax.tree_map_params(optimizer, lambda p, i: i, opt, index, transform_non_params=lambda _: -1)
         o_leaves, self.opt_def = jax.tree.flatten(opt)
         for s, i in zip(o_leaves, jax.tree.leaves(which), strict=True):

@@ -62,6 +62,7 @@ from nereus_jax.engine.contract import DecodeState, Engine, EngineError, Params,
 from nereus_jax.engine.programs import DecodePrograms
 from nereus_jax.engine.sampling import Requests, make_requests
 from nereus_jax.models.decoder import abstract_params
+from nereus_jax.models.lora import base_config, has_adapters
 from nereus_jax.sharding import (
     Layout,
     kv_repeat,
@@ -82,7 +83,10 @@ class JaxEngine:
                  max_prefill_batch: int = 8, max_stop_tokens: int = 4, tokenizer: Any = None,
                  decode_steps_per_call: int = 1, page_size: int | None = None, kv_pages: int | None = None,
                  kv_bytes: int | None = None, max_prompt_length: int | None = None):
-        self.cfg = cfg
+        # A model with LoRA adapters generates with them merged into its weights (once per load/adopt); the
+        # engine itself runs the base architecture.
+        self.adapters_cfg = cfg if cfg.lora_rank else None
+        self.cfg = cfg = base_config(cfg)
         self._mesh = mesh if mesh is not None else make_mesh(jax.devices()[:1], Layout())
         self.layout = _layout_of(self._mesh)
         self._slots = _positive("max_concurrent_decodes", max_concurrent_decodes)
@@ -104,13 +108,13 @@ class JaxEngine:
         self.prefill_batches = _buckets(self.max_prefill_batch, smallest=1)
         self.traces: collections.Counter[str] = collections.Counter()
         self._tokenizer = tokenizer
-        self._stored_shapes: dict | None = None
+        self._stored_shapes: tuple[ModelConfig, dict] | None = None
         self._init_paging(page_size, kv_pages, kv_bytes)
         self._programs = DecodePrograms(
             cfg, self._mesh, self.layout, slots=self._slots, max_target_length=self.max_target_length,
             kv_heads=self.kv_heads, max_stop_tokens=self.max_stop_tokens,
             decode_steps_per_call=self.decode_steps_per_call, page_size=self.page_size, kv_pages=self.kv_pages,
-            pages_per_slot=self.pages_per_slot, traces=self.traces)
+            pages_per_slot=self.pages_per_slot, traces=self.traces, adapters=self.adapters_cfg)
 
     def _init_paging(self, page_size: int | None, kv_pages: int | None, kv_bytes: int | None) -> None:
         self.page_size = None if page_size is None else _positive("page_size", page_size)
@@ -186,16 +190,22 @@ class JaxEngine:
         """Lays a canonical parameter tree (``init_params``, a checkpoint, a trainer's) out for generation:
         sharded with the "gen" rules, kv heads repeated where tp exceeds them, cast to compute dtype,
         layers unstacked. Any layout of the input works; inputs are untouched."""
-        _check_tree(params, self.cfg)
-        return self._programs.unstack(shard_params(params, self.cfg, self.layout, self._mesh, kind="gen"))
+        cfg = self._tree_cfg(params)
+        _check_tree(params, cfg)
+        return self._programs.unstack(shard_params(params, cfg, self.layout, self._mesh, kind="gen"))
+
+    def _tree_cfg(self, params: dict) -> ModelConfig:
+        """The config ``params`` is a tree of: the base's, or with adapters (LoRA) the adapted model's."""
+        return self.adapters_cfg if self.adapters_cfg is not None and has_adapters(params["layers"]) else self.cfg
 
     def adopt_params(self, params: dict) -> Params:
         """Parameters already laid out for this engine (its layout, on its mesh, kv heads stored as the
         layout stores them), e.g. a generation unit's after the weight sync: only cast to the compute
         dtype and unstacked, on device, with no host round trip."""
-        if self._stored_shapes is None:  # abstract_params traces the model: once per engine
-            self._stored_shapes = stored_shapes(self.cfg, self.layout)
-        want = self._stored_shapes
+        cfg = self._tree_cfg(params)
+        if self._stored_shapes is None or self._stored_shapes[0] is not cfg:  # abstract_params traces the model
+            self._stored_shapes = (cfg, stored_shapes(cfg, self.layout))
+        want = self._stored_shapes[1]
         got = jax.tree.map(lambda x: tuple(np.shape(x)), dict(params))
         if want != got:
             raise EngineError(f"parameters are not laid out for this engine's {self.layout}: use load_params "

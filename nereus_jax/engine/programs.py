@@ -15,6 +15,7 @@ from nereus_jax.config import ModelConfig
 from nereus_jax.engine import decode, paged
 from nereus_jax.engine.contract import DecodeState, Parked, Prefix, ResultTokens
 from nereus_jax.engine.sampling import Requests, make_requests, sample_blocks
+from nereus_jax.models.lora import merge_lora
 from nereus_jax.sharding import Layout, activation_sharding, logical_to_spec, param_shardings
 
 
@@ -25,8 +26,10 @@ class DecodePrograms:
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, layout: Layout, *, slots: int, max_target_length: int,
                  kv_heads: int, max_stop_tokens: int, decode_steps_per_call: int, page_size: int | None,
-                 kv_pages: int, pages_per_slot: int, traces: collections.Counter):
+                 kv_pages: int, pages_per_slot: int, traces: collections.Counter,
+                 adapters: ModelConfig | None = None):
         self.cfg, self._mesh, self.layout = cfg, mesh, layout
+        self.adapters = adapters  # the LoRA model's config: unstack merges adapters found in its input
         self._slots, self.max_target_length, self.kv_heads = slots, max_target_length, kv_heads
         self.max_stop_tokens, self.decode_steps_per_call = max_stop_tokens, decode_steps_per_call
         self.page_size, self.kv_pages, self.pages_per_slot = page_size, kv_pages, pages_per_slot
@@ -97,6 +100,8 @@ class DecodePrograms:
         return Parked(caches, rep, rep, rep, rep, Requests(*[rep] * len(Requests._fields)))
 
     def _unstack_impl(self, params):
+        if self.adapters is not None:  # LoRA: W + scale * A @ B in float32, then cast (merge_lora)
+            params = merge_lora(params, self.adapters)
         return decode.unstack_layers(jax.tree.map(lambda x: x.astype(self.dtype), params))
 
     def _init_state_impl(self):

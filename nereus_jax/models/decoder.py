@@ -15,6 +15,7 @@ The parameter tree (``nnx.to_pure_dict(nnx.state(model, nnx.Param))``) is::
     final_norm/scale           [embed]
     lm_head/kernel             [embed, vocab]    (language-model head, absent when embeddings are tied)
     value_head/kernel          [embed, labels]   (value/score head for critic and reward models)
+    layers/{attn,mlp}/<w>_lora_a, <w>_lora_b        (LoRA adapters when model.lora_rank > 0: models/lora.py)
 
 Usage::
 
@@ -24,6 +25,7 @@ Usage::
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import jax
@@ -31,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nereus_jax.config import ModelConfig
+from nereus_jax.models import lora
 from nereus_jax.models.layers import apply_rope, attention, constrain, project_heads, rms_norm, rope_inv_freq, swiglu
 
 Head = Literal["lm", "value"]
@@ -40,6 +43,9 @@ _INIT_STD = 0.02
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple, dtype, init: str = "normal") -> nnx.Param:
     if init == "ones":
         value = jnp.ones(shape, dtype)
+    elif init == "lora_a":  # PEFT's Kaiming-uniform (a = sqrt(5)): U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+        bound = 1.0 / math.sqrt(math.prod(shape[1:-1]))
+        value = jax.random.uniform(rngs.params(), shape, jnp.float32, -bound, bound).astype(dtype)
     elif init == "zeros":
         value = jnp.zeros(shape, dtype)
     else:
@@ -83,6 +89,13 @@ class _Layers(nnx.Module):
         self.attn = _Attention(cfg, dtype, rngs)
         self.mlp_norm = _Norm(shape, axes, dtype, rngs)
         self.mlp = _Mlp(cfg, dtype, rngs)
+        for t in lora.targets(cfg):
+            group = getattr(self, t.group)
+            weight = getattr(group, t.weight)
+            (shape_a, shape_b), (axes_a, axes_b) = (lora.adapter_shapes(cfg, weight.shape, t),
+                                                    lora.adapter_axes(weight.get_metadata()["logical_axes"], t))
+            setattr(group, t.a, _param(rngs, shape_a, axes_a, dtype, "lora_a"))
+            setattr(group, t.b, _param(rngs, shape_b, axes_b, dtype, "zeros"))
 
 
 class _Embed(nnx.Module):
@@ -217,6 +230,8 @@ def output_head(params: dict, cfg: ModelConfig, x_btd: jax.Array, *, return_hidd
 
 
 def _block(x, lp, cfg, positions_bt, inv_freq, mask_bts):
+    if lora.has_adapters(lp):
+        return _lora_block(x, lp, cfg, positions_bt, inv_freq, mask_bts)
     a = lp["attn"]
     h = rms_norm(x, lp["attn_norm"]["scale"], cfg.rms_norm_eps)
     q_norm, k_norm = (a["q_norm"]["scale"], a["k_norm"]["scale"]) if cfg.qk_norm else (None, None)
@@ -231,4 +246,33 @@ def _block(x, lp, cfg, positions_bt, inv_freq, mask_bts):
     m = lp["mlp"]
     h = rms_norm(x, lp["mlp_norm"]["scale"], cfg.rms_norm_eps)
     return x + swiglu(h, m["w_gate"], m["w_up"], m["w_down"])
+
+
+def _lora_block(x, lp, cfg, positions_bt, inv_freq, mask_bts):
+    """:func:`_block` with each adapted projection plus its low-rank update, unmerged (the adapters' own
+    gradients, no merged weight copy per layer)."""
+    a, m = lp["attn"], lp["mlp"]
+
+    def proj(h, group, weight, n_in, spec):
+        y = jnp.einsum(spec, h, group[weight])
+        d = lora.delta(h, group, weight, n_in, cfg)
+        return y if d is None else y + d
+
+    def heads(h, name, norm):
+        y = proj(h, a, f"w{name}", 1, "btd,dhe->bthe")
+        if f"b{name}" in a:
+            y = y + a[f"b{name}"]
+        return y if norm is None else rms_norm(y, norm, cfg.rms_norm_eps)
+
+    h = rms_norm(x, lp["attn_norm"]["scale"], cfg.rms_norm_eps)
+    q_norm, k_norm = (a["q_norm"]["scale"], a["k_norm"]["scale"]) if cfg.qk_norm else (None, None)
+    q, k, v = heads(h, "q", q_norm), heads(h, "k", k_norm), heads(h, "v", None)
+    q = constrain(apply_rope(q, positions_bt, inv_freq), ("batch", "length", "heads", "head_dim"))
+    k = apply_rope(k, positions_bt, inv_freq)
+    out = attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask_bts)
+    x = constrain(x + proj(out, a, "wo", 2, "bthe,hed->btd"), ("batch", "length", "embed"))
+    h = rms_norm(x, lp["mlp_norm"]["scale"], cfg.rms_norm_eps)
+    gate, up = proj(h, m, "w_gate", 1, "btd,df->btf"), proj(h, m, "w_up", 1, "btd,df->btf")
+    hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
+    return x + proj(hidden, m, "w_down", 1, "btf,fd->btd")
 

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nereus_jax.config import AlgorithmConfig, ModelConfig
 from nereus_jax.models import forward
+from nereus_jax.models.lora import join, split_trainable
 from nereus_jax.models.vocab import DEFAULT_VOCAB_CHUNK, head_logprobs
 from nereus_jax.rl.algorithms import (
     aggregate,
@@ -33,7 +34,7 @@ from nereus_jax.rl.algorithms import (
     value_loss,
 )
 from nereus_jax.sharding import pipeline as pipe
-from nereus_jax.sharding import sync_kv_grads
+from nereus_jax.sharding import stored_kv_repeat, sync_kv_grads
 
 LossFn = Callable[[dict, dict], tuple[jax.Array, dict]]
 ForwardFn = Callable[..., jax.Array]  # forward()'s signature; a pipelined forward for pp > 1
@@ -186,13 +187,21 @@ def make_optimizer(lr: float, max_grad_norm: float = 1.0) -> optax.GradientTrans
     return optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
 
 
+def init_opt_state(optimizer: optax.GradientTransformation, params: dict, cfg: ModelConfig):
+    """The optimizer state of ``params``' trainable leaves (all of them, or the adapters and a value head with
+    ``cfg.lora_rank``: a frozen base has no optimizer state)."""
+    return optimizer.init(split_trainable(params, cfg)[0])
+
+
 def canonical_global_norm(grads: dict, cfg: ModelConfig) -> jax.Array:
-    """Global gradient norm counting each kv head once, whatever copies the layout stores."""
-    rep = grads["layers"]["attn"]["wk"].shape[2] // cfg.num_kv_heads
+    """Global gradient norm counting each kv head once, whatever copies the layout stores (``grads`` may be
+    pruned to the trainable leaves)."""
+    rep = stored_kv_repeat(grads, cfg)
     squares = jax.tree.map(lambda g: jnp.sum(jnp.square(g.astype(jnp.float32))), grads)
     total = sum(jax.tree.leaves(squares))
     if rep > 1:
-        dup = sum(v for k, v in squares["layers"]["attn"].items() if k in ("wk", "wv", "bk", "bv"))
+        dup = sum(v for k, v in squares["layers"]["attn"].items()
+                  if k in ("wk", "wv", "bk", "bv", "wk_lora_b", "wv_lora_b"))
         total = total - dup * (1.0 - 1.0 / rep)
     return jnp.sqrt(total)
 
@@ -205,18 +214,23 @@ def make_train_step(loss_fn: LossFn | None, optimizer: optax.GradientTransformat
     grad_fn = value_and_grad or jax.value_and_grad(loss_fn, has_aux=True)
 
     def step(params, opt_state, batches):
+        # With LoRA only the adapters (and a value head) train: the frozen base's gradients are never
+        # accumulated (XLA drops their computation), it has no optimizer state, and it leaves the step as
+        # the same buffers, bit for bit. Without LoRA ``trainable`` is the whole tree.
+        trainable, frozen = split_trainable(params, cfg)
+
         def micro(acc, mb):
             (loss, metrics), grads = grad_fn(params, mb)
-            return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
+            return jax.tree.map(jnp.add, acc, split_trainable(grads, cfg)[0]), (loss, metrics)
 
-        zeros = jax.tree.map(jnp.zeros_like, params)
+        zeros = jax.tree.map(jnp.zeros_like, trainable)
         grads, (losses, metrics) = jax.lax.scan(micro, zeros, batches)
         grads = sync_kv_grads(grads, cfg)
         norm = canonical_global_norm(grads, cfg)
         scale = jnp.minimum(1.0, max_grad_norm / jnp.maximum(norm, 1e-12))
         grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
-        updates, new_opt = optimizer.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
+        updates, new_opt = optimizer.update(grads, opt_state, trainable)
+        new_params = optax.apply_updates(trainable, updates)
         loss = jnp.sum(losses)
         # A non-finite loss, gradient norm or updated parameter skips the update: the state stays as it was
         # (a select, not arithmetic, so it is the same bits), and "nonfinite" says the step was skipped.
@@ -224,7 +238,8 @@ def make_train_step(loss_fn: LossFn | None, optimizer: optax.GradientTransformat
                                                             jax.tree.leaves(new_params)]
         ok = jnp.all(jnp.stack(finite))
         keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
-        params, opt_state = jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_opt, opt_state)
+        trainable, opt_state = jax.tree.map(keep, new_params, trainable), jax.tree.map(keep, new_opt, opt_state)
+        params = join(trainable, frozen)
         out = {"loss": loss, "grad_norm": norm, "nonfinite": (~ok).astype(jnp.float32),
                **{k: _REDUCE.get(k.rsplit("_", 1)[-1], jnp.sum)(v) for k, v in metrics.items()}}
         return params, opt_state, out

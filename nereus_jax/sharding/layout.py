@@ -33,7 +33,8 @@ from nereus_jax.models.decoder import abstract_params, param_axes
 from nereus_jax.models.layers import activation_constraints
 from nereus_jax.sharding.rules import MESH_AXES, rules_for
 
-_KV_PARAMS = {"wk": 2, "wv": 2, "bk": 1, "bv": 1}  # parameter name -> its kv_heads axis
+# parameter name -> its kv_heads axis (LoRA's B of k/v_proj: [layers, rank, kv_heads, head_dim])
+_KV_PARAMS = {"wk": 2, "wv": 2, "bk": 1, "bv": 1, "wk_lora_b": 2, "wv_lora_b": 2}
 
 _POSITIONS: dict[jax.Device, int] = {}
 
@@ -201,7 +202,7 @@ def gather_params(params: Mapping, cfg: ModelConfig) -> dict:
 def sync_kv_grads(grads: dict, cfg: ModelConfig) -> dict:
     """Gradients of a layout with repeated kv heads: every copy gets the sum over its copies (the true
     gradient of the shared head), so optimizer updates keep the copies identical. Traceable under jit."""
-    rep = grads["layers"]["attn"]["wk"].shape[2] // cfg.num_kv_heads
+    rep = stored_kv_repeat(grads, cfg)
     if rep == 1:
         return grads
 
@@ -211,6 +212,16 @@ def sync_kv_grads(grads: dict, cfg: ModelConfig) -> dict:
         return jnp.reshape(jnp.broadcast_to(summed, shape), x.shape)
 
     return _map_kv(grads, fn)
+
+
+def stored_kv_repeat(tree: Mapping, cfg: ModelConfig) -> int:
+    """How many copies of each kv head a (possibly pruned: LoRA's trainable leaves) parameter tree stores;
+    1 when it holds no kv-head leaf."""
+    attn = tree.get("layers", {}).get("attn", {})
+    for name, axis in _KV_PARAMS.items():
+        if name in attn:
+            return attn[name].shape[axis] // cfg.num_kv_heads
+    return 1
 
 
 def bytes_per_device(tree) -> dict[int, int]:

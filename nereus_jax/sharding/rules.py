@@ -22,6 +22,7 @@ _TENSOR_PARALLEL = {
     "labels": None,
     "batch": "dp",
     "length": None,
+    "lora_rank": None,
 }
 
 RULES: MappingProxyType = MappingProxyType({
