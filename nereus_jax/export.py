@@ -27,11 +27,13 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a run's checkpoint folder (latest step) or one step's folder")
     parser.add_argument("out", help="the Hugging Face checkpoint folder to write")
+    parser.add_argument("--adapter", action="store_true",
+                        help="write the LoRA adapters alone as a PEFT adapter folder (a run with model.lora_rank > 0)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     try:
         step_dir = check_paths(args.checkpoint, args.out)
-        print(export(step_dir, args.out))
+        print(export(step_dir, args.out, adapter=args.adapter))
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -96,11 +98,24 @@ def _check_out(out: str, step_dir: str) -> None:
                           "whole: choose another OUT_DIR")
 
 
-def export(step_dir: str, out: str) -> str:
-    """Writes the actor of the checkpoint at ``step_dir`` to ``out``; returns what to print."""
+def export(step_dir: str, out: str, *, adapter: bool = False) -> str:
+    """Writes the actor of the checkpoint at ``step_dir`` to ``out`` (merged, as a Hugging Face checkpoint; or
+    with ``adapter`` its LoRA adapters as a PEFT folder); returns what to print."""
     from nereus_jax.runtime.export import write_hf
 
     model, params, meta = _restore(step_dir)
+    if adapter:
+        from nereus_jax.models.peft import write_adapter
+
+        if not model.lora_rank:
+            raise ExportError(f"checkpoint {step_dir!r} was trained without LoRA (model.lora_rank=0): it has no "
+                              "adapters; export it without --adapter")
+        try:
+            written = write_adapter(out, model, params, base_model=model.hf_path)
+        except OSError as e:
+            raise ExportError(f"cannot write OUT_DIR {out!r} ({e.strerror or e}): free space or choose another "
+                              "OUT_DIR") from None
+        return f"exported the LoRA adapters of step {meta['step']} of {meta['_root']} to {written}"
     info = meta.get("export") or {}
     tokenizer = info.get("tokenizer_dir")
     if tokenizer and not os.path.isdir(tokenizer):

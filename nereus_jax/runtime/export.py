@@ -44,14 +44,20 @@ def export_dtype(cfg: Config) -> str:
     return cfg.model.param_dtype
 
 
-def export_actor(job, out_dir: str | os.PathLike[str]) -> Path | None:
-    """Writes the job's actor (actor-train's parameters) to ``out_dir`` as a Hugging Face checkpoint. With
+def export_actor(job, out_dir: str | os.PathLike[str], adapter_dir: str | os.PathLike[str] | None = None
+                 ) -> Path | None:
+    """Writes the job's actor (actor-train's parameters) to ``out_dir`` as a Hugging Face checkpoint (with LoRA:
+    the adapters merged in), and with LoRA and ``adapter_dir`` the adapters alone as a PEFT folder there. With
     several processes every process must call it (reading the parameters is a collective); process 0 writes.
     Returns the folder on the writing process, else None."""
     params = job.actor_host_params()
     if not is_primary():
         return None
     cfg = job.cfg
+    if adapter_dir is not None and cfg.model.lora_rank:
+        from nereus_jax.models.peft import write_adapter
+
+        write_adapter(adapter_dir, cfg.model, params, base_model=cfg.model.hf_path)
     return write_hf(out_dir, cfg.model, params, dtype=export_dtype(cfg), tokenizer_from=tokenizer_dir(cfg),
                     eos_ids=job.tok.eos_ids, bos_id=job.tok.bos_id, pad_id=job.tok.pad_id)
 
@@ -61,8 +67,12 @@ def write_hf(out_dir: str | os.PathLike[str], model: ModelConfig, params: Mappin
              pad_id: int | None = None) -> Path:
     """``params`` (a canonical host tree) as a Hugging Face checkpoint folder ``out_dir``, written whole
     under a temporary name and then renamed (an existing folder is replaced only once the new one is
-    complete)."""
+    complete). A tree with LoRA adapters is written merged (``W + lora_alpha / r * A @ B``), as the base
+    architecture."""
     from nereus_jax.models.hf import save_hf
+    from nereus_jax.models.lora import base_config, merge_lora
+
+    params, model = merge_lora(params, model), base_config(model)
 
     out = Path(out_dir).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,7 @@ from nereus_jax.elastic.costs.calibration_file import save_calibration
 from nereus_jax.elastic.sources import ParamSource
 from nereus_jax.engine import Generator, SamplingParams
 from nereus_jax.models import init_params
+from nereus_jax.models.lora import base_config
 from nereus_jax.rl.tasks import PromptDataError, make_task
 from nereus_jax.rl.tokenizer import TokenizerError
 from nereus_jax.runtime.adapt import Adapter
@@ -83,6 +84,13 @@ def check_inputs(cfg: Config, log: Callable[[str], None] = print) -> Inputs:
     from nereus_jax.rl.tokenizer import load_tokenizer
 
     actor = _checkpoint("model.hf_path", cfg.model.hf_path)
+    if cfg.model.lora_path:  # read and checked against the model now, not after compiling
+        from nereus_jax.models.peft import AdapterError, read_adapter
+
+        try:
+            read_adapter(cfg.model.lora_path, cfg.model)
+        except (AdapterError, OSError) as e:
+            raise JobError(f"model.lora_path={cfg.model.lora_path!r}: {e}") from None
     tok = load_tokenizer(cfg.task.tokenizer_path, cfg.model.hf_path)
     _check_chat_template(tok)
     _check_vocabularies(cfg, tok)
@@ -277,8 +285,10 @@ def _run(cfg: Config, run_dir: str, inputs: Inputs, report: RunReport, started: 
         return _stopped(cfg, job, adapter, report, ckpt.directory, stopped, started, meta)
     after = job.evaluate(held_out, samples)
     report.log(f"held-out after {cfg.trainer.steps} RL steps: {_scores_text(after, samples)}")
-    exported = export_actor(job, os.path.join(run_dir, "hf"))
+    exported = export_actor(job, os.path.join(run_dir, "hf"), os.path.join(run_dir, "adapter"))
     report.log(f"the tuned actor is a Hugging Face checkpoint: {exported}")
+    if cfg.model.lora_rank and exported is not None:
+        report.log(f"its LoRA adapters alone are a PEFT adapter: {os.path.join(run_dir, 'adapter')}")
     control = None
     if cfg.trainer.warmup_sft_steps and cfg.trainer.sft_control and warm is not None and inputs.actor is None:
         if _jax_cpu_collectives_hang():
@@ -441,7 +451,9 @@ def rl_steps(job: Job, adapter: Adapter, steps: int, first: int = 0,
 def warm_start(cfg: Config, task, tok, cache_dir: str, report: RunReport):
     """The actor's starting parameters as host arrays, whether they came from the cache, and the seconds it
     took: initialised from ``trainer.seed``, then, with ``trainer.warmup_sft_steps``, trained by the supervised
-    warm start (cached under ``cache_dir``)."""
+    warm start (cached under ``cache_dir``). With LoRA the warm start trains the base in full (it stands in
+    for a pretrained checkpoint); the job then adds fresh adapters to it."""
+    cfg = _without_adapters(cfg)
     params = init_params(cfg.model, seed=cfg.trainer.seed)
     if not cfg.trainer.warmup_sft_steps:
         return params, False, 0.0
@@ -468,13 +480,19 @@ def sft_mesh(cfg: Config, params: dict):
 
 
 def _sft_control(cfg: Config, task, tok, job: Job, warm: dict, seconds: float, held_out) -> float:
-    """What continuing the supervised phase for the RL phase's wall time reaches (information only)."""
+    """What continuing the supervised phase for the RL phase's wall time reaches (information only; with LoRA,
+    the supervised phase trains the whole base, as the warm start did)."""
+    cfg = _without_adapters(cfg)
     mesh, sharded = sft_mesh(cfg, warm)
     params = run_sft(sharded, cfg, task, tok, mesh, max_seconds=seconds,
                      first_index=SFT_INDEX_OFFSET + cfg.trainer.warmup_sft_steps * cfg.trainer.sft_batch)
     from nereus_jax.sharding import gather_params
 
     return evaluate_params(job, gather_params(params, cfg.model), held_out)
+
+
+def _without_adapters(cfg: Config) -> Config:
+    return dataclasses.replace(cfg, model=base_config(cfg.model)) if cfg.model.lora_rank else cfg
 
 
 def evaluate_params(job: Job, params: dict, problems) -> float:

@@ -32,6 +32,8 @@ from nereus_jax.elastic.topology import accumulation_steps
 from nereus_jax.elastic.weight_sync import WeightSync
 from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER, REWARD_INFER, ModelStage
 from nereus_jax.models import forward
+from nereus_jax.models.lora import base_config
+from nereus_jax.models.peft import adapter_source
 from nereus_jax.models.vocab import DEFAULT_VOCAB_CHUNK
 from nereus_jax.rl import packing
 from nereus_jax.runtime import losses
@@ -77,6 +79,8 @@ class StageState:
     def place(self, actor: ParamSource) -> None:
         """Every model-stage laid out in its plan straight from its source (each device reads its shard), and
         the weight sync between them."""
+        if self.cfg.model.lora_rank:  # the adapters: from model.lora_path, the tree given, or fresh (B = 0)
+            actor = adapter_source(self.cfg.model, actor, self.cfg.trainer.seed)
         sources = {ACTOR_TRAIN: actor, ACTOR_GEN: actor, REF_INFER: actor}
         if self.uses_critic:
             sources[CRITIC_TRAIN] = _critic_source(self.cfg, actor)
@@ -256,7 +260,7 @@ def _specs(cfg: Config, critic: bool) -> dict[ModelStage, StateSpec]:
     m = cfg.model
     specs = {ACTOR_TRAIN: StateSpec(m, "train", optimizer=losses.make_optimizer(cfg.trainer.actor_lr)),
              ACTOR_GEN: StateSpec(m, "gen", dtype=m.compute_dtype),
-             REF_INFER: StateSpec(m, "infer", dtype=m.compute_dtype)}
+             REF_INFER: StateSpec(base_config(m), "infer", dtype=m.compute_dtype)}  # LoRA: the base, no adapters
     if critic:
         specs[CRITIC_TRAIN] = StateSpec(m, "train", head="value",
                                         optimizer=losses.make_optimizer(cfg.trainer.critic_lr))

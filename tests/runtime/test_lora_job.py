@@ -1,0 +1,179 @@
+"""A LoRA job (model.lora_rank > 0) end to end: the base stays bit-identical through RL steps, the reference
+model is the base without adapters, optimizer state exists for the adapters alone, moves between random plans
+and a checkpoint restored into another plan keep every bit, and the export writes the merged model plus a PEFT
+adapter. References: the warm-started base tree (bits), merge_lora of the trained tree (the export)."""
+
+import random
+
+import numpy as np
+import pytest
+
+from nereus_jax.config import load_config
+from nereus_jax.elastic.graph import TransitionGraph
+from nereus_jax.elastic.plan import ExecutionPlan, StagePlan
+from nereus_jax.elastic.recipe import align_ranks
+from nereus_jax.elastic.schedule import Infeasible
+from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER
+from nereus_jax.models import lora
+from nereus_jax.models.hf import load_hf
+from nereus_jax.models.peft import read_adapter
+from nereus_jax.rl.tasks import make_task
+from nereus_jax.rl.tokenizer import CharTokenizer
+from nereus_jax.runtime.checkpoint import Checkpointer, restore_job
+from nereus_jax.runtime.export import export_actor
+from nereus_jax.runtime.initial_plan import plan_from_config
+from nereus_jax.runtime.job import Job
+from nereus_jax.runtime.move import move
+from nereus_jax.sharding import Layout
+
+TINY_JOB = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=16",
+            "rollout.samples_per_prompt=2", "logging.progress=false", "task.num_digits=1", "task.eval_size=16",
+            "plan.stages.actor-gen.dp=2"]  # conftest's tiny job (its warm actor is this shape)
+LORA = ["model.lora_rank=4", "model.lora_alpha=8", "trainer.actor_lr=1e-2", "trainer.critic_lr=1e-2"]
+
+
+def _cfg(*extra):
+    return load_config(None, TINY_JOB + LORA + list(extra))
+
+
+def _leaves(tree, prefix=()):
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _leaves(v, (*prefix, k))
+        else:
+            yield (*prefix, k), np.asarray(v)
+
+
+def _at(tree, path):
+    for k in path:
+        tree = tree[k]
+    return np.asarray(tree)
+
+
+@pytest.fixture(scope="module")
+def trained(warm):
+    cfg = _cfg()
+    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
+    for s in range(2):
+        job.step(s)
+    yield job
+    job.close()
+
+
+def test_the_base_stays_bit_identical_and_only_adapters_and_the_value_head_train(trained, warm):
+    actor = trained.units[ACTOR_TRAIN][0].to_host()
+    for path, x in _leaves(actor["params"]):
+        if lora.is_adapter(path):
+            if path[-1].endswith(lora.SUFFIX_B):
+                assert np.any(x != 0), f"{path} did not train"
+        else:
+            np.testing.assert_array_equal(x, _at(warm, path), err_msg=str(path))
+    n_adapter = sum(x.size for p, x in _leaves(actor["params"]) if lora.is_adapter(p))
+    assert sum(np.asarray(x).size for x in _opt_leaves(actor["opt"])) == 2 * n_adapter + 1
+    critic = trained.units[CRITIC_TRAIN][0].to_host()["params"]
+    assert np.any(_at(critic, ("value_head", "kernel")) != 0)
+    for path, x in _leaves(critic):
+        if path[0] != "value_head" and not lora.is_adapter(path):
+            np.testing.assert_array_equal(x, _at(warm, path), err_msg=f"critic {path}")
+
+
+def _opt_leaves(opt):
+    import jax
+
+    return jax.tree.leaves(opt)
+
+
+def test_the_reference_is_the_base_without_adapters(trained, warm):
+    ref = trained.units[REF_INFER][0].to_host()["params"]
+    assert not lora.has_adapters(ref["layers"])
+    for path, x in _leaves(ref):
+        np.testing.assert_array_equal(x, _at(warm, path).astype(x.dtype), err_msg=str(path))
+
+
+def _random_plan(rng: random.Random, job) -> ExecutionPlan:
+    layouts = [Layout(1), Layout(2), Layout(4), Layout(1, 2), Layout(2, 2)]
+    stages = {}
+    for ms in job.plan:
+        layout = rng.choice([lt for lt in layouts if ms != ACTOR_GEN or lt.pp == 1])
+        dp = rng.choice([d for d in (1, 2, 4, 8) if d * layout.size <= 8 and job.mini_rows % d == 0])
+        order = rng.sample(range(8), 8)
+        stages[ms] = StagePlan(layout, tuple(tuple(order[i * layout.size:(i + 1) * layout.size]) for i in range(dp)))
+    return ExecutionPlan(stages)
+
+
+def _host_state(job) -> dict:
+    return {ms: [np.array(x, copy=True) for x in job.specs[ms].flatten(units[0].to_host())]
+            for ms, units in job.units.items()}
+
+
+def test_moves_between_random_lora_plans_keep_every_bit_and_the_job_trains_on(trained):
+    rng, moved = random.Random(5), 0
+    for _ in range(30):
+        if moved == 3:
+            break
+        target = align_ranks(trained.plan, _random_plan(rng, trained))
+        try:
+            graph = TransitionGraph.build(trained.plan, target, trained.specs)
+        except Infeasible:
+            continue
+        want = _host_state(trained)
+        move(trained, graph)
+        got = _host_state(trained)
+        for ms in want:
+            for x, y in zip(got[ms], want[ms], strict=True):
+                np.testing.assert_array_equal(x, y, err_msg=str(ms))
+        moved += 1
+    assert moved == 3
+    result = trained.step(2)  # trains on the last plan
+    assert np.isfinite(result.metrics["loss"])
+
+
+def test_a_checkpoint_resumes_into_another_plan_bit_exact(trained, tmp_path):
+    ckpt = Checkpointer(str(tmp_path / "ck"))
+    ckpt.save(trained, 3, wait=True)
+    ckpt.close()
+    want = _host_state(trained)
+    cfg = _cfg("plan.stages.actor-train.tp=2", "plan.stages.actor-train.dp=4")
+    job, meta = restore_job(cfg, make_task(cfg.task), CharTokenizer(), str(tmp_path / "ck"),
+                            plan=plan_from_config(cfg))
+    try:
+        assert job.plan[ACTOR_TRAIN].layout == Layout(tp=2) and meta["step"] == 3
+        got = _host_state(job)
+        for ms in want:
+            for x, y in zip(got[ms], want[ms], strict=True):
+                np.testing.assert_array_equal(x, y, err_msg=str(ms))
+    finally:
+        job.close()
+
+
+def test_the_export_is_the_merged_model_and_a_peft_adapter(trained, tmp_path):
+    params = trained.actor_host_params()
+    out = export_actor(trained, tmp_path / "hf", tmp_path / "adapter")
+    cfg, exported = load_hf(out, dtype="float32")
+    assert cfg.lora_rank == 0 and not lora.has_adapters(exported["layers"])
+    merged = lora.merge_lora(params, trained.cfg.model)
+    for path, x in _leaves(merged):
+        np.testing.assert_array_equal(_at(exported, path), x, err_msg=str(path))
+    adapters = read_adapter(tmp_path / "adapter", trained.cfg.model)
+    for path, x in _leaves(params):
+        if lora.is_adapter(path):
+            np.testing.assert_array_equal(adapters[path[-1]], x)
+
+
+def test_a_job_starts_from_a_peft_adapter_and_a_misfit_one_is_refused(trained, warm, tmp_path):
+    from nereus_jax.models.peft import AdapterError, write_adapter
+
+    params = trained.actor_host_params()
+    write_adapter(tmp_path / "adapter", trained.cfg.model, params)
+    cfg = _cfg(f"model.lora_path={tmp_path / 'adapter'}")
+    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
+    try:
+        got = job.actor_host_params()
+        for path, x in _leaves(got):
+            want = _at(params, path) if lora.is_adapter(path) else _at(warm, path)
+            np.testing.assert_array_equal(x, want, err_msg=str(path))
+    finally:
+        job.close()
+    with pytest.raises(AdapterError, match="lora_rank"):
+        Job(_cfg(f"model.lora_path={tmp_path / 'adapter'}", "model.lora_rank=8"), make_task(cfg.task),
+            CharTokenizer(), actor=warm)
