@@ -375,3 +375,26 @@ def test_workload_stats_and_errors():
     with pytest.raises(StageError, match="valid: actor-gen"):
         stage_latency(SMALL, "actor-eval", StageChoice(1, 1, 1, 1), wl, get_hardware("cpu"))
     assert np.isfinite(stage_latency(SMALL, "critic-train", StageChoice(2, 2, 1, 4), wl, get_hardware("cpu")).total)
+
+
+@pytest.mark.parametrize("targets", [None, ("q_proj", "v_proj"), ("down_proj", "k_proj")])
+def test_lora_state_bytes_equal_the_state_spec_for_every_stage_and_layout(targets):
+    """Reference: StateSpec.bytes_per_device, which counts the actual leaves (adapters, Adam state for the
+    adapters and the value head alone, the reference without adapters)."""
+    from nereus_jax.elastic.spec import StateSpec
+    from nereus_jax.models.lora import base_config
+    from nereus_jax.runtime.losses import make_optimizer
+
+    m = dataclasses.replace(SMALL, lora_rank=4, **({"lora_targets": targets} if targets else {}))
+    specs = {"actor-train": StateSpec(m, "train", optimizer=make_optimizer(1e-3)),
+             "critic-train": StateSpec(m, "train", head="value", optimizer=make_optimizer(1e-3)),
+             "actor-gen": StateSpec(m, "gen", dtype=m.compute_dtype),
+             "ref-infer": StateSpec(base_config(m), "infer", dtype=m.compute_dtype)}
+    for tp, pp in ((1, 1), (2, 1), (4, 1), (2, 2)):
+        for stage, spec in specs.items():
+            want = spec.bytes_per_device(Layout(tp, pp))
+            got = state_bytes(m, stage, tp, pp)
+            # the scalars replicated beside the sharded state (Adam's step counts) are the only difference
+            assert 0 <= want - got <= 16, (stage, tp, pp, want, got)
+    full = StateSpec(SMALL, "train", optimizer=make_optimizer(1e-3)).bytes_per_device(Layout())
+    assert specs["actor-train"].bytes_per_device(Layout()) < 0.5 * full

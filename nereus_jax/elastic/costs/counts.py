@@ -84,6 +84,28 @@ def params_per_device(cfg: ModelConfig, tp: int, pp: int, head: str = "lm", num_
     return cfg.num_layers / pp * layer_params_per_device(cfg, tp) + cfg.vocab_size * d / tp + d + head_params
 
 
+def adapter_params_per_device(cfg: ModelConfig, tp: int, pp: int) -> float:
+    """Scalars of the LoRA adapters one device stores under (tp, pp) (0 without ``model.lora_rank``): per
+    adapted projection r * (in + out), the side split by tp (heads, kv heads with their copies, mlp) divided
+    by tp, the embed side whole (``models/lora.py``'s axes)."""
+    r = cfg.lora_rank
+    if not r:
+        return 0.0
+    d, h, e, f = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.intermediate_size
+    kv = cfg.num_kv_heads * kv_copies(cfg, tp)
+    split = {"q_proj": h * e, "k_proj": kv * e, "v_proj": kv * e, "o_proj": h * e, "gate_proj": f, "up_proj": f,
+             "down_proj": f}
+    return cfg.num_layers / pp * sum(r * (d + split[t] / tp) for t in cfg.lora_targets)
+
+
+def trainable_params_per_device(cfg: ModelConfig, tp: int, pp: int, head: str = "lm", num_labels: int = 1) -> float:
+    """Scalars training updates on one device (gradients, optimizer state): every parameter, or with LoRA the
+    adapters plus a value head."""
+    if not cfg.lora_rank:
+        return params_per_device(cfg, tp, pp, head, num_labels)
+    return adapter_params_per_device(cfg, tp, pp) + (_head_params(cfg, head, num_labels) if head == "value" else 0)
+
+
 def layer_flops_per_token(cfg: ModelConfig, tp: int) -> float:
     """Forward matmul FLOPs of one decoder layer per token on one device of a tp group."""
     return 2.0 * _layer_matmul_params(cfg, cfg.num_kv_heads * kv_copies(cfg, tp)) / tp

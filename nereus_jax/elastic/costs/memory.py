@@ -61,12 +61,15 @@ class StageMemory(NamedTuple):
 
 def state_bytes(cfg: ModelConfig, stage: str, tp: int, pp: int) -> float:
     """What one device of one of ``stage``'s units holds (the state a transition moves)."""
-    kind = split_stage(stage)[1]
-    params = counts.params_per_device(cfg, tp, pp, stage_head(stage))
+    kind, head = split_stage(stage)[1], stage_head(stage)
+    params = counts.params_per_device(cfg, tp, pp, head)
+    if split_stage(stage)[0] in ("actor", "critic"):  # LoRA adapters; the reference is the base alone
+        params += counts.adapter_params_per_device(cfg, tp, pp)
     if kind != "train":
         return params * counts.dtype_bytes(cfg.compute_dtype)
     pb = counts.dtype_bytes(cfg.param_dtype)
-    return params * (pb + 8 + (4 if pb != 4 else 0))
+    trainable = counts.trainable_params_per_device(cfg, tp, pp, head)  # LoRA: only adapters have Adam state
+    return params * pb + trainable * (8 + (4 if pb != 4 else 0))
 
 
 def resident_bytes(cfg: ModelConfig, stage: str, tp: int, pp: int) -> float:
@@ -106,7 +109,7 @@ def device_peak_bytes(stages: Iterable[StageMemory]) -> float:
 
 def accumulation_bytes(cfg: ModelConfig, stage: str, tp: int, pp: int) -> float:
     """The running gradient sum a train stage keeps when a step has more than one call."""
-    return counts.params_per_device(cfg, tp, pp, stage_head(stage)) * counts.dtype_bytes(cfg.param_dtype)
+    return counts.trainable_params_per_device(cfg, tp, pp, stage_head(stage)) * counts.dtype_bytes(cfg.param_dtype)
 
 
 def _logit_bytes(cfg: ModelConfig, head: str, rows: float, tp: int) -> float:
@@ -157,7 +160,7 @@ def _infer(cfg, head, tp, pp, mb, rows, remat, wl: Workload, hw: Hardware, accum
 
 def _train(cfg, head, tp, pp, mb, rows, remat, wl: Workload, hw: Hardware, accumulating: bool):
     s, layers, m = wl.max_tokens, cfg.num_layers / pp, mb / rows
-    grads = counts.params_per_device(cfg, tp, pp, head) * counts.dtype_bytes(cfg.param_dtype)
+    grads = counts.trainable_params_per_device(cfg, tp, pp, head) * counts.dtype_bytes(cfg.param_dtype)
     grads *= 2 if accumulating else 1  # this call's gradient and the running sum (accumulation_bytes)
     act = counts.dtype_bytes(cfg.compute_dtype)
     per_token = counts.layer_activation_bytes_per_token(cfg, tp, cfg.compute_dtype)
