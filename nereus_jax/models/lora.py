@@ -71,7 +71,7 @@ def targets(cfg: ModelConfig) -> list[Target]:
 
 def base_config(cfg: ModelConfig) -> ModelConfig:
     """``cfg`` without adapters: the frozen base's architecture (the reference model, the engine's weights)."""
-    return dataclasses.replace(cfg, lora_rank=0) if cfg.lora_rank else cfg
+    return dataclasses.replace(cfg, lora_rank=0, lora_path=None) if cfg.lora_rank else cfg
 
 
 def scale(cfg: ModelConfig) -> float:
