@@ -90,7 +90,8 @@ def check_inputs(cfg: Config, log: Callable[[str], None] = print) -> Inputs:
         try:
             read_adapter(cfg.model.lora_path, cfg.model)
         except (AdapterError, OSError) as e:
-            raise JobError(f"model.lora_path={cfg.model.lora_path!r}: {e}") from None
+            raise JobError(str(e) if isinstance(e, AdapterError) else f"model.lora_path={cfg.model.lora_path!r}: "
+                           f"{e}") from None
     tok = load_tokenizer(cfg.task.tokenizer_path, cfg.model.hf_path)
     _check_chat_template(tok)
     _check_vocabularies(cfg, tok)

@@ -177,3 +177,15 @@ def test_a_job_starts_from_a_peft_adapter_and_a_misfit_one_is_refused(trained, w
     with pytest.raises(AdapterError, match="lora_rank"):
         Job(_cfg(f"model.lora_path={tmp_path / 'adapter'}", "model.lora_rank=8"), make_task(cfg.task),
             CharTokenizer(), actor=warm)
+
+
+def test_a_missing_or_misfit_adapter_is_refused_before_any_compile(trained, tmp_path):
+    from nereus_jax.models.peft import write_adapter
+    from nereus_jax.runtime.job import JobError
+    from nereus_jax.runtime.run import check_inputs
+
+    with pytest.raises(JobError, match="has no adapter_config.json"):
+        check_inputs(_cfg(f"model.lora_path={tmp_path / 'none'}"), log=lambda _: None)
+    write_adapter(tmp_path / "adapter", trained.cfg.model, trained.actor_host_params())
+    with pytest.raises(JobError, match="set model.lora_targets"):
+        check_inputs(_cfg(f"model.lora_path={tmp_path / 'adapter'}", "model.lora_targets=[q_proj]"), log=lambda _: None)
