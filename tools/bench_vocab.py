@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+from machine_limits import copy_bytes_per_s, matmul_flops_per_s, median_seconds, peak_bytes
 
 from nereus_jax.config import AlgorithmConfig, ModelConfig
 from nereus_jax.models import init_params
@@ -65,19 +63,6 @@ def _batch(cfg: ModelConfig, rows: int, prompt: int, response: int) -> dict:
             "advantages": rng.normal(size=(rows, response)).astype(np.float32)}
 
 
-def _peak(compiled) -> int:
-    m = compiled.memory_analysis()
-    return int(m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
-
-
-def _median_seconds(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def _programs(cfg, chunk: int, params, opt_state, batch, prompt: int):
@@ -104,11 +89,11 @@ def run(args: argparse.Namespace) -> dict:
         logp[name] = np.asarray(score(params, mb))
         new_params = train(params, opt_state, micro)[0]
         logp[name + "_trained"] = np.asarray(losses.response_stats(new_params, cfg, mb, args.prompt, vocab_chunk=0)[0])
-        s_score = _median_seconds(lambda score=score, mb=mb: score(params, mb), args.repeats)
-        s_train = _median_seconds(lambda train=train, micro=micro: train(params, opt_state, micro), args.repeats)
-        out[name] = {"score_peak_bytes": _peak(score), "train_peak_bytes": _peak(train),
+        s_score = median_seconds(lambda score=score, mb=mb: score(params, mb), args.repeats)
+        s_train = median_seconds(lambda train=train, micro=micro: train(params, opt_state, micro), args.repeats)
+        out[name] = {"score_peak_bytes": peak_bytes(score), "train_peak_bytes": peak_bytes(train),
                      "score_seconds": s_score, "train_seconds": s_train}
-    flops, gbps = _matmul_flops_per_s(), _copy_bytes_per_s()
+    flops, gbps = matmul_flops_per_s(), copy_bytes_per_s()
     head_flops = 2.0 * args.tokens * cfg.hidden_size * cfg.vocab_size  # one pass of the head over the tokens
     c, u = out["chunked"], out["unchunked"]
     peak = {k: max(v["score_peak_bytes"], v["train_peak_bytes"]) for k, v in out.items()}
@@ -134,16 +119,6 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
-def _matmul_flops_per_s(n: int = 2048, repeats: int = 3) -> float:
-    a = jnp.asarray(np.random.default_rng(1).normal(size=(n, n)), jnp.float32)
-    f = jax.jit(lambda a: a @ a)
-    return 2.0 * n**3 / _median_seconds(lambda: f(a), repeats)
-
-
-def _copy_bytes_per_s(n_bytes: int = 2**28, repeats: int = 3) -> float:
-    x = jnp.ones((n_bytes // 4,), jnp.float32)
-    f = jax.jit(lambda x: x + 1.0)  # reads and writes every byte once
-    return 2.0 * n_bytes / _median_seconds(lambda: f(x), repeats)
 
 
 def main() -> None:

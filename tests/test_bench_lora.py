@@ -1,0 +1,32 @@
+"""tools/bench_lora.py runs (--quick) and reports what it promises: its JSON keys, and LoRA's actor-train state
+(StateSpec) and training-step peak (XLA's buffer assignment) below full fine-tuning's. Properties of the programs
+and specs, not timings."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+KEYS = ("peak_bytes_full", "peak_bytes_lora", "peak_ratio", "state_bytes_full", "state_bytes_lora",
+        "transition_bytes_ratio", "sync_bytes_full", "sync_bytes_lora", "sync_bytes_ratio", "sync_seconds_full",
+        "sync_seconds_lora", "train_seconds_full", "train_seconds_lora", "train_speed_ratio", "adapter_params",
+        "total_params", "rank", "matmul_flops_per_s", "copy_bytes_per_s", "train_flops_fraction_full",
+        "train_flops_fraction_lora", "goal_peak_ratio_max", "goal_sync_ratio_max", "goal_peak_met", "goal_sync_met",
+        "notes")
+
+
+def test_bench_lora_quick():
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_lora.py"), "--quick"], capture_output=True,
+                         text=True, check=True, cwd=ROOT, timeout=600)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    missing = [k for k in KEYS if k not in result]
+    assert not missing, missing
+    assert result["rank"] == 16 and 0 < result["adapter_params"] < result["total_params"]
+    assert result["state_bytes_lora"] < result["state_bytes_full"]
+    assert result["peak_bytes_lora"] < result["peak_bytes_full"]
+    assert result["peak_ratio"] == result["peak_bytes_lora"] / result["peak_bytes_full"]
+    # the sync moves the whole tree either way (adapters included): what it moves now, not a goal
+    assert result["sync_bytes_lora"] >= result["sync_bytes_full"] > 0
+    assert result["goal_peak_ratio_max"] == 0.5 and result["goal_sync_ratio_max"] == 0.05

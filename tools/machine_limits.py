@@ -1,0 +1,46 @@
+"""What the benchmarks in tools/ share: a program's XLA peak bytes, median seconds of a jitted call, and the
+machine's physical limits measured in the benchmark's own run (float32 matmul FLOP/s, copy bandwidth).
+
+    from machine_limits import copy_bytes_per_s, matmul_flops_per_s, median_seconds, peak_bytes
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def peak_bytes(compiled) -> int:
+    """Per-device bytes of a compiled program from XLA's buffer assignment: arguments + temporaries + outputs
+    that do not reuse a donated input."""
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+
+
+def median_seconds(fn, repeats: int) -> float:
+    """Median wall seconds of ``fn()`` (blocked until ready) over ``repeats`` calls after one warm-up."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def matmul_flops_per_s(n: int = 2048, repeats: int = 3) -> float:
+    """float32 FLOP/s of a square n x n matmul."""
+    a = jnp.asarray(np.random.default_rng(1).normal(size=(n, n)), jnp.float32)
+    f = jax.jit(lambda a: a @ a)
+    return 2.0 * n**3 / median_seconds(lambda: f(a), repeats)
+
+
+def copy_bytes_per_s(n_bytes: int = 2**28, repeats: int = 3) -> float:
+    """Bytes read + written per second by an elementwise pass over an ``n_bytes`` float32 array."""
+    x = jnp.ones((n_bytes // 4,), jnp.float32)
+    f = jax.jit(lambda x: x + 1.0)  # reads and writes every byte once
+    return 2.0 * n_bytes / median_seconds(lambda: f(x), repeats)
