@@ -1,7 +1,8 @@
 """Post-training a Hugging Face checkpoint end to end, as a user does it: ``tools/make_pretrained.py`` makes a
 small "pretrained" chat model (Qwen3-shaped, BPE tokenizer, ChatML template) and the prompt files, then
 ``python -m nereus_jax.train configs/hf_grpo_tiny.yaml model.hf_path=...`` (GRPO, math reward, chat prompts
-from JSONL) raises its held-out greedy pass@1 by at least 0.15 and exports ``RUN_DIR/hf``; transformers'
+from JSONL) raises its held-out greedy pass@1 by at least 0.15 (training rank-16 LoRA adapters instead: 0.10)
+and exports ``RUN_DIR/hf`` (with LoRA also ``RUN_DIR/adapter``); transformers'
 greedy generation on that export scores the accuracy our engine scored; ``notebooks/post_train.ipynb`` runs.
 
     .venv312/bin/python -m pytest tests/test_post_train.py -q -m long      # the learning run + the notebook
@@ -24,6 +25,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 MIN_GAIN = 0.15
+MIN_LORA_GAIN = 0.10  # rank 16 adapters on the same run (issue 34's bar)
 SEED = 0
 
 
@@ -141,3 +143,26 @@ def test_post_train_notebook_runs_and_reports_before_and_after(pretrained, run_n
     assert set(scores) == {"accuracy_before", "accuracy_after"}, text
     assert all(0.0 <= float(v) <= 1.0 for v in scores.values()), scores
     assert "hf" in run_notebook.text(nb, "export")
+
+
+@pytest.fixture(scope="module")
+def lora_trained(pretrained, tmp_path_factory) -> tuple[Path, dict]:
+    """(RUN_DIR, summary.json) of the same GRPO run training rank-16 LoRA adapters instead of the model."""
+    run_dir = tmp_path_factory.mktemp("hf-grpo-lora") / "run"
+    _run(["-m", "nereus_jax.train", "configs/hf_grpo_tiny.yaml", f"model.hf_path={pretrained['model']}",
+          f"task.prompt_file={pretrained['train']}", f"task.eval_file={pretrained['eval']}", "model.lora_rank=16",
+          "model.lora_alpha=32", "trainer.actor_lr=2e-3", f"logging.cache_dir={run_dir.parent / 'cache'}",
+          "logging.progress=false", "--run-dir", str(run_dir)], timeout=1800)
+    return run_dir, json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.long  # ~2 min beyond the module's checkpoint
+def test_lora_grpo_on_the_checkpoint_raises_held_out_pass_at_1_and_exports_an_adapter(lora_trained):
+    run_dir, summary = lora_trained
+    gain = summary["accuracy_after"] - summary["accuracy_before"]
+    assert gain >= MIN_LORA_GAIN, summary
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (run_dir / "adapter" / name).is_file(), name
+    assert json.loads((run_dir / "adapter" / "adapter_config.json").read_text())["r"] == 16
+    assert list((run_dir / "hf").glob("*.safetensors")), "no merged weights in the export"

@@ -7,13 +7,13 @@ import random
 
 import numpy as np
 import pytest
+from plans import host_state, random_plan
 
 from nereus_jax.config import load_config
 from nereus_jax.elastic.graph import TransitionGraph
-from nereus_jax.elastic.plan import ExecutionPlan, StagePlan
 from nereus_jax.elastic.recipe import align_ranks
 from nereus_jax.elastic.schedule import Infeasible
-from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER
+from nereus_jax.model_stage import ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER
 from nereus_jax.models import lora
 from nereus_jax.models.hf import load_hf
 from nereus_jax.models.peft import read_adapter
@@ -90,35 +90,19 @@ def test_the_reference_is_the_base_without_adapters(trained, warm):
         np.testing.assert_array_equal(x, _at(warm, path).astype(x.dtype), err_msg=str(path))
 
 
-def _random_plan(rng: random.Random, job) -> ExecutionPlan:
-    layouts = [Layout(1), Layout(2), Layout(4), Layout(1, 2), Layout(2, 2)]
-    stages = {}
-    for ms in job.plan:
-        layout = rng.choice([lt for lt in layouts if ms != ACTOR_GEN or lt.pp == 1])
-        dp = rng.choice([d for d in (1, 2, 4, 8) if d * layout.size <= 8 and job.mini_rows % d == 0])
-        order = rng.sample(range(8), 8)
-        stages[ms] = StagePlan(layout, tuple(tuple(order[i * layout.size:(i + 1) * layout.size]) for i in range(dp)))
-    return ExecutionPlan(stages)
-
-
-def _host_state(job) -> dict:
-    return {ms: [np.array(x, copy=True) for x in job.specs[ms].flatten(units[0].to_host())]
-            for ms, units in job.units.items()}
-
-
 def test_moves_between_random_lora_plans_keep_every_bit_and_the_job_trains_on(trained):
     rng, moved = random.Random(5), 0
     for _ in range(30):
         if moved == 3:
             break
-        target = align_ranks(trained.plan, _random_plan(rng, trained))
+        target = align_ranks(trained.plan, random_plan(rng, trained))
         try:
             graph = TransitionGraph.build(trained.plan, target, trained.specs)
         except Infeasible:
             continue
-        want = _host_state(trained)
+        want = host_state(trained)
         move(trained, graph)
-        got = _host_state(trained)
+        got = host_state(trained)
         for ms in want:
             for x, y in zip(got[ms], want[ms], strict=True):
                 np.testing.assert_array_equal(x, y, err_msg=str(ms))
@@ -132,13 +116,13 @@ def test_a_checkpoint_resumes_into_another_plan_bit_exact(trained, tmp_path):
     ckpt = Checkpointer(str(tmp_path / "ck"))
     ckpt.save(trained, 3, wait=True)
     ckpt.close()
-    want = _host_state(trained)
+    want = host_state(trained)
     cfg = _cfg("plan.stages.actor-train.tp=2", "plan.stages.actor-train.dp=4")
     job, meta = restore_job(cfg, make_task(cfg.task), CharTokenizer(), str(tmp_path / "ck"),
                             plan=plan_from_config(cfg))
     try:
         assert job.plan[ACTOR_TRAIN].layout == Layout(tp=2) and meta["step"] == 3
-        got = _host_state(job)
+        got = host_state(job)
         for ms in want:
             for x, y in zip(got[ms], want[ms], strict=True):
                 np.testing.assert_array_equal(x, y, err_msg=str(ms))

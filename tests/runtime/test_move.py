@@ -16,6 +16,7 @@ import random
 import jax
 import numpy as np
 import pytest
+from plans import host_state, random_plan
 
 from nereus_jax.config import load_config
 from nereus_jax.elastic.emu import assemble_replicas, split_replicas
@@ -39,7 +40,6 @@ BASE = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "traine
         "rollout.samples_per_prompt=2", "trainer.actor_lr=1e-3", "trainer.critic_lr=1e-3", "logging.progress=false",
         "task.num_digits=1", "task.eval_size=16", "plan.stages.actor-gen.dp=2"]
 PAIRS = 6  # feasible random plan pairs in the memory test
-LAYOUTS = [Layout(1), Layout(2), Layout(4), Layout(1, 2), Layout(2, 2)]
 
 
 def _job(overrides=()):
@@ -91,24 +91,6 @@ def _as_trained(job) -> None:
             job.units[ms] = split_replicas(leaves, mesh, ms, job.specs[ms])
 
 
-def _random_plan(rng: random.Random, job) -> ExecutionPlan:
-    """A plan the job can run: any tp x pp (pp = 1 for actor-gen), dp dividing the rows, devices shuffled."""
-    stages = {}
-    for ms in job.plan:
-        layouts = [lt for lt in LAYOUTS if ms != ACTOR_GEN or lt.pp == 1]
-        layout = rng.choice(layouts)
-        dp = rng.choice([d for d in (1, 2, 4, 8) if d * layout.size <= 8 and job.mini_rows % d == 0])
-        order = rng.sample(range(8), 8)
-        stages[ms] = StagePlan(layout, tuple(tuple(order[i * layout.size:(i + 1) * layout.size]) for i in range(dp)))
-    return ExecutionPlan(stages)
-
-
-def _host_state(job) -> dict:
-    """Each model-stage's canonical state, copied into memory of its own (no view keeps a buffer alive)."""
-    return {ms: [np.array(x, copy=True) for x in job.specs[ms].flatten(units[0].to_host())]
-            for ms, units in job.units.items()}
-
-
 def _assert_same_state(a: dict, b: dict) -> None:
     assert set(a) == set(b)
     for ms in a:
@@ -135,7 +117,7 @@ def test_live_bytes_never_exceed_the_ledger_or_a_cap_during_a_move(job):
     while pairs < PAIRS:
         tries += 1
         assert tries < 60, "too few feasible random plan pairs"
-        target = align_ranks(job.plan, _random_plan(rng, job))
+        target = align_ranks(job.plan, random_plan(rng, job))
         old_use, new_use = plan_usage(job.plan, job.specs), plan_usage(target, job.specs)
         cap = int(max(*old_use.values(), *new_use.values()) * rng.uniform(1.0, 1.15))
         try:
@@ -144,7 +126,7 @@ def test_live_bytes_never_exceed_the_ledger_or_a_cap_during_a_move(job):
             continue
         pairs += 1
         _as_trained(job)
-        want = _host_state(job)
+        want = host_state(job)
         gc.collect()  # what is alive now is referenced: nothing outside the state is freed during the move
         state = _state(job)
         outside = frozenset(_live().keys() - state.keys())
@@ -170,7 +152,7 @@ def test_live_bytes_never_exceed_the_ledger_or_a_cap_during_a_move(job):
             worst["over_ledger"] = max(worst["over_ledger"], *(n - booked.get(k, 0) for k, n in live.items()))
             worst["over_cap"] = max(worst["over_cap"], *(n / cap - 1 for k, n in live.items() if k >= 0))
             worst["samples"] += 1
-        _assert_same_state(_host_state(job), want)
+        _assert_same_state(host_state(job), want)
     print(f"memory truth over {pairs} pairs ({tries} drawn), {worst['samples']} samples: live - ledger max "
           f"{worst['over_ledger']} B, live / cap - 1 max {worst['over_cap']:+.1%}")
 
@@ -182,7 +164,7 @@ def test_a_move_that_fails_gives_the_job_its_state_back_on_its_plan(job):
     target = align_ranks(plan, ExecutionPlan({ms: StagePlan.contiguous(Layout(2), 2, first=4 if ms == ACTOR_GEN else 0)
                                               for ms in plan}))
     graph = TransitionGraph.build(plan, target, job.specs)
-    want = _host_state(job)
+    want = host_state(job)
     for step in graph.steps[1::3]:
         _as_trained(job)
         with pytest.raises(TransitionFailed):
@@ -191,7 +173,7 @@ def test_a_move_that_fails_gives_the_job_its_state_back_on_its_plan(job):
         for ms, sp in plan.items():
             assert [u.device_ids for u in job.units[ms]] == list(sp.replicas), (step.sid, ms)
             assert all(u.layout == sp.layout and u.memory == sp.memory for u in job.units[ms])
-        _assert_same_state(_host_state(job), want)
+        _assert_same_state(host_state(job), want)
 
 
 def test_bad_input_raises_before_anything_moves(job):
@@ -225,7 +207,7 @@ def test_a_planned_move_that_fails_leaves_the_job_on_its_plan(job, monkeypatch):
 
     monkeypatch.setattr(move_module, "TransitionExecutor", FailFirst)
     monkeypatch.setattr(job, "prepare", lambda plan: Prepared(plan, {}, [], 0.0))  # never adopted: it fails
-    plan, want = job.plan, _host_state(job)
+    plan, want = job.plan, host_state(job)
     adapter = Adapter(job, log=lambda _: None)
     try:
         adapter.request(ExecutionPlan({ms: StagePlan.contiguous(Layout(2), 2, first=4 * (ms == ACTOR_GEN))
@@ -236,7 +218,7 @@ def test_a_planned_move_that_fails_leaves_the_job_on_its_plan(job, monkeypatch):
         adapter.close()
     assert [e["event"] for e in adapter.events] == ["transition_failed"] and "s2" in adapter.events[0]["error"]
     assert adapter.pending is None and adapter.transitions == 0 and job.plan == plan
-    _assert_same_state(_host_state(job), want)
+    _assert_same_state(host_state(job), want)
 
 
 def test_a_device_failing_mid_step_gets_the_plan_a_device_leaving_with_notice_gets():
