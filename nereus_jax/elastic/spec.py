@@ -91,6 +91,17 @@ class StateSpec:
             else:
                 self.leaves.append(Leaf(tuple(s.shape), np.dtype(s.dtype), PartitionSpec(), None))
 
+    def subset(self, indices: Sequence[int]) -> StateSpec:
+        """A params-only spec of some of this spec's parameter leaves (in ``indices`` order), e.g. LoRA's
+        adapters: what a weight sync that moves only them schedules and converts. Its state is a flat list."""
+        out = object.__new__(StateSpec)
+        out.__dict__.update(self.__dict__)
+        out.leaves = [self.leaves[i] for i in indices]
+        out.n_params, out.opt_def, out.optimizer = len(out.leaves), None, None
+        out.params_def = jax.tree.structure(list(range(len(out.leaves))))
+        out._bytes, out._converters = {}, {}
+        return out
+
     # ------------------------------------------------------------------------------------- per layout
     def repeat(self, layout: Layout) -> int:
         """How many times ``layout`` stores each kv head."""

@@ -398,3 +398,19 @@ def test_lora_state_bytes_equal_the_state_spec_for_every_stage_and_layout(target
             assert 0 <= want - got <= 16, (stage, tp, pp, want, got)
     full = StateSpec(SMALL, "train", optimizer=make_optimizer(1e-3)).bytes_per_device(Layout())
     assert specs["actor-train"].bytes_per_device(Layout()) < 0.5 * full
+
+
+def test_lora_prices_the_sync_and_the_update_on_the_adapters_alone():
+    """With LoRA the weight sync moves the adapters (WeightSync re-derives them alone), and the optimizer update
+    and gradient all-reduce cover them alone: the actor's once-per-step terms shrink by the adapters' share."""
+    from nereus_jax.elastic.costs.latency import gen_latency
+
+    hw, wl = get_hardware("h100"), Workload.fixed(64, 512, 512)
+    big = resolve_model("qwen3-8b")
+    lora = dataclasses.replace(big, lora_rank=16)
+    full_terms = step_terms_latency(big, "actor-train", 1, 1, 8, 1.0, wl, hw, ONES).total
+    assert 0 < step_terms_latency(lora, "actor-train", 1, 1, 8, 1.0, wl, hw, ONES).total < 0.05 * full_terms
+    full_gen = gen_latency(big, "actor-gen", 1, 4, 8, wl, hw, ONES)
+    lora_gen = gen_latency(lora, "actor-gen", 1, 4, 8, wl, hw, ONES)
+    sync = param_count(big) * 2 / hw.intra_node_bandwidth  # 16 GB in bfloat16 over NVLink
+    assert full_gen.total - lora_gen.total == pytest.approx(sync, rel=0.05)

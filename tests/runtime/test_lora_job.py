@@ -13,7 +13,7 @@ from nereus_jax.config import load_config
 from nereus_jax.elastic.graph import TransitionGraph
 from nereus_jax.elastic.recipe import align_ranks
 from nereus_jax.elastic.schedule import Infeasible
-from nereus_jax.model_stage import ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER
+from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER
 from nereus_jax.models import lora
 from nereus_jax.models.hf import load_hf
 from nereus_jax.models.peft import read_adapter
@@ -173,3 +173,28 @@ def test_a_missing_or_misfit_adapter_is_refused_before_any_compile(trained, tmp_
     write_adapter(tmp_path / "adapter", trained.cfg.model, trained.actor_host_params())
     with pytest.raises(JobError, match="set model.lora_targets"):
         check_inputs(_cfg(f"model.lora_path={tmp_path / 'adapter'}", "model.lora_targets=[q_proj]"), log=lambda _: None)
+
+
+def test_the_weight_sync_moves_only_the_adapters_and_equals_a_whole_sync(trained):
+    """Reference: the whole-tree sync (every leaf re-derived from actor-train). The adapter-only sync leaves
+    the generation units' base arrays in place (the same buffers) and re-derives the adapters alone."""
+    from nereus_jax.elastic.weight_sync import WeightSync
+
+    job = trained
+    sync = job.stages.sync
+    assert sync.index, "a LoRA job's sync should move the adapters only"
+    specs, train = job.specs, job.units[ACTOR_TRAIN]
+    whole = WeightSync(job.plan, specs[ACTOR_TRAIN], specs[ACTOR_GEN], keep_old=True)  # leaves the gen units be
+    assert whole.index is None
+    want = [specs[ACTOR_GEN].flatten(u.to_host()) for u in whole(train, job.units[ACTOR_GEN])]
+    base = {i: [u.leaves[i] for u in job.units[ACTOR_GEN]] for i in range(specs[ACTOR_GEN].n_params)
+            if i not in sync.index}
+    job.units[ACTOR_GEN] = sync(train, job.units[ACTOR_GEN])
+    got = [specs[ACTOR_GEN].flatten(u.to_host()) for u in job.units[ACTOR_GEN]]
+    for a, b in zip(got, want, strict=True):
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_array_equal(x, y)
+    for i, arrays in base.items():
+        assert all(u.leaves[i] is x for u, x in zip(job.units[ACTOR_GEN], arrays, strict=True))
+    assert sync.moved_bytes_per_device < 0.5 * whole.moved_bytes_per_device
+    job.rollout.set_params()  # the engines adopt the synced units

@@ -299,7 +299,7 @@ def step_terms_latency(cfg: ModelConfig, stage: str, tp: int, pp: int, dp, calls
     x = _context(cfg, stage, tp, pp, tp * pp * dp, workload, hw)
     acc = _Acc(efficiency)
     if split_stage(stage)[1] == "train":
-        params = counts.params_per_device(cfg, tp, pp, x.head)
+        params = counts.trainable_params_per_device(cfg, tp, pp, x.head)  # LoRA: the adapters (+ value head)
         pb = counts.dtype_bytes(cfg.param_dtype)
         master = 4 if pb != 4 else 0
         update = params * (3 * pb + 2 * 8 + 2 * master)  # read p, g, m, v, master; write p, m, v, master
@@ -316,7 +316,7 @@ def step_terms_latency(cfg: ModelConfig, stage: str, tp: int, pp: int, dp, calls
 def accumulation_seconds(cfg: ModelConfig, stage: str, tp: int, pp: int, dp, hw: Hardware) -> float:
     """Ideal seconds (class memory) per extra call of a train stage: read + write the running gradient sum."""
     share = tp * pp * dp if hw.shared_compute else 1
-    params = counts.params_per_device(cfg, tp, pp, stage_head(stage))
+    params = counts.trainable_params_per_device(cfg, tp, pp, stage_head(stage))
     return params * counts.dtype_bytes(cfg.param_dtype) * 2 / (hw.memory_bandwidth / share)
 
 
@@ -357,8 +357,11 @@ def gen_latency(cfg: ModelConfig, stage: str, tp: int, dp: int, slots, workload:
 
 
 def _weight_sync(x: _Ctx, acc: _Acc) -> None:
-    """Receiving the updated actor weights (cast to the compute dtype) every step."""
-    nbytes = counts.params_per_device(x.cfg, x.tp, x.pp, x.head) * x.act_bytes
+    """Receiving the updated actor weights (cast to the compute dtype) every step; with LoRA only the adapters
+    (``WeightSync`` re-derives them alone; the engine's merge is local)."""
+    params = (counts.adapter_params_per_device(x.cfg, x.tp, x.pp) if x.cfg.lora_rank
+              else counts.params_per_device(x.cfg, x.tp, x.pp, x.head))
+    nbytes = params * x.act_bytes
     acc.add(COLL_INTRA, nbytes / x.hw.intra_node_bandwidth + x.hw.intra_node_latency_s)
 
 
