@@ -117,6 +117,20 @@ def test_a_checkpoint_resumes_into_another_plan_bit_exact(trained, tmp_path):
     ckpt.save(trained, 3, wait=True)
     ckpt.close()
     want = host_state(trained)
+    # python -m nereus_jax.export --adapter: the checkpoint's adapters as a PEFT folder; without: merged
+    from nereus_jax import export
+
+    assert export.main(["--adapter", str(tmp_path / "ck"), str(tmp_path / "adapter")]) == 0
+    params = trained.actor_host_params()
+    adapters = read_adapter(tmp_path / "adapter", trained.cfg.model)
+    assert adapters.keys() == {p[-1] for p, _ in _leaves(params) if lora.is_adapter(p)}
+    for path, x in _leaves(params):
+        if lora.is_adapter(path):
+            np.testing.assert_array_equal(adapters[path[-1]], x)
+    assert export.main([str(tmp_path / "ck"), str(tmp_path / "hf")]) == 0
+    _, merged = load_hf(tmp_path / "hf", dtype="float32")
+    for path, x in _leaves(lora.merge_lora(params, trained.cfg.model)):
+        np.testing.assert_array_equal(_at(merged, path), x, err_msg=str(path))
     cfg = _cfg("plan.stages.actor-train.tp=2", "plan.stages.actor-train.dp=4")
     job, meta = restore_job(cfg, make_task(cfg.task), CharTokenizer(), str(tmp_path / "ck"),
                             plan=plan_from_config(cfg))
