@@ -19,6 +19,7 @@ stderr naming the flag and what to change; nothing is planned).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -63,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=512, help="prompts per RL step")
     p.add_argument("--samples-per-prompt", type=int, default=None,
                    help="responses per prompt (default: 8 for grpo/rloo, 1 otherwise)")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="plan for LoRA adapters of this rank on every projection (0: full fine-tuning)")
     p.add_argument("--headroom", type=float, default=0.1, help="fraction of device memory kept free")
     p.add_argument("--runners-up", type=int, default=3, help="how many runners-up to show")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -146,6 +149,10 @@ def _problem(args: argparse.Namespace):
         cfg = resolve_model(args.model)
     except ConfigError as error:
         raise PlanArgumentError(f"--model: {error}") from None
+    if args.lora_rank < 0:
+        raise PlanArgumentError(f"--lora-rank must be >= 0 (0: full fine-tuning), got {args.lora_rank}")
+    if args.lora_rank:
+        cfg = dataclasses.replace(cfg, lora_rank=args.lora_rank, lora_alpha=2.0 * args.lora_rank)
     if args.algorithm not in ALGORITHMS:
         raise PlanArgumentError(f"--algorithm: unknown algorithm '{args.algorithm}'; valid: {', '.join(ALGORITHMS)}")
     spec = algorithm_spec(args.algorithm)

@@ -131,3 +131,17 @@ def test_bad_calibration_exits_2_with_one_line_naming_the_path(tmp_path, capsys,
     assert "\n" not in err and err.startswith("error: --") and where in err and needle in err
     if case == "other-hardware":
         assert "a100" in err and "drop --hardware" in err
+
+
+def test_lora_rank_plans_with_the_adapters_memory(capsys):
+    """--lora-rank: the planner prices LoRA's state (a frozen base, Adam state for the adapters alone), so a
+    pool that cannot hold full fine-tuning's actor-train holds LoRA's; reference: the same call without it."""
+    small = ["--model", "qwen3-8b", "--algorithm", "grpo", "--gpus", "2", "--hardware", "h100", "--response-length",
+             "512", "--batch", "16", "--json"]
+    assert main(small) == 1  # full fine-tuning: 8B x 16 bytes does not fit 2 GPUs
+    assert "model-stage actor-train" in capsys.readouterr().err
+    assert main([*small, "--lora-rank", "16"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert max(data["memory_per_device_bytes"].values()) <= 0.9 * 80e9
+    assert main([*small, "--lora-rank", "-1"]) == 2
+    assert "--lora-rank must be >= 0" in capsys.readouterr().err
