@@ -212,3 +212,25 @@ def test_the_weight_sync_moves_only_the_adapters_and_equals_a_whole_sync(trained
         assert all(u.leaves[i] is x for u, x in zip(job.units[ACTOR_GEN], arrays, strict=True))
     assert sync.moved_bytes_per_device < 0.5 * whole.moved_bytes_per_device
     job.rollout.set_params()  # the engines adopt the synced units
+
+
+def test_pipelined_lora_steps_compute_what_unpipelined_ones_compute(warm):
+    """actor-train with pp 2 (1F1B; its gradients of the frozen base are computed and dropped) against pp 1,
+    two steps: the same rollouts, metrics (gradient norm included) within float reduction order, and the base
+    bit for bit (as tests/runtime/test_pipeline_job.py compares dense pp 2 with pp 1)."""
+    runs, params = {}, {}
+    for name, extra in (("pp1", ()), ("pp2", ("plan.stages.actor-train.pp=2", "plan.stages.actor-train.dp=4"))):
+        cfg = _cfg(*extra)
+        job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
+        try:
+            runs[name] = [job.step(s) for s in range(2)]
+            params[name] = job.actor_host_params()
+        finally:
+            job.close()
+    for a, b in zip(runs["pp1"], runs["pp2"], strict=True):
+        np.testing.assert_array_equal(a.batch.response_br, b.batch.response_br)
+        for key in ("reward_mean", "kl", "loss", "policy_loss", "value_loss", "grad_norm"):
+            np.testing.assert_allclose(b.metrics[key], a.metrics[key], rtol=1e-4, atol=1e-6, err_msg=key)
+    for path, x in _leaves(params["pp2"]):
+        if not lora.is_adapter(path):
+            np.testing.assert_array_equal(x, _at(warm, path), err_msg=str(path))
