@@ -86,6 +86,10 @@ class RopeScalingConfig(_Node):
         )
 
 
+# The projections LoRA can adapt, by their Hugging Face module names (nereus_jax.models.lora maps them).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 @dataclass(frozen=True)
 class ModelConfig(_Node):
     """Decoder architecture (Llama / Qwen2 / Qwen3 family) and its dtypes; presets live in configs/models/,
@@ -125,7 +129,7 @@ class ModelConfig(_Node):
     lora_alpha: float = _field(16.0, "LoRA scaling numerator: the adapters' output is scaled by lora_alpha / "
                                      "lora_rank (PEFT's convention)")
     lora_targets: tuple[str, ...] = _field(
-        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        LORA_TARGETS,
         "projections that get adapters, by their Hugging Face module names")
     lora_dropout: float = _field(0.0, "dropout on the adapters' input (only 0 is supported so far)")
     lora_path: str | None = _field(None, "a local PEFT LoRA adapter folder (adapter_config.json, "
@@ -173,13 +177,12 @@ class ModelConfig(_Node):
                 object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
             _check_positive("model", self, "moe_intermediate_size")
         require(self.lora_rank >= 0, f"model.lora_rank must be >= 0 (0: no adapters), got {self.lora_rank}")
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
         if self.lora_rank:
-            from nereus_jax.models.lora import ALL_TARGETS
-
-            unknown = [t for t in self.lora_targets if t not in ALL_TARGETS]
+            unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
             require(not unknown and len(self.lora_targets) > 0,
                     f"model.lora_targets={list(self.lora_targets)}: unknown {unknown or 'empty list'}; choose among "
-                    f"{list(ALL_TARGETS)}")
+                    f"{list(LORA_TARGETS)}")
             require(self.lora_alpha > 0, f"model.lora_alpha must be > 0, got {self.lora_alpha}")
             mlp = [t for t in self.lora_targets if t in ("gate_proj", "up_proj", "down_proj")]
             require(not (self.num_experts and mlp),

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nereus_jax.config import ModelConfig
+from nereus_jax.config import LORA_TARGETS, ModelConfig
 
 SUFFIX_A, SUFFIX_B = "_lora_a", "_lora_b"
 RANK_AXIS = "lora_rank"
@@ -61,7 +61,8 @@ TARGETS: dict[str, Target] = {t.hf: t for t in (
     Target("q_proj", "attn", "wq", 1), Target("k_proj", "attn", "wk", 1), Target("v_proj", "attn", "wv", 1),
     Target("o_proj", "attn", "wo", 2), Target("gate_proj", "mlp", "w_gate", 1), Target("up_proj", "mlp", "w_up", 1),
     Target("down_proj", "mlp", "w_down", 1))}
-ALL_TARGETS = tuple(TARGETS)
+ALL_TARGETS = LORA_TARGETS
+assert tuple(TARGETS) == LORA_TARGETS
 
 
 def targets(cfg: ModelConfig) -> list[Target]:
