@@ -1,7 +1,7 @@
 """Qwen3-MoE against its references: the routed experts against every expert run densely and masked by the
 router's top-k (exactly the same function), transformers' Qwen3MoeForCausalLM (logits within 1e-4, padded,
 3.11 lane), the engine's decode path against the full forward, tp-sharded against one device, and the HF export
-round trip bit for bit."""
+round trip bit for bit (the engine's decode path: tests/models/test_decoder.py, family qwen3_moe)."""
 
 import os
 
@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from nereus_jax.config import ConfigError, ModelConfig
-from nereus_jax.engine import decode
 from nereus_jax.models import forward, init_params
 from nereus_jax.models import layers as L
 from nereus_jax.models.hf import load_hf, save_hf
@@ -47,21 +46,6 @@ def test_routed_experts_equal_every_expert_masked_by_the_top_k(params, norm):
     grads = jax.grad(lambda mm: jnp.sum(L.moe_mlp(x, mm["router"], mm["w_gate"], mm["w_up"], mm["w_down"], 2,
                                                   norm) ** 2))(m)
     assert all(float(jnp.abs(g).sum()) > 0 for g in grads.values())
-
-
-def test_engine_decode_path_equals_forward_for_prefill_and_each_step(params):
-    """The engine's unrolled per-layer path (nereus_jax.engine.decode) routes as the full forward does."""
-    unstacked = decode.unstack_layers(params)
-    run = jax.jit(decode.run, static_argnums=1)
-    tokens = _tokens(2, 10, seed=9)
-    full = np.asarray(forward(params, MOE, tokens))
-    caches = decode.empty_caches(MOE, 2, 16, MOE.num_kv_heads, jnp.float32)
-    hidden, caches = run(unstacked, MOE, tokens[:, :6], jnp.zeros(2, jnp.int32), caches)
-    prefill = jax.vmap(lambda h: decode.logits(unstacked, h), in_axes=1, out_axes=1)(hidden)
-    np.testing.assert_allclose(np.asarray(prefill), full[:, :6], atol=1e-5, rtol=0)
-    for t in range(6, 10):
-        hidden, caches = run(unstacked, MOE, tokens[:, t:t + 1], jnp.full(2, t, jnp.int32), caches)
-        np.testing.assert_allclose(np.asarray(decode.logits(unstacked, hidden[:, 0])), full[:, t], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("tp", [2, 4])

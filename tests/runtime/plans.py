@@ -27,3 +27,29 @@ def host_state(job) -> dict:
     """Each model-stage's canonical state, copied into memory of its own (no view keeps a buffer alive)."""
     return {ms: [np.array(x, copy=True) for x in job.specs[ms].flatten(units[0].to_host())]
             for ms, units in job.units.items()}
+
+
+def move_randomly(job, rng: random.Random, moves: int, tries: int = 30) -> None:
+    """``moves`` moves of ``job`` to random plans a schedule exists for, each keeping every model-stage's state
+    bit for bit (reference: the state before the move)."""
+    from nereus_jax.elastic.graph import TransitionGraph
+    from nereus_jax.elastic.recipe import align_ranks
+    from nereus_jax.elastic.schedule import Infeasible
+    from nereus_jax.runtime.move import move
+
+    moved = 0
+    for _ in range(tries):
+        if moved == moves:
+            return
+        target = align_ranks(job.plan, random_plan(rng, job))
+        try:
+            graph = TransitionGraph.build(job.plan, target, job.specs)
+        except Infeasible:
+            continue
+        want = host_state(job)
+        move(job, graph)
+        for ms, leaves in host_state(job).items():
+            for x, y in zip(leaves, want[ms], strict=True):
+                np.testing.assert_array_equal(x, y, err_msg=str(ms))
+        moved += 1
+    assert moved == moves, f"{moved} of {moves} random plans had a schedule in {tries} tries"

@@ -7,12 +7,9 @@ import random
 
 import numpy as np
 import pytest
-from plans import host_state, random_plan
+from plans import host_state, move_randomly
 
 from nereus_jax.config import load_config
-from nereus_jax.elastic.graph import TransitionGraph
-from nereus_jax.elastic.recipe import align_ranks
-from nereus_jax.elastic.schedule import Infeasible
 from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER
 from nereus_jax.models import lora
 from nereus_jax.models.hf import load_hf
@@ -23,7 +20,6 @@ from nereus_jax.runtime.checkpoint import Checkpointer, restore_job
 from nereus_jax.runtime.export import export_actor
 from nereus_jax.runtime.initial_plan import plan_from_config
 from nereus_jax.runtime.job import Job
-from nereus_jax.runtime.move import move
 from nereus_jax.sharding import Layout
 
 TINY_JOB = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=16",
@@ -91,23 +87,7 @@ def test_the_reference_is_the_base_without_adapters(trained, warm):
 
 
 def test_moves_between_random_lora_plans_keep_every_bit_and_the_job_trains_on(trained):
-    rng, moved = random.Random(5), 0
-    for _ in range(30):
-        if moved == 3:
-            break
-        target = align_ranks(trained.plan, random_plan(rng, trained))
-        try:
-            graph = TransitionGraph.build(trained.plan, target, trained.specs)
-        except Infeasible:
-            continue
-        want = host_state(trained)
-        move(trained, graph)
-        got = host_state(trained)
-        for ms in want:
-            for x, y in zip(got[ms], want[ms], strict=True):
-                np.testing.assert_array_equal(x, y, err_msg=str(ms))
-        moved += 1
-    assert moved == 3
+    move_randomly(trained, random.Random(5), 3)
     result = trained.step(2)  # trains on the last plan
     assert np.isfinite(result.metrics["loss"])
 
