@@ -3,7 +3,9 @@
 ``serialize_cpu_compile_cache()``: on the CPU backend with the persistent compilation cache on
 (``JAX_COMPILATION_CACHE_DIR``), jax 0.12 can crash the process (SIGSEGV in ``executable.serialize()``, writing
 a cache entry) when one thread serializes an executable while another compiles: the job's engine replicas
-compile their programs in threads of their own. This puts compiles and cache writes under one lock. Compiles on
+compile their programs in threads of their own; a cache read (deserializing an executable) beside a compile has
+aborted the process the same way (``get_executable_and_time``). This puts compiles, cache writes and cache
+reads under one lock. Compiles on
 CPU run one at a time anyway on the 2-core hosts this matters on, and with the cache off nothing changes.
 """
 
@@ -27,9 +29,11 @@ def serialize_cpu_compile_cache() -> bool:
         return False
     from jax._src import compilation_cache, compiler  # noqa: PLC0415 - private: guarded below
 
-    if not (hasattr(compilation_cache, "put_executable_and_time") and hasattr(compiler, "backend_compile_and_load")):
+    names = ("put_executable_and_time", "get_executable_and_time")
+    if not (all(hasattr(compilation_cache, n) for n in names) and hasattr(compiler, "backend_compile_and_load")):
         return False
-    compilation_cache.put_executable_and_time = _locked(compilation_cache.put_executable_and_time)
+    for name in names:
+        setattr(compilation_cache, name, _locked(getattr(compilation_cache, name)))
     compiler.backend_compile_and_load = _locked(compiler.backend_compile_and_load)
     _installed = True
     return True

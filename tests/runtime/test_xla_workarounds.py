@@ -17,6 +17,7 @@ def test_compiles_from_threads_under_the_lock_compute_what_one_thread_computes()
 
     assert hasattr(compiler.backend_compile_and_load, "__wrapped__")
     assert hasattr(compilation_cache.put_executable_and_time, "__wrapped__")
+    assert hasattr(compilation_cache.get_executable_and_time, "__wrapped__")
 
     def program(i):
         return jax.jit(lambda x: jnp.sin(x) * (i + 0.5) + jnp.cos(x * i) ** 2)
