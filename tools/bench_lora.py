@@ -53,7 +53,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-from machine_limits import copy_bytes_per_s, matmul_flops_per_s, median_seconds, peak_bytes
+from machine_limits import actor_batch, copy_bytes_per_s, matmul_flops_per_s, median_seconds, peak_bytes
 
 from nereus_jax.config import AlgorithmConfig, ModelConfig
 from nereus_jax.elastic.emu import EMU
@@ -102,17 +102,6 @@ def _parse() -> argparse.Namespace:
     if args.quick:
         args.model, args.repeats = "qwen3-8k", 2
     return args
-
-
-def _batch(cfg: ModelConfig, rows: int, prompt: int, response: int) -> dict:
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, cfg.vocab_size, size=(rows, prompt + response)).astype(np.int32)
-    mask = np.ones_like(tokens)
-    mask[: rows // 2, : prompt // 2] = 0  # left padding on half the rows
-    return {"tokens": tokens, "mask": mask, "response_mask": np.ones((rows, response), np.float32),
-            "old_logp": rng.normal(-np.log(cfg.vocab_size), 0.1, (rows, response)).astype(np.float32),
-            "ref_logp": rng.normal(-np.log(cfg.vocab_size), 0.1, (rows, response)).astype(np.float32),
-            "advantages": rng.normal(size=(rows, response)).astype(np.float32)}
 
 
 
@@ -203,7 +192,7 @@ def _sync(train_spec: StateSpec, gen_spec: StateSpec, state: dict, device, repea
 def run(args: argparse.Namespace) -> dict:
     base = MODELS[args.model]
     device = jax.devices()[0]
-    batch = _batch(base, args.rows, args.prompt, args.response)
+    batch = actor_batch(base.vocab_size, args.rows, args.prompt, args.response)
     cfgs = {"full": base, "lora": dataclasses.replace(base, lora_rank=args.rank, lora_alpha=args.alpha,
                                                       lora_targets=tuple(args.targets))}
     out = {name: _mode(cfg, args, batch, device) for name, cfg in cfgs.items()}

@@ -23,7 +23,7 @@ import json
 
 import jax
 import numpy as np
-from machine_limits import copy_bytes_per_s, matmul_flops_per_s, median_seconds, peak_bytes
+from machine_limits import actor_batch, copy_bytes_per_s, matmul_flops_per_s, median_seconds, peak_bytes
 
 from nereus_jax.config import AlgorithmConfig, ModelConfig
 from nereus_jax.models import init_params
@@ -52,18 +52,6 @@ def _model(vocab: int) -> ModelConfig:
                        tie_embeddings=True, rms_norm_eps=1e-6)
 
 
-def _batch(cfg: ModelConfig, rows: int, prompt: int, response: int) -> dict:
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, cfg.vocab_size, size=(rows, prompt + response)).astype(np.int32)
-    mask = np.ones_like(tokens)
-    mask[: rows // 2, : prompt // 2] = 0  # left padding on half the rows
-    return {"tokens": tokens, "mask": mask, "response_mask": np.ones((rows, response), np.float32),
-            "old_logp": rng.normal(-12.0, 0.1, (rows, response)).astype(np.float32),
-            "ref_logp": rng.normal(-12.0, 0.1, (rows, response)).astype(np.float32),
-            "advantages": rng.normal(size=(rows, response)).astype(np.float32)}
-
-
-
 
 def _programs(cfg, chunk: int, params, opt_state, batch, prompt: int):
     algo = AlgorithmConfig(kl_in_reward=False, entropy_coef=0.01)
@@ -82,7 +70,7 @@ def run(args: argparse.Namespace) -> dict:
     rows = args.tokens // args.response
     params = init_params(cfg, seed=0)
     opt_state = losses.make_optimizer(1e-5).init(params)
-    batch = _batch(cfg, rows, args.prompt, args.response)
+    batch = actor_batch(cfg.vocab_size, rows, args.prompt, args.response)
     out, logp = {}, {}
     for name, chunk in (("chunked", args.chunk), ("unchunked", 0)):
         score, train, mb, micro = _programs(cfg, chunk, params, opt_state, batch, args.prompt)

@@ -1,7 +1,8 @@
-"""What the benchmarks in tools/ share: a program's XLA peak bytes, median seconds of a jitted call, and the
-machine's physical limits measured in the benchmark's own run (float32 matmul FLOP/s, copy bandwidth).
+"""What the benchmarks in tools/ share: a program's XLA peak bytes, median seconds of a jitted call, the
+machine's physical limits measured in the benchmark's own run (float32 matmul FLOP/s, copy bandwidth), and a
+random actor-loss micro-batch.
 
-    from machine_limits import copy_bytes_per_s, matmul_flops_per_s, median_seconds, peak_bytes
+    from machine_limits import actor_batch, copy_bytes_per_s, matmul_flops_per_s, median_seconds, peak_bytes
 """
 
 from __future__ import annotations
@@ -44,3 +45,17 @@ def copy_bytes_per_s(n_bytes: int = 2**28, repeats: int = 3) -> float:
     x = jnp.ones((n_bytes // 4,), jnp.float32)
     f = jax.jit(lambda x: x + 1.0)  # reads and writes every byte once
     return 2.0 * n_bytes / median_seconds(lambda: f(x), repeats)
+
+
+def actor_batch(vocab_size: int, rows: int, prompt: int, response: int) -> dict:
+    """A seeded host micro-batch for the actor loss: random tokens, left padding on half the rows, old and
+    reference log-probs near a uniform policy's (-log V), random advantages."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, vocab_size, size=(rows, prompt + response)).astype(np.int32)
+    mask = np.ones_like(tokens)
+    mask[: rows // 2, : prompt // 2] = 0
+    uniform = -float(np.log(vocab_size))
+    return {"tokens": tokens, "mask": mask, "response_mask": np.ones((rows, response), np.float32),
+            "old_logp": rng.normal(uniform, 0.1, (rows, response)).astype(np.float32),
+            "ref_logp": rng.normal(uniform, 0.1, (rows, response)).astype(np.float32),
+            "advantages": rng.normal(size=(rows, response)).astype(np.float32)}
