@@ -294,9 +294,21 @@ class RolloutConfig(_Node):
     kv_cache_bytes: int | None = _field(
         None, "paged: the KV page pool of one actor-gen replica in bytes (admission waits for free pages); "
               "null: every slot's full length")
+    max_turns: int = _field(4, "with task.env: assistant turns per trajectory at most (the environment's "
+                               "answers between them); the whole trajectory fits in max_response_length tokens")
+    max_total_length: int | None = _field(
+        None, "with task.env: prompt + trajectory tokens at most; null: max_prompt_length + max_response_length")
+    tool_timeout: float = _field(10.0, "with task.env: seconds one tool call may take; a slower one is stopped and "
+                                       "answered with a timeout message")
 
     def __post_init__(self) -> None:
         _check_length_schedule(self.length_schedule, self.max_response_length)
+        _check_positive("rollout", self, "max_turns", "tool_timeout")
+        if self.max_total_length is not None:
+            require(self.max_prompt_length < self.max_total_length <= self.max_prompt_length + self.max_response_length,
+                    f"rollout.max_total_length={self.max_total_length} must be in (max_prompt_length, "
+                    "max_prompt_length + max_response_length]: the trajectory lives in the response's "
+                    f"{self.max_response_length} columns; raise rollout.max_response_length or lower it")
         if self.kv_cache_bytes is not None:
             require(self.page_size is not None, "rollout.kv_cache_bytes sizes a paged KV pool: set rollout.page_size")
             _check_positive("rollout", self, "kv_cache_bytes")
@@ -468,8 +480,17 @@ class TaskConfig(_Node):
     schedule: tuple[TaskStage, ...] = _field(
         (), "difficulty curriculum of a built-in task, e.g. [{step: 0, num_digits: 4}, {step: 40, num_digits: 16}]: "
             "problems of step s use the last entry at or before s (held-out evaluation: task.num_digits)")
+    env: str | None = _field(
+        None, "multi-turn rollouts with an environment: 'calculator' or 'python' (that tool), 'tools' (task.tools), "
+              "or 'package.module:Class' (nereus_jax.rl.env's protocol); null: one response per prompt")
+    tools: tuple[str, ...] = _field(("calculator",), "task.env=tools: the built-in tools offered (calculator, python)")
+    tool_format: Literal["hermes", "llama3", "plain"] | None = _field(
+        None, "how the model writes tool calls: hermes (Qwen3: <tool_call>{json}</tool_call>), llama3 (a JSON "
+              "object), plain ([calculator: 12*34], for the character tokenizer); null: hermes with a chat "
+              "template, else plain")
 
     def __post_init__(self) -> None:
+        require(self.env is None or bool(self.env), "task.env is empty: name an environment or set it to null")
         _check_at_least("task", self, 0, "eval_size")
         _check_positive("task", self, "num_digits", "eval_samples", "reward_timeout")
         _check_stages("task.schedule", self.schedule)

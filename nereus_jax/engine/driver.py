@@ -115,16 +115,20 @@ class Generator:
     def rollouts(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
                  forced_lengths: Sequence[int] | None = None, refill: Refill = "continuous",
                  on_step: Callable[[Generator, int], None] | None = None,
-                 prompt_ids: Sequence[int] | None = None) -> Rollouts:
+                 prompt_ids: Sequence[int] | None = None,
+                 max_new_tokens_per_prompt: Sequence[int] | None = None) -> Rollouts:
         """Generates ``sampling.n`` responses for every prompt (token-id sequences). ``on_step(self, step)``
         runs after every engine call with the decode steps so far (a test hook, e.g. to swap parameters at
         a known step; with ``decode_steps_per_call=k`` it runs every k steps).
         ``prompt_ids`` (default 0..len-1) are the prompts' identities in the random stream: a job that
-        splits one batch over several generators passes global ids, so the split never changes samples."""
+        splits one batch over several generators passes global ids, so the split never changes samples.
+        ``max_new_tokens_per_prompt`` caps each prompt's responses at its own length (each at most
+        ``sampling.max_new_tokens``; stop tokens still end them), e.g. the turns of trajectories with different
+        budgets left."""
         if refill not in ("continuous", "static"):
             raise EngineError(f"refill must be 'continuous' or 'static', got {refill!r}")
         prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
-        limits = self._limits(prompts, sampling, forced_lengths)
+        limits = self._limits(prompts, sampling, forced_lengths, max_new_tokens_per_prompt)
         ids = np.arange(len(prompts)) if prompt_ids is None else np.asarray(prompt_ids, np.int64).reshape(-1)
         if ids.shape[0] != len(prompts) or np.any(ids < 0) or np.any(ids >= 2**31):
             raise EngineError(f"prompt_ids needs one id in [0, 2**31) per prompt ({len(prompts)} prompts)")
@@ -147,16 +151,18 @@ class Generator:
         return run.result(time.perf_counter() - start)
 
     # ------------------------------------------------------------------------------------- checking
-    def _limits(self, prompts, sampling, forced_lengths) -> np.ndarray:
+    def _limits(self, prompts, sampling, forced_lengths, per_prompt=None) -> np.ndarray:
         e = self.engine
         if len(sampling.stop_tokens) > e.max_stop_tokens:
             raise EngineError(f"{len(sampling.stop_tokens)} stop tokens given; the engine holds at most "
                               f"max_stop_tokens={e.max_stop_tokens}")
         limits = np.full(len(prompts), sampling.max_new_tokens, np.int32)
-        if forced_lengths is not None:
-            limits = np.asarray(forced_lengths, np.int32).reshape(-1)
+        for name, given in (("forced_lengths", forced_lengths), ("max_new_tokens_per_prompt", per_prompt)):
+            if given is None:
+                continue
+            limits = np.asarray(given, np.int32).reshape(-1)
             if limits.shape[0] != len(prompts) or np.any(limits < 1) or np.any(limits > sampling.max_new_tokens):
-                raise EngineError(f"forced_lengths needs one length in [1, max_new_tokens={sampling.max_new_tokens}] "
+                raise EngineError(f"{name} needs one length in [1, max_new_tokens={sampling.max_new_tokens}] "
                                   f"per prompt ({len(prompts)} prompts), got {limits.shape[0]} values in "
                                   f"[{limits.min(initial=0)}, {limits.max(initial=0)}]")
         for i, (p, limit) in enumerate(zip(prompts, limits, strict=True)):

@@ -119,11 +119,12 @@ def render_chat(source: str, messages: Sequence[Mapping[str, Any]], *, origin: s
     """The text ``apply_chat_template(messages, tokenize=False, add_generation_prompt=...)`` renders.
 
     ``special_tokens`` are the tokenizer's named special tokens (``bos_token``: "<s>", ...); ``kwargs`` are
-    extra template variables and win over them, as in transformers. A failing render (the template's own
+    extra template variables (``tools``: function schemas, ``documents``, ``enable_thinking``, ...) and win over
+    them, as in transformers. A failing render (the template's own
     ``raise_exception``, or an operation its messages don't support) is a TokenizerError naming ``origin``.
     """
     template = compile_template(source, origin)
-    variables = {**special_tokens, **kwargs, "messages": _normalise(messages), "tools": None, "documents": None,
+    variables = {**special_tokens, "tools": None, "documents": None, **kwargs, "messages": _normalise(messages),
                  "add_generation_prompt": add_generation_prompt}
     try:
         return template.render(variables)

@@ -283,6 +283,10 @@ class HFTokenizer:
         end = next((k for k, i in enumerate(ids) if i in stops), len(ids))
         return self._tok.decode(ids[:end], skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """The text of one token as the tokenizer's vocabulary spells it (e.g. ``<|im_end|>``)."""
+        return self._tok.decode([int(token_id)], skip_special_tokens=False)
+
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """The chat template's text for ``messages``, as transformers' ``apply_chat_template(tokenize=False)``."""
         if self.chat_template is None:

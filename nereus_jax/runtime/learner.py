@@ -109,6 +109,7 @@ class Learner:
         sync()
         seconds["weight-sync"] = time.perf_counter() - t
         metrics = self.metrics(step, batch, scores, scored, train_metrics, seconds) | reward_metrics
+        metrics |= self.rollout.step_metrics  # multi-turn: turns, tool calls and errors, environment tokens
         metrics["accuracy"] = reward_metrics.get("answer_correct_fraction", metrics["accuracy"])
         return StepResult(metrics | stale | corrected | sampled, batch)
 
@@ -134,7 +135,7 @@ class Learner:
             key = "reward-infer" if self.stages.reward_model is not None else "reward"
             seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - t
         groups = [p for ps, *_ in rounds for p in ps]
-        whole = RolloutBatch(*(np.concatenate(parts) for parts in zip(*(r[1] for r in rounds), strict=True)))
+        whole = RolloutBatch.concatenate(r[1] for r in rounds)
         informative = np.concatenate([alg.informative_groups(sc, n) for *_, sc in rounds])
         order = np.concatenate([np.flatnonzero(informative), np.flatnonzero(~informative)])[:b]
         rows = (order[:, None] * n + np.arange(n)).reshape(-1)
@@ -157,7 +158,9 @@ class Learner:
             return scores, {"reward_mean": float(scores.mean())}
         n = len(batch.response_br) // len(problems)
         out = self.rewarder.score([p for p in problems for _ in range(n)], self.rollout.texts(batch))
-        return out.rewards, out.metrics()
+        if batch.env_reward_b is None:
+            return out.rewards, out.metrics()
+        return out.rewards + batch.env_reward_b, out.metrics() | {"env_reward_mean": float(batch.env_reward_b.mean())}
 
     # ------------------------------------------------------------------------- scoring and training
     def score(self, batch: RolloutBatch, seconds: dict[str, float]) -> dict[str, np.ndarray]:

@@ -25,7 +25,9 @@ from nereus_jax.engine import Generator, JaxEngine, Rollouts, SamplingParams
 from nereus_jax.model_stage import ACTOR_GEN
 from nereus_jax.models import abstract_params
 from nereus_jax.rl.batch import RolloutBatch, left_pad, right_pad
+from nereus_jax.rl.env import make_env
 from nereus_jax.rl.tasks import Problem, make_task
+from nereus_jax.runtime.agent import AgentRollouts, final_texts
 from nereus_jax.runtime.distributed import share_from
 from nereus_jax.runtime.stages import StageState
 from nereus_jax.sharding import is_local, make_mesh
@@ -40,6 +42,8 @@ class Rollout:
         self.P, self.R = cfg.rollout.max_prompt_length, cfg.rollout.max_response_length
         self.n = cfg.rollout.samples_per_prompt
         self._staged_tasks: dict[int, Any] = {}  # task.schedule: the task of each num_digits, made on first use
+        self.agent = _agent(cfg, tokenizer, self)  # task.env: multi-turn rollouts (None: one response a prompt)
+        self.step_metrics: dict[str, float] = {}  # the last training step's rollout metrics (turns, tools)
         # one per actor-gen replica; None for a replica on another process's devices (its process runs it)
         self._engines: list[Generator | None] = [self._engine(u) for u in stages.units[ACTOR_GEN]]
         self._engine_pool: concurrent.futures.ThreadPoolExecutor | None = None  # see _run_local
@@ -56,6 +60,8 @@ class Rollout:
         if self._engine_pool is not None:
             self._engine_pool.shutdown(wait=False)
             self._engine_pool = None
+        if self.agent is not None:
+            self.agent.close()
 
     def _engine(self, unit: EMU) -> Generator | None:
         if not is_local(unit.devices[0]):
@@ -71,7 +77,9 @@ class Rollout:
                          page_size=cfg.rollout.page_size, kv_bytes=cfg.rollout.kv_cache_bytes,
                          decode_steps_per_call=cfg.rollout.decode_steps_per_call,
                          max_prefill_batch=min(16, max(1, cfg.trainer.prompts_per_step)),
-                         max_stop_tokens=max(4, len(self.tok.eos_ids)))
+                         max_stop_tokens=max(4, len(self.tok.eos_ids) + (self.agent is not None)),
+                         # multi-turn: a later turn's prompt is the trajectory so far (prefilled in chunks)
+                         max_prompt_length=self.P + self.R - 1 if self.agent is not None else None)
 
     # ------------------------------------------------------------------------------ the data stream
     def prompt_ids(self, problem: Problem) -> list[int]:
@@ -144,26 +152,43 @@ class Rollout:
         """Rollouts of every prompt, the prompts split over the actor-gen replicas in order; responses are cut
         at step ``step``'s budget (:meth:`response_budget`) and right-padded to the programs' R."""
         n = self.n if n is None else n
+        if self.agent is not None:
+            batch = self.agent.collect(problems, positions, temperature, n, self.response_budget(step))
+            if step is not None:
+                self.step_metrics = dict(self.agent.metrics)
+            return batch
         prompts = [self.prompt_ids(p) for p in problems]
         _check_prompt_lengths(prompts, self.P)
-        sampling = self.sampling(temperature, n, self.response_budget(step))
-        chunks = np.array_split(np.arange(len(prompts)), len(self._engines))
-        outs = self.on_engines([(i, lambda g, idx=idx: g.rollouts([prompts[j] for j in idx], sampling,
-                                                                    prompt_ids=positions[idx] % (2**31)))
-                                for i, idx in enumerate(chunks) if len(idx)])
-        tokens = np.concatenate([o.tokens for o in outs])
-        lengths = np.concatenate([o.lengths for o in outs])
-        response, response_mask = right_pad([list(t[:n_]) for t, n_ in zip(tokens, lengths, strict=True)],
+        out = self.generate(prompts, self.sampling(temperature, n, self.response_budget(step)), positions % (2**31))
+        lengths = out.lengths
+        response, response_mask = right_pad([list(t[:n_]) for t, n_ in zip(out.tokens, lengths, strict=True)],
                                             self.R, self.tok.pad_id)
         prompt, prompt_mask = left_pad([p for p in prompts for _ in range(n)], self.P, self.tok.pad_id)
-        logp = np.concatenate([o.logprobs for o in outs])
+        logp = out.logprobs
         logp = np.pad(logp, ((0, 0), (0, self.R - logp.shape[1]))) * response_mask  # a budget under R: pad
         # the oldest policy version behind any of a row's tokens (a resumed partial rollout has several)
-        versions = np.concatenate([np.where(o.param_versions < 0, np.iinfo(np.int32).max, o.param_versions).min(1)
-                                   for o in outs])
+        versions = np.where(out.param_versions < 0, np.iinfo(np.int32).max, out.param_versions).min(1)
         return RolloutBatch(prompt, prompt_mask, response, response_mask, logp.astype(np.float32),
                             np.repeat(positions, n), np.tile(np.arange(n), len(prompts)).astype(np.int32),
                             versions.astype(np.int32))
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, ids: np.ndarray,
+                 per_prompt: Sequence[int] | None = None) -> Rollouts:
+        """Rollouts of ``prompts`` (ids: their identities in the random stream) split over the actor-gen
+        replicas in order, as one: rows prompt-major, every array concatenated (``per_prompt``: each prompt's
+        own token limit)."""
+        chunks = np.array_split(np.arange(len(prompts)), len(self._engines))
+        limits = None if per_prompt is None else np.asarray(per_prompt, np.int32)
+
+        def work(idx):
+            return lambda g: g.rollouts([prompts[j] for j in idx], sampling, prompt_ids=ids[idx],
+                                        max_new_tokens_per_prompt=None if limits is None else limits[idx])
+
+        outs = self.on_engines([(i, work(idx)) for i, idx in enumerate(chunks) if len(idx)])
+        cat = lambda name: np.concatenate([getattr(o, name) for o in outs])  # noqa: E731
+        return Rollouts(cat("tokens"), cat("logprobs"), cat("lengths"),
+                        tuple(f for o in outs for f in o.finish_reasons), cat("param_versions"),
+                        cat("prompt_index"), cat("sample_index"), {})
 
     def on_engines(self, work: Sequence[tuple[int, Any]]) -> list[Rollouts]:
         """``fn(engine)`` for each (engine index, fn), in order. With several processes each process runs
@@ -198,15 +223,20 @@ class Rollout:
         self.engine_thread_cpu_s += sum(o.stats.get("thread_cpu_s", 0.0) for o in outs.values())
         return outs
 
-    def sampling(self, temperature: float, n: int, max_new_tokens: int | None = None) -> SamplingParams:
-        """The rollout config's sampling at ``temperature`` (0: greedy), ``n`` samples a prompt."""
+    def sampling(self, temperature: float, n: int, max_new_tokens: int | None = None,
+                 stop_tokens: Sequence[int] | None = None) -> SamplingParams:
+        """The rollout config's sampling at ``temperature`` (0: greedy), ``n`` samples a prompt (stop tokens:
+        the tokenizer's eos ids unless given)."""
         c = self.cfg.rollout
         return SamplingParams(temperature=temperature, top_k=c.top_k if temperature else 0,
                               top_p=c.top_p if temperature else 1.0, max_new_tokens=max_new_tokens or self.R,
-                              stop_tokens=tuple(self.tok.eos_ids), n=n, seed=c.seed)
+                              stop_tokens=tuple(self.tok.eos_ids if stop_tokens is None else stop_tokens), n=n,
+                              seed=c.seed)
 
     def texts(self, batch: RolloutBatch) -> list[str]:
-        """Each row's response, decoded up to its length."""
+        """Each row's response, decoded up to its length (a multi-turn row: its last assistant message)."""
+        if batch.context_mask_br is not None:
+            return final_texts(self.tok, batch)
         lengths = batch.response_mask_br.sum(1)
         return [self.tok.decode(r[:n].tolist()) for r, n in zip(batch.response_br, lengths, strict=True)]
 
@@ -231,6 +261,16 @@ def prompt_ids(tokenizer, task_cfg, problem: Problem) -> list[int]:
     ``task.chat_template`` says so (with ``task.system_prompt``), then tokenized; prompt lengths are counted
     in these tokens."""
     return tokenizer.encode_prompt(problem.prompt, system_prompt=task_cfg.system_prompt, chat=task_cfg.chat_template)
+
+
+def _agent(cfg: Config, tokenizer, rollout: Rollout) -> AgentRollouts | None:
+    if cfg.task.env is None:
+        return None
+    fmt = cfg.task.tool_format or ("hermes" if getattr(tokenizer, "chat_template", None) else "plain")
+    if fmt != "plain" and getattr(tokenizer, "chat_template", None) is None:
+        raise ConfigError(f"task.tool_format={fmt} renders tool messages with the chat template, but the tokenizer "
+                          "has none: use task.tool_format=plain, or a checkpoint whose tokenizer has a template")
+    return AgentRollouts(rollout, make_env(cfg.task, fmt, cfg.rollout.tool_timeout), fmt)
 
 
 def _zeros(model) -> dict:

@@ -21,6 +21,7 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from nereus_jax.rl.chat import render_chat
+from nereus_jax.rl.tasks import Problem
 from nereus_jax.rl.tokenizer import HFTokenizer, TokenizerError
 
 try:
@@ -278,3 +279,56 @@ def test_the_sandbox_refuses_python_internals():
         _render("{% set ns = namespace(_x=1) %}")
     with pytest.raises(TokenizerError, match="failed to render"):
         _render("{% set m = messages.append(1) %}")  # immutable: no mutating the messages
+
+
+# --- tools and multi-turn trajectories ---------------------------------------------------------------------------
+CALC_CALL = {"qwen3.jinja": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+4"}}\n</tool_call>',
+             "llama-3.1-instruct.jinja": '{"name": "calculator", "parameters": {"expression": "2+4"}}'}
+TOOL_FORMAT = {"qwen3.jinja": "hermes", "llama-3.1-instruct.jinja": "llama3"}
+
+
+def _tool_chat(name):
+    from nereus_jax.rl.tools import CALCULATOR
+
+    return [{"role": "user", "content": USER}, {"role": "assistant", "content": CALC_CALL[name]},
+            {"role": "tool", "name": "calculator", "content": "6"}], [CALCULATOR.schema()]
+
+
+@needs_hf
+@pytest.mark.parametrize("name", sorted(CALC_CALL))
+def test_prompts_with_tools_and_tool_messages_match_transformers_hf_parity(tmp_path, name):
+    tok, hf = ours(tmp_path, name), _hf(tmp_path)
+    messages, tools = _tool_chat(name)
+    for chat in (messages[:1], messages):
+        assert tok.render(chat, tools=tools) == hf.apply_chat_template(chat, tools=tools, tokenize=False,
+                                                                      add_generation_prompt=True)
+        assert tok.encode_prompt(chat, tools=tools) == _hf_ids(hf, chat, tools=tools)
+
+
+@pytest.mark.parametrize("name", sorted(CALC_CALL))
+def test_a_trajectory_of_turns_and_tool_answers_is_the_templates_rendering_of_the_conversation(tmp_path, name):
+    """The agent loop keeps the model's tokens and appends only what follows them (the rest of the turn's
+    markup, the tool message, the next generation prompt): the whole equals the template's rendering of the
+    conversation, with the tools shown to the model."""
+    from types import SimpleNamespace
+
+    from nereus_jax.config import load_config
+    from nereus_jax.rl.env import ToolEnv
+    from nereus_jax.rl.tools import CALCULATOR
+    from nereus_jax.runtime.agent import AgentRollouts, Trajectory
+
+    tok = ours(tmp_path, name)
+    env = ToolEnv([CALCULATOR], TOOL_FORMAT[name])
+    agent = AgentRollouts(SimpleNamespace(tok=tok, cfg=load_config(None)), env, TOOL_FORMAT[name])
+    messages, tools = _tool_chat(name)
+    start = env.reset(Problem(USER, "6"))
+    for stopped in (True, False):  # the model wrote its end-of-turn token, or its turn was cut at its budget
+        ids = agent.prompt_ids(start)
+        turn = tok.encode(CALC_CALL[name]) + ([tok.eos_id] if stopped else [])
+        step = env.step(start, {"role": "assistant", "content": CALC_CALL[name]})
+        assert [m["content"] for m in step.messages] == ["6"]
+        ids += turn + agent.continuation(Trajectory(ids, list(start), tokens=list(turn)), step, stopped)
+        want = tok.render(start + [{"role": "assistant", "content": CALC_CALL[name]}] + step.messages, tools=tools)
+        assert want == tok.render(messages, tools=tools)
+        assert tok._tok.decode(ids, skip_special_tokens=False) == want
+    agent.close()

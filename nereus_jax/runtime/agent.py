@@ -1,0 +1,210 @@
+"""Multi-turn rollouts: the model's turns and an environment's answers (``task.env``), one trajectory per row.
+
+Turn 1 is the single-turn generation of every prompt's ``n`` samples. After each turn the environment reads
+the assistant's message (:mod:`nereus_jax.rl.env`); unless it says done, its messages (tool outputs) are
+rendered the way the chat template renders them after that assistant message, tokenized and appended, and the
+next turn generates from the whole trajectory so far. The model's own tokens are the only ones the loss reads
+(``RolloutBatch.response_mask_br``); every real token is context (``context_mask_br``).
+
+Turn k > 1 prefills the whole conversation again (each trajectory a prompt of its own, sampled with a seed of
+its data position, sample and turn, so a split over replicas or a resume draws the same); a sequence's KV
+cache is not yet kept across turns, and the turns of a step run in lock-step (tools of one turn in parallel).
+A trajectory ends when the environment says done, after ``rollout.max_turns`` turns, or when its tokens fill
+the response budget (the step's ``rollout.max_response_length``, capped by ``rollout.max_total_length``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from nereus_jax.rl.batch import RolloutBatch, left_pad, right_pad
+from nereus_jax.rl.env import Env, EnvStep, tool_schemas
+from nereus_jax.rl.errors import TokenizerError
+from nereus_jax.rl.tasks import Problem
+from nereus_jax.rl.tools import result_text
+
+_SENTINEL = "\u2063NEREUS-ASSISTANT-TURN\u2063"
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """One row's conversation: its prompt ids, messages, and the trajectory's tokens so far (own: the model's)."""
+
+    prompt: list[int]
+    messages: list[dict[str, Any]]
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    own: list[int] = dataclasses.field(default_factory=list)
+    logp: list[float] = dataclasses.field(default_factory=list)
+    version: int = np.iinfo(np.int32).max
+    done: bool = False
+    turns: int = 0
+    env_reward: float = 0.0
+    stats: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+class AgentRollouts:
+    """The multi-turn side of :class:`~nereus_jax.runtime.rollout.Rollout` (which owns the engines)."""
+
+    def __init__(self, rollout, env: Env, fmt: str):
+        self.rollout, self.env, self.fmt = rollout, env, fmt
+        self.tok, self.cfg = rollout.tok, rollout.cfg
+        self.schemas = tool_schemas(env)
+        self.chat = fmt != "plain"
+        self._pool = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="nereus-env")
+        self.metrics: dict[str, float] = {}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+
+    # ------------------------------------------------------------------------------ prompts and messages
+    def prompt_ids(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        if self.chat:
+            kw = {"tools": self.schemas} if self.schemas else {}
+            return self.tok.encode(self.tok.render(list(messages), add_generation_prompt=True, **kw))
+        return self.tok.encode_prompt(str(messages[-1]["content"]), chat=False)
+
+    def continuation(self, traj: Trajectory, step: EnvStep, stopped: bool) -> list[int]:
+        """Token ids that follow the assistant's last token: the rest of its turn's markup, the environment's
+        messages and the next generation prompt, as the chat template renders them."""
+        if not self.chat:
+            render = getattr(self.env, "render_result", lambda text: result_text(self.fmt, text))
+            return self._plain_ids(" ".join(render(str(m["content"])) for m in step.messages))
+        kw = {"tools": self.schemas} if self.schemas else {}
+        text = self.tok.render(traj.messages + [{"role": "assistant", "content": _SENTINEL}] + step.messages,
+                               add_generation_prompt=True, **kw)
+        if text.count(_SENTINEL) != 1:
+            raise TokenizerError("the chat template does not render an assistant message's content verbatim, "
+                                 "so the tokens after a turn cannot be derived; multi-turn rollouts need one that does")
+        after = text.split(_SENTINEL, 1)[1]
+        end = self.tok.token_text(traj.tokens[-1]) if stopped else ""
+        if end and after.startswith(end):
+            after = after[len(end):]  # the model wrote its turn's end token itself
+        return self.tok.encode(after)
+
+    def _plain_ids(self, text: str) -> list[int]:
+        """``text`` in the character tokenizer's alphabet (other characters dropped, letters lowered)."""
+        try:
+            return self.tok.encode(text)
+        except TokenizerError:
+            out = []
+            for c in text.lower():
+                with contextlib.suppress(TokenizerError):
+                    out += self.tok.encode(c)
+            return out
+
+    def stop_tokens(self) -> tuple[int, ...]:
+        """The engine's stop tokens: the tokenizer's, and in the plain format with tools the ``]`` that closes
+        a call."""
+        stops = tuple(self.tok.eos_ids)
+        return stops + tuple(self._plain_ids("]")) if not self.chat and self.schemas else stops
+
+    # ------------------------------------------------------------------------------ the turn loop
+    def collect(self, problems: Sequence[Problem], positions: np.ndarray, temperature: float, n: int,
+                budget: int) -> RolloutBatch:
+        """Trajectories of every prompt's ``n`` samples (prompt-major rows), response columns padded to R."""
+        r = self.rollout
+        P, R = r.P, r.R
+        total = self.cfg.rollout.max_total_length
+        starts = [self.env.reset(p) for p in problems]
+        prompts = [self.prompt_ids(m) for m in starts]
+        trajs = [Trajectory(prompts[i], [dict(m) for m in starts[i]]) for i in range(len(problems)) for _ in range(n)]
+        limits = [budget if total is None else min(budget, total - len(t.prompt)) for t in trajs]
+        for turn in range(self.cfg.rollout.max_turns):
+            active = [i for i, t in enumerate(trajs) if not t.done]
+            if not active:
+                break
+            if turn == 0:
+                out = r.generate(prompts, r.sampling(temperature, n, budget, self.stop_tokens()),
+                                 positions % (2**31), per_prompt=[max(1, min(limits[i * n:(i + 1) * n]))
+                                                                 for i in range(len(prompts))])
+            else:
+                ids = [_turn_seed(int(positions[i // n]), i % n, turn) for i in active]
+                out = r.generate([trajs[i].prompt + trajs[i].tokens for i in active],
+                                 r.sampling(temperature, 1, budget, self.stop_tokens()), np.asarray(ids),
+                                 per_prompt=[limits[i] - len(trajs[i].tokens) for i in active])
+            rows = list(range(len(trajs))) if turn == 0 else active
+            texts, stopped = [], []
+            for k, i in enumerate(rows):
+                t, m = trajs[i], int(out.lengths[k])
+                new = out.tokens[k, :m].tolist()
+                t.tokens += new
+                t.own += [1] * m
+                t.logp += out.logprobs[k, :m].tolist()
+                v = out.param_versions[k, :m]
+                t.version = min(t.version, int(v[v >= 0].min(initial=t.version)))
+                t.turns += 1
+                texts.append(self.tok.decode(new))
+                stopped.append(out.finish_reasons[k] == "stop")
+            steps = list(self._pool.map(lambda a: self.env.step(trajs[a[0]].messages,
+                                                                {"role": "assistant", "content": a[1]}),
+                                        zip(rows, texts, strict=True)))
+            for i, text, step, stop in zip(rows, texts, steps, stopped, strict=True):
+                self._advance(trajs[i], text, step, stop, limits[i], last=turn + 1 == self.cfg.rollout.max_turns)
+        self.metrics = _metrics(trajs)
+        response, own = right_pad([t.tokens for t in trajs], R, self.tok.pad_id)
+        own[:, :] = 0
+        logp = np.zeros((len(trajs), R), np.float32)
+        for i, t in enumerate(trajs):
+            own[i, :len(t.own)] = t.own
+            logp[i, :len(t.logp)] = np.asarray(t.logp, np.float32) * np.asarray(t.own, np.float32)
+        context = (np.arange(R)[None, :] < np.asarray([len(t.tokens) for t in trajs])[:, None]).astype(np.int32)
+        prompt, prompt_mask = left_pad([t.prompt for t in trajs], P, self.tok.pad_id)
+        rewards = np.asarray([t.env_reward for t in trajs], np.float32)
+        return RolloutBatch(prompt, prompt_mask, response, own, logp, np.repeat(positions, n),
+                            np.tile(np.arange(n), len(problems)).astype(np.int32),
+                            np.asarray([t.version for t in trajs], np.int32), context,
+                            rewards if np.any(rewards) else None)
+
+    def _advance(self, t: Trajectory, text: str, step: EnvStep, stopped: bool, limit: int, last: bool) -> None:
+        """After a turn: the environment's verdict, and the tokens the next turn starts from."""
+        for key in ("tool_calls", "tool_errors", "tool_timeouts", "tool_seconds"):
+            t.stats[key] = t.stats.get(key, 0) + getattr(step, key)
+        t.env_reward += float(step.reward or 0.0)
+        t.messages.append({"role": "assistant", "content": text})
+        if step.done or last or len(t.tokens) >= limit:
+            t.done = True
+            return
+        extra = self.continuation(t, step, stopped)
+        t.messages += [dict(m) for m in step.messages]
+        room = limit - len(t.tokens)
+        if len(extra) >= room:  # no room left for the model to answer: the environment's tokens end it
+            t.stats["truncated"] = 1
+            extra = extra[:room]
+            t.done = True
+        t.tokens += extra
+        t.own += [0] * len(extra)
+        t.logp += [0.0] * len(extra)
+
+
+def final_texts(tok, batch: RolloutBatch) -> list[str]:
+    """Each row's last assistant message: its model tokens after the last environment token (the answer the
+    task's reward scores)."""
+    out = []
+    for tokens, own, ctx in zip(batch.response_br, batch.response_mask_br, batch.context_mask, strict=True):
+        env = np.flatnonzero((ctx > 0) & (own == 0))
+        mine = np.flatnonzero(own > 0)
+        start = int(env[-1]) + 1 if env.size else 0
+        end = int(mine[-1]) + 1 if mine.size and mine[-1] >= start else start
+        out.append(tok.decode(tokens[start:end].tolist()))
+    return out
+
+
+def _turn_seed(position: int, sample: int, turn: int) -> int:
+    return zlib.crc32(np.asarray([position, sample, turn], np.int64).tobytes()) % (2**31)
+
+
+def _metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    own = np.asarray([sum(t.own) for t in trajs], np.float64)
+    env = np.asarray([len(t.own) - sum(t.own) for t in trajs], np.float64)
+    get = lambda k: np.asarray([t.stats.get(k, 0) for t in trajs], np.float64)  # noqa: E731
+    return {"turns_mean": float(np.mean([t.turns for t in trajs])), "tool_calls_mean": float(get("tool_calls").mean()),
+            "tool_errors": int(get("tool_errors").sum()), "tool_timeouts": int(get("tool_timeouts").sum()),
+            "tool_seconds": float(get("tool_seconds").sum()), "response_tokens_mean": float(own.mean()),
+            "env_tokens_mean": float(env.mean()), "trajectories_truncated": int(get("truncated").sum())}

@@ -1,0 +1,149 @@
+"""Multi-turn rollouts in the job (task.env): every turn is the model's own greedy continuation of the whole
+conversation so far (reference: one forward pass of the policy over the trajectory), a trajectory that ends at
+once is the single-turn rollout bit for bit, the environment's tokens carry no loss (garbage targets there leave
+the gradient bit-identical), and an RL step trains on trajectories and logs turns and tool metrics."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nereus_jax.config import load_config
+from nereus_jax.model_stage import ACTOR_GEN
+from nereus_jax.rl.env import EnvStep
+from nereus_jax.rl.tasks import make_task
+from nereus_jax.rl.tokenizer import CharTokenizer
+from nereus_jax.runtime.job import Job
+from nereus_jax.runtime.losses import actor_loss, response_logits
+
+TINY_JOB = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=16",
+            "rollout.samples_per_prompt=2", "logging.progress=false", "task.num_digits=1", "task.eval_size=16",
+            "plan.stages.actor-gen.dp=2"]  # conftest's tiny job (its warm actor is this shape)
+AGENT = ["task.env=test_agent:ScriptedEnv", "rollout.max_response_length=32", "rollout.max_turns=3",
+         "trainer.actor_lr=1e-3"]
+RESULT = "[result: 7]"
+
+
+class ScriptedEnv:
+    """Answers each of the first two turns with the same tool result, then ends (no tool offered)."""
+
+    def __init__(self, task_cfg, tools, fmt):
+        self.fmt = fmt
+
+    def reset(self, problem):
+        return [{"role": "user", "content": problem.prompt}]
+
+    def step(self, messages, assistant):
+        turn = sum(m["role"] == "assistant" for m in messages) + 1
+        if turn >= 3:
+            return EnvStep([], reward=0.5, done=True)
+        return EnvStep([{"role": "tool", "content": "7"}], tool_calls=1)
+
+
+class EndEnv(ScriptedEnv):
+    def step(self, messages, assistant):
+        return EnvStep([], done=True)
+
+
+@pytest.fixture(scope="module")
+def job(warm):
+    cfg = load_config(None, TINY_JOB + AGENT)
+    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
+    yield job
+    job.close()
+
+
+def _problems(job, k=8):
+    positions = np.arange(k, dtype=np.int64)
+    return [job.rollout.task.problem(int(p)) for p in positions], positions
+
+
+def test_every_turn_is_the_greedy_continuation_of_the_whole_conversation(job):
+    problems, positions = _problems(job)
+    batch = job.collect_rollouts(problems, positions, 0.0, n=1)
+    tok, P = CharTokenizer(), job.cfg.rollout.max_prompt_length
+    own, ctx = batch.response_mask_br, batch.context_mask_br
+    assert np.all(own <= ctx) and np.all(np.diff(ctx, axis=1) <= 0)  # the context is one contiguous run
+    env_turns = 0
+    for row in range(len(problems)):
+        n = int(ctx[row].sum())
+        runs = np.split(np.arange(n), np.flatnonzero(np.diff(own[row, :n])) + 1)
+        for run in runs:
+            if own[row, run[0]] == 0:  # the environment's tokens: exactly the rendered tool result
+                assert tok.decode(batch.response_br[row, run]) == RESULT
+                env_turns += 1
+        assert sum(own[row, r[0]] == 0 for r in runs) <= 2
+    assert env_turns >= len(problems)  # every trajectory got at least one tool answer
+    params = job.units[ACTOR_GEN][0].to_host()["params"]
+    logits = response_logits(params, job.cfg.model, jnp.asarray(batch.tokens()), jnp.asarray(batch.attention_mask()),
+                             P)
+    greedy = np.asarray(jnp.argmax(logits, -1))
+    mine = own > 0
+    np.testing.assert_array_equal(batch.response_br[mine], greedy[mine])
+    # the log-probs the engine recorded are the policy's at every model token, 0 at the environment's
+    assert np.all(batch.behaviour_logp_br[~mine] == 0)
+    # the reward reads the last assistant message: after the last tool result
+    last_turns = []
+    for row in range(len(problems)):
+        env = np.flatnonzero((ctx[row] > 0) & (own[row] == 0))
+        last_turns.append(tok.decode(batch.response_br[row, env[-1] + 1:]))
+    assert job.texts(batch) == last_turns
+
+
+def test_a_trajectory_that_ends_at_once_is_the_single_turn_rollout(job):
+    problems, positions = _problems(job)
+    agent = job.rollout.agent
+    env = agent.env
+    try:
+        agent.env = EndEnv(None, (), "plain")
+        multi = job.collect_rollouts(problems, positions, 1.0, n=2, step=0)
+        job.rollout.agent = None
+        single = job.collect_rollouts(problems, positions, 1.0, n=2, step=0)
+    finally:
+        job.rollout.agent, agent.env = agent, env
+    assert single.context_mask_br is None and multi.env_reward_b is None
+    np.testing.assert_array_equal(multi.context_mask_br, single.response_mask_br)
+    for name in ("prompt_bp", "prompt_mask_bp", "response_br", "response_mask_br", "policy_version_b"):
+        np.testing.assert_array_equal(getattr(multi, name), getattr(single, name), err_msg=name)
+    np.testing.assert_array_equal(multi.behaviour_logp_br.view(np.uint32), single.behaviour_logp_br.view(np.uint32))
+    assert job.texts(multi) == job.texts(single)
+
+
+def test_the_environments_tokens_carry_no_gradient(job):
+    problems, positions = _problems(job, 4)
+    batch = job.collect_rollouts(problems, positions, 1.0, n=2)
+    env_cols = (batch.context_mask_br > 0) & (batch.response_mask_br == 0)
+    assert env_cols.any()
+    params = job.units[ACTOR_GEN][0].to_host()["params"]
+    loss = actor_loss(job.cfg.model, job.cfg.algorithm, job.cfg.rollout.max_prompt_length)
+    rng = np.random.default_rng(0)
+    base = {"tokens": batch.tokens(), "mask": batch.attention_mask(), "response_mask": batch.response_mask_br,
+            "old_logp": batch.behaviour_logp_br, "ref_logp": batch.behaviour_logp_br,
+            "advantages": rng.normal(size=batch.response_br.shape).astype(np.float32)}
+    garbage = dict(base)  # other log-probs and advantages, of the sizes real ones take, at the environment's tokens
+    shape = env_cols.shape
+    for key, noise in (("old_logp", rng.uniform(-20, 0, shape)), ("ref_logp", rng.uniform(-20, 0, shape)),
+                       ("advantages", rng.normal(size=shape) * 5)):
+        garbage[key] = np.where(env_cols, noise, base[key]).astype(np.float32)
+
+    def grads(mb):
+        return jax.grad(lambda p: loss(p, {k: jnp.asarray(v) for k, v in mb.items()})[0])(params)
+
+    same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), grads(base), grads(garbage))
+    assert all(jax.tree.leaves(same))
+    # the check can fail: with the environment's tokens in the loss mask the same garbage moves the gradient
+    leaky = {**garbage, "response_mask": batch.context_mask_br}
+    moved = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)),
+                         grads({**base, "response_mask": batch.context_mask_br}), grads(leaky))
+    assert not all(jax.tree.leaves(moved))
+
+
+def test_a_step_trains_on_trajectories_and_logs_turns_and_tool_metrics(job):
+    metrics = job.step(0).metrics
+    assert 1 < metrics["turns_mean"] <= 3 and metrics["tool_calls_mean"] > 0
+    assert metrics["env_tokens_mean"] > 0 and metrics["response_tokens_mean"] > 0
+    assert 0 < metrics["env_reward_mean"] <= 0.5  # ScriptedEnv's 0.5 at a third turn, added to the task's
+    for key in ("tool_errors", "tool_timeouts", "tool_seconds", "trajectories_truncated"):
+        assert key in metrics
+    assert np.isfinite(metrics["policy_loss"])
+
