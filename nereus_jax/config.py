@@ -428,6 +428,9 @@ class TrainerConfig(_Node):
     warmup_sft_steps: int = _field(0, "supervised steps before RL, at most (cached on disk, reused next time)")
     warmup_target_accuracy: float = _field(
         0.0, "stop the warm start once accuracy on a validation split reaches this (0 = run all steps)")
+    warmup_tool_fraction: float = _field(
+        0.0, "task.env=calculator, plain format: this fraction of warm-start examples demonstrate a calculator call "
+             "('[calculator: 12+34][result: 46]46', the result not trained on) instead of the direct answer")
     sft_lr: float = _field(3e-3, "learning rate of the supervised warm start")
     sft_batch: int = _field(64, "problems per supervised warm-start step")
     sft_control: bool = _field(True, "after RL, also run the supervised phase for the same wall time (information)")
@@ -439,6 +442,8 @@ class TrainerConfig(_Node):
         names = ("steps", "actor_lr", "critic_lr", "max_staleness", "warmup_sft_steps", "sft_lr",
                  "warmup_target_accuracy")
         _check_at_least("trainer", self, 0, *names, "vocab_chunk")
+        require(0 <= self.warmup_tool_fraction <= 1,
+                f"trainer.warmup_tool_fraction must be in [0, 1], got {self.warmup_tool_fraction}")
         _check_positive("trainer", self, "sync_every", "importance_clip", "max_nonfinite_steps", "mini_batches",
                         "ppo_epochs")
         require(self.sync_every <= self.max_staleness + 1,

@@ -327,6 +327,13 @@ ROWS = [
         "task.reward_fn='no_such_module:score'", "does not import"),
     bad("reward-fn-not-callable", "train", ["task.reward=python", "task.reward_fn=math:pi"],
         "task.reward_fn='math:pi'", "not callable"),
+    # ------------------------------------------------------------------ python -m nereus_jax.train: agents
+    bad("env-does-not-import", "train", ["task.env=no_such_module:Env"], "task.env='no_such_module:Env'",
+        "importable"),
+    bad("env-unknown-tool", "train", ["task.env=tools", "task.tools=[calculator,search]"], "task.tools=",
+        "built-in tools are"),
+    bad("tool-format-needs-a-chat-template", "train", ["task.env=calculator", "task.tool_format=hermes"],
+        "task.tool_format=hermes", "task.tool_format=plain"),
     hf("reward-model-vocabulary-too-small", ["task.reward_model_path=rm"], "task.reward_model_path='rm'",
        "vocab_size", "64", rm=Build("rm:64")),
     # -------------------------------------------------------- python -m nereus_jax.train: config and plan

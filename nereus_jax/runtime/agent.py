@@ -22,10 +22,12 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
+from nereus_jax.config import ConfigError
 from nereus_jax.rl.batch import RolloutBatch, left_pad, right_pad
-from nereus_jax.rl.env import Env, EnvStep, tool_schemas
+from nereus_jax.rl.env import Env, EnvStep, make_env, tool_schemas
 from nereus_jax.rl.errors import TokenizerError
 from nereus_jax.rl.tasks import Problem
 from nereus_jax.rl.tools import result_text
@@ -181,6 +183,20 @@ class AgentRollouts:
         t.tokens += extra
         t.own += [0] * len(extra)
         t.logp += [0.0] * len(extra)
+
+
+def make_agent_env(cfg, tok) -> tuple[Env, str]:
+    """``task.env``'s environment and the tool-call format (``task.tool_format``, else hermes with a chat
+    template and plain without); a ConfigError / EnvError names a setting that cannot work and its fix."""
+    if jax.process_count() > 1:
+        raise ConfigError(f"task.env runs its environment in one process; this launch has {jax.process_count()}: "
+                          "multi-turn rollouts across processes are not supported yet (use one process)")
+    has_template = getattr(tok, "chat_template", None) is not None
+    fmt = cfg.task.tool_format or ("hermes" if has_template else "plain")
+    if fmt != "plain" and not has_template:
+        raise ConfigError(f"task.tool_format={fmt} renders tool messages with the chat template, but the tokenizer "
+                          "has none: use task.tool_format=plain, or a checkpoint whose tokenizer has a template")
+    return make_env(cfg.task, fmt, cfg.rollout.tool_timeout), fmt
 
 
 def final_texts(tok, batch: RolloutBatch) -> list[str]:

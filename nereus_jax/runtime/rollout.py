@@ -25,9 +25,8 @@ from nereus_jax.engine import Generator, JaxEngine, Rollouts, SamplingParams
 from nereus_jax.model_stage import ACTOR_GEN
 from nereus_jax.models import abstract_params
 from nereus_jax.rl.batch import RolloutBatch, left_pad, right_pad
-from nereus_jax.rl.env import make_env
 from nereus_jax.rl.tasks import Problem, make_task
-from nereus_jax.runtime.agent import AgentRollouts, final_texts
+from nereus_jax.runtime.agent import AgentRollouts, final_texts, make_agent_env
 from nereus_jax.runtime.distributed import share_from
 from nereus_jax.runtime.stages import StageState
 from nereus_jax.sharding import is_local, make_mesh
@@ -266,11 +265,7 @@ def prompt_ids(tokenizer, task_cfg, problem: Problem) -> list[int]:
 def _agent(cfg: Config, tokenizer, rollout: Rollout) -> AgentRollouts | None:
     if cfg.task.env is None:
         return None
-    fmt = cfg.task.tool_format or ("hermes" if getattr(tokenizer, "chat_template", None) else "plain")
-    if fmt != "plain" and getattr(tokenizer, "chat_template", None) is None:
-        raise ConfigError(f"task.tool_format={fmt} renders tool messages with the chat template, but the tokenizer "
-                          "has none: use task.tool_format=plain, or a checkpoint whose tokenizer has a template")
-    return AgentRollouts(rollout, make_env(cfg.task, fmt, cfg.rollout.tool_timeout), fmt)
+    return AgentRollouts(rollout, *make_agent_env(cfg, tokenizer))
 
 
 def _zeros(model) -> dict:

@@ -97,6 +97,14 @@ def check_inputs(cfg: Config, log: Callable[[str], None] = print) -> Inputs:
     _check_vocabularies(cfg, tok)
     _check_layouts(cfg)
     _check_memory(cfg)
+    if cfg.task.env is not None:  # the environment builds (its class imports), before anything compiles
+        from nereus_jax.rl.env import EnvError
+        from nereus_jax.runtime.agent import make_agent_env
+
+        try:
+            make_agent_env(cfg, tok)
+        except EnvError as e:
+            raise JobError(str(e)) from None
     task = make_task(cfg.task, seed=cfg.trainer.seed)
     dropped = _check_prompt_lengths(cfg, task, tok, log)
     rewarder = make_rewarder(cfg.task, task, log=log)

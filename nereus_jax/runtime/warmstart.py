@@ -56,13 +56,43 @@ def encode_prompts(problems: Sequence[Problem], tokenizer, prompt_len: int,
     return left_pad(seqs, prompt_len, tokenizer.pad_id)
 
 
-def encode_sft(problems: Sequence[Problem], tokenizer, prompt_len: int, response_len: int, task_cfg=None) -> dict:
-    """Prompt + reference answer + eos as a training batch (the layout of nereus_jax.rl.batch)."""
+def encode_sft(problems: Sequence[Problem], tokenizer, prompt_len: int, response_len: int, task_cfg=None,
+               tool_fraction: float = 0.0) -> dict:
+    """Prompt + reference answer + eos as a training batch (the layout of nereus_jax.rl.batch). With
+    ``tool_fraction``, evenly spread rows whose prompt is an arithmetic expression (``12+34=``) instead
+    demonstrate the multi-turn rollout's plain calculator call: ``[calculator: 12+34]``, the tool's
+    ``[result: 46]`` (context, no loss), then the answer and eos."""
     prompt, prompt_mask = encode_prompts(problems, tokenizer, prompt_len, task_cfg)
-    answers = [tokenizer.encode(p.answer)[: response_len - 1] + [tokenizer.eos_id] for p in problems]
-    response, response_mask = right_pad(answers, response_len, tokenizer.pad_id)
-    return {"tokens": np.concatenate([prompt, response], 1), "mask": np.concatenate([prompt_mask, response_mask], 1),
+    answers, tool_spans = [], []
+    for j, p in enumerate(problems):
+        answer = tokenizer.encode(p.answer) + [tokenizer.eos_id]
+        demo = _calculator_demo(p) if int((j + 1) * tool_fraction) > int(j * tool_fraction) else None
+        if demo is not None and len(demo[0]) + len(demo[1]) + len(answer) <= response_len:
+            call, result = tokenizer.encode(demo[0]), tokenizer.encode(demo[1])
+            tool_spans.append((j, len(call), len(call) + len(result)))
+            answer = call + result + answer
+        answers.append(answer[: response_len - 1] + [tokenizer.eos_id] if len(answer) > response_len else answer)
+    response, context = right_pad(answers, response_len, tokenizer.pad_id)
+    response_mask = context.copy()
+    for j, start, stop in tool_spans:
+        response_mask[j, start:stop] = 0
+    return {"tokens": np.concatenate([prompt, response], 1), "mask": np.concatenate([prompt_mask, context], 1),
             "response_mask": response_mask, "denom": np.float32(response_mask.sum())}
+
+
+def _calculator_demo(problem: Problem) -> tuple[str, str] | None:
+    """The plain calculator call and result that answer ``problem`` (None: its prompt is no expression whose
+    value is the answer)."""
+    from nereus_jax.rl.tools import ToolError, calculate  # noqa: PLC0415 - only with demonstrations
+
+    if not isinstance(problem.prompt, str) or not problem.prompt.endswith("="):
+        return None
+    expr = problem.prompt[:-1]
+    try:
+        value = calculate(expr)
+    except ToolError:
+        return None
+    return (f"[calculator: {expr}]", f"[result: {value}]") if value == problem.answer else None
 
 
 def teacher_forced_accuracy(params, cfg: ModelConfig, batch: dict, prompt_len: int) -> float:
@@ -79,6 +109,8 @@ def cache_key(cfg: Config, vocab_size: int) -> str:
              "target": t.warmup_target_accuracy,
              "batch": t.sft_batch, "seed": t.seed, "vocab": vocab_size, "prompt": cfg.rollout.max_prompt_length,
              "response": cfg.rollout.max_response_length, "version": 1}
+    if t.warmup_tool_fraction:
+        parts["tool_fraction"] = t.warmup_tool_fraction
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -120,7 +152,8 @@ def run_sft(params: dict, cfg: Config, task, tokenizer, mesh: Mesh,
         if target and i and i % CHECK_EVERY == 0 and teacher_forced_accuracy(params, m, valid, P) >= target:
             break
         problems = [task.problem(first_index + i * t.sft_batch + j) for j in range(t.sft_batch)]
-        data = put_micro(split_micro(encode_sft(problems, tokenizer, P, R, cfg.task), accum), mesh)
+        data = put_micro(split_micro(encode_sft(problems, tokenizer, P, R, cfg.task, t.warmup_tool_fraction), accum),
+                         mesh)
         params, opt_state, metrics = step(params, opt_state, data)
         if progress is not None:
             progress(i, metrics)

@@ -147,3 +147,44 @@ def test_a_step_trains_on_trajectories_and_logs_turns_and_tool_metrics(job):
         assert key in metrics
     assert np.isfinite(metrics["policy_loss"])
 
+
+
+def test_warm_start_demonstrations_show_the_plain_calculator_call_and_mask_its_result():
+    from nereus_jax.runtime.warmstart import encode_sft
+
+    tok = CharTokenizer()
+    problems = [make_task(load_config(None).task).problem(i) for i in range(4)]
+    batch = encode_sft(problems, tok, 12, 40, tool_fraction=0.5)
+    plain = encode_sft(problems, tok, 12, 40)
+    for j, p in enumerate(problems):
+        r, own, ctx = batch["tokens"][j, 12:], batch["response_mask"][j], batch["mask"][j, 12:]
+        if j % 2 == 0:  # rows 1 and 3 demonstrate (evenly spread), rows 0 and 2 answer directly
+            np.testing.assert_array_equal(batch["tokens"][j], plain["tokens"][j])
+            np.testing.assert_array_equal(own, plain["response_mask"][j])
+            continue
+        call, result = f"[calculator: {p.prompt[:-1]}]", f"[result: {p.answer}]"
+        assert tok.decode(r[ctx > 0]) == call + result + p.answer
+        assert tok.decode(r[own > 0]) == call + p.answer  # the tool's tokens are context only
+    assert batch["denom"] == batch["response_mask"].sum()
+
+
+@pytest.mark.slow  # ~2.5 min: the warm start (about 1,000 supervised steps) and 30 RL steps
+def test_agent_tiny_learns_and_calls_the_calculator_more(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    out = subprocess.run([sys.executable, "-m", "nereus_jax.train", "agent_tiny", "logging.progress=false",
+                          "trainer.sft_control=false", "--run-dir", str(tmp_path / "run")], capture_output=True,
+                         text=True, env=env, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "tool_calls_mean" in r]
+    assert summary["steps"] == 30 and len(rows) == 30
+    assert summary["accuracy_after"] - summary["accuracy_before"] >= 0.10, summary
+    first, last = (np.mean([r["tool_calls_mean"] for r in part]) for part in (rows[:5], rows[-5:]))
+    assert 0 < first < last, (first, last)
+    assert all(r["turns_mean"] <= 3 and r["tool_timeouts"] == 0 for r in rows)
