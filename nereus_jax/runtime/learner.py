@@ -109,7 +109,7 @@ class Learner:
         sync()
         seconds["weight-sync"] = time.perf_counter() - t
         metrics = self.metrics(step, batch, scores, scored, train_metrics, seconds) | reward_metrics
-        metrics |= self.rollout.step_metrics  # multi-turn: turns, tool calls and errors, environment tokens
+        metrics |= self.rollout.step_metrics(step)  # multi-turn: turns, tool calls and errors, environment tokens
         metrics["accuracy"] = reward_metrics.get("answer_correct_fraction", metrics["accuracy"])
         return StepResult(metrics | stale | corrected | sampled, batch)
 

@@ -42,7 +42,7 @@ class Rollout:
         self.n = cfg.rollout.samples_per_prompt
         self._staged_tasks: dict[int, Any] = {}  # task.schedule: the task of each num_digits, made on first use
         self.agent = _agent(cfg, tokenizer, self)  # task.env: multi-turn rollouts (None: one response a prompt)
-        self.step_metrics: dict[str, float] = {}  # the last training step's rollout metrics (turns, tools)
+        self._step_metrics: dict[int, dict[str, float]] = {}  # rollout metrics (turns, tools) by training step
         # one per actor-gen replica; None for a replica on another process's devices (its process runs it)
         self._engines: list[Generator | None] = [self._engine(u) for u in stages.units[ACTOR_GEN]]
         self._engine_pool: concurrent.futures.ThreadPoolExecutor | None = None  # see _run_local
@@ -154,7 +154,7 @@ class Rollout:
         if self.agent is not None:
             batch = self.agent.collect(problems, positions, temperature, n, self.response_budget(step))
             if step is not None:
-                self.step_metrics = dict(self.agent.metrics)
+                self._step_metrics[step] = dict(self.agent.metrics)
             return batch
         prompts = [self.prompt_ids(p) for p in problems]
         _check_prompt_lengths(prompts, self.P)
@@ -170,6 +170,11 @@ class Rollout:
         return RolloutBatch(prompt, prompt_mask, response, response_mask, logp.astype(np.float32),
                             np.repeat(positions, n), np.tile(np.arange(n), len(prompts)).astype(np.int32),
                             versions.astype(np.int32))
+
+    def step_metrics(self, step: int) -> dict[str, float]:
+        """The rollout metrics of step ``step``'s batch (multi-turn: turns, tool calls, environment tokens),
+        once: async mode generates step g + 1 while step g learns, so they are kept by step."""
+        return self._step_metrics.pop(step, {})
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, ids: np.ndarray,
                  per_prompt: Sequence[int] | None = None) -> Rollouts:

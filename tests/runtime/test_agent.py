@@ -12,7 +12,7 @@ from nereus_jax.config import load_config
 from nereus_jax.model_stage import ACTOR_GEN
 from nereus_jax.rl.env import EnvStep
 from nereus_jax.rl.tasks import make_task
-from nereus_jax.rl.tokenizer import CharTokenizer
+from nereus_jax.rl.tokenizer import CharTokenizer, as_messages
 from nereus_jax.runtime.job import Job
 from nereus_jax.runtime.losses import actor_loss, response_logits
 
@@ -31,7 +31,7 @@ class ScriptedEnv:
         self.fmt = fmt
 
     def reset(self, problem):
-        return [{"role": "user", "content": problem.prompt}]
+        return as_messages(problem.prompt)
 
     def step(self, messages, assistant):
         turn = sum(m["role"] == "assistant" for m in messages) + 1
@@ -188,3 +188,48 @@ def test_agent_tiny_learns_and_calls_the_calculator_more(tmp_path):
     first, last = (np.mean([r["tool_calls_mean"] for r in part]) for part in (rows[:5], rows[-5:]))
     assert 0 < first < last, (first, last)
     assert all(r["turns_mean"] <= 3 and r["tool_timeouts"] == 0 for r in rows)
+
+
+def test_async_one_step_off_runs_trajectories_and_logs_each_steps_own_metrics():
+    from nereus_jax.runtime.adapt import Adapter
+    from nereus_jax.runtime.run import rl_steps
+
+    cfg = load_config(None, TINY_JOB + AGENT + ["trainer.mode=async", "trainer.max_staleness=1",
+                                               "plan.colocate=false", "plan.stages.actor-gen.dp=4"])
+    job = Job(cfg, make_task(cfg.task), CharTokenizer())
+    adapter = Adapter(job, log=lambda _: None)
+    try:
+        got = list(rl_steps(job, adapter, 3))
+    finally:
+        adapter.close()
+        job.close()
+    assert [int(r.batch.policy_version_b.max()) for r in got] == [0, 0, 1]
+    for r in got:  # each step's turn metrics are its own batch's
+        env_tokens = ((r.batch.context_mask_br > 0) & (r.batch.response_mask_br == 0)).sum(1).mean()
+        assert r.metrics["env_tokens_mean"] == pytest.approx(env_tokens) and r.metrics["turns_mean"] > 1
+
+
+@pytest.mark.slow  # ~1 min: a checkpoint's job, a resume
+def test_a_chat_checkpoint_runs_trajectories_in_its_template_checkpoints_and_resumes(tmp_path):
+    import json
+
+    from hf_checkpoints import write_checkpoint, write_prompts
+
+    from nereus_jax.runtime.run import run_job
+
+    ckpt = write_checkpoint(tmp_path / "ckpt", "qwen3", seed=1)
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 40)
+    base = ["algorithm.name=grpo", "rollout.samples_per_prompt=2", "rollout.max_prompt_length=24",
+            "rollout.max_response_length=48", "rollout.max_turns=3", "trainer.prompts_per_step=4",
+            "plan.stages.actor-gen.dp=2", "task.name=file", "task.reward=math", "task.eval_size=4",
+            "logging.progress=false", "logging.tensorboard=false", "controller.enabled=false",
+            f"model.hf_path={ckpt}", f"task.prompt_file={prompts}", "task.env=test_agent:ScriptedEnv",
+            "checkpoint.every_steps=1"]
+    run = tmp_path / "run"
+    first = run_job(load_config(None, base + ["trainer.steps=2"]), str(run))
+    assert first["steps"] == 2
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["turns_mean"] > 1 and r["env_tokens_mean"] > 0 for r in rows if "turns_mean" in r)
+    resumed = run_job(load_config(None, base + ["trainer.steps=3", f"checkpoint.resume_from={run / 'checkpoints'}"]),
+                      str(tmp_path / "resumed"))
+    assert resumed["steps"] == 3
