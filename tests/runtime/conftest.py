@@ -4,15 +4,11 @@ import os
 import signal
 
 import pytest
+from jobs import TINY_JOB
 
 from nereus_jax.config import load_config
 from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
-
-# 1-digit addition, 16 prompts x 2 samples a step, short sequences: the tiny job most runtime tests run
-TINY_JOB = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=16",
-            "rollout.samples_per_prompt=2", "trainer.actor_lr=1e-3", "trainer.critic_lr=1e-3",
-            "logging.progress=false", "task.num_digits=1", "task.eval_size=16", "plan.stages.actor-gen.dp=2"]
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jobs import TINY_JOB
 
 from nereus_jax.config import load_config
 from nereus_jax.model_stage import ACTOR_GEN
@@ -16,9 +17,6 @@ from nereus_jax.rl.tokenizer import CharTokenizer, as_messages
 from nereus_jax.runtime.job import Job
 from nereus_jax.runtime.losses import actor_loss, response_logits
 
-TINY_JOB = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=16",
-            "rollout.samples_per_prompt=2", "logging.progress=false", "task.num_digits=1", "task.eval_size=16",
-            "plan.stages.actor-gen.dp=2"]  # conftest's tiny job (its warm actor is this shape)
 AGENT = ["task.env=test_agent:ScriptedEnv", "rollout.max_response_length=32", "rollout.max_turns=3",
          "trainer.actor_lr=1e-3"]
 RESULT = "[result: 7]"

@@ -7,6 +7,7 @@ import random
 
 import numpy as np
 import pytest
+from jobs import TINY_JOB
 from plans import host_state, move_randomly
 
 from nereus_jax.config import load_config
@@ -22,9 +23,6 @@ from nereus_jax.runtime.initial_plan import plan_from_config
 from nereus_jax.runtime.job import Job
 from nereus_jax.sharding import Layout
 
-TINY_JOB = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=16",
-            "rollout.samples_per_prompt=2", "logging.progress=false", "task.num_digits=1", "task.eval_size=16",
-            "plan.stages.actor-gen.dp=2"]  # conftest's tiny job (its warm actor is this shape)
 LORA = ["model.lora_rank=4", "model.lora_alpha=8", "trainer.actor_lr=1e-2", "trainer.critic_lr=1e-2"]
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
+from jobs import TINY_JOB
 
 from nereus_jax.config import AlgorithmConfig, ModelConfig, load_config
 from nereus_jax.elastic.costs import CostModel, StageChoice
@@ -29,9 +30,6 @@ from nereus_jax.runtime.losses import (
 )
 from nereus_jax.sharding import Layout, make_mesh
 
-TINY_JOB = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=16",
-            "rollout.samples_per_prompt=2", "trainer.actor_lr=1e-3", "trainer.critic_lr=1e-3", "logging.progress=false",
-            "task.num_digits=1", "task.eval_size=16", "plan.stages.actor-gen.dp=2"]  # the warm fixture's job
 CFG = ModelConfig()
 P, R, B = 6, 5, 8
 

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jobs import TINY_JOB
 
 from nereus_jax import train
 from nereus_jax.config import ModelConfig, load_config
@@ -22,9 +23,6 @@ from nereus_jax.runtime.losses import make_optimizer, make_train_step
 from nereus_jax.runtime.run import check_inputs, run_job
 
 CFG = ModelConfig()
-TINY_JOB = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=16",
-            "rollout.samples_per_prompt=2", "trainer.actor_lr=1e-3", "trainer.critic_lr=1e-3",
-            "logging.progress=false", "task.num_digits=1", "task.eval_size=16", "plan.stages.actor-gen.dp=2"]
 
 
 def _step(poison: bool):

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jobs import TINY_JOB
 
 from nereus_jax.config import AlgorithmConfig, ModelConfig, load_config
 from nereus_jax.models import init_params
@@ -18,9 +19,6 @@ from nereus_jax.runtime.job import Job
 from nereus_jax.sharding import Layout, make_mesh
 
 CFG = ModelConfig()
-TINY_JOB = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=16",
-            "rollout.samples_per_prompt=2", "trainer.actor_lr=1e-3", "trainer.critic_lr=1e-3", "logging.progress=false",
-            "task.num_digits=1", "task.eval_size=16", "plan.stages.actor-gen.dp=2"]  # the warm fixture's job
 P, R, B = 7, 9, 16
 
 

@@ -8,6 +8,7 @@ import functools
 import jax
 import numpy as np
 import pytest
+from jobs import TINY_JOB
 
 from nereus_jax.config import AlgorithmConfig, ModelConfig, load_config
 from nereus_jax.models import init_params
@@ -18,10 +19,6 @@ from nereus_jax.runtime import losses
 from nereus_jax.runtime.job import Job, stage_value_and_grad
 from nereus_jax.sharding import Layout, gather_params, make_mesh, shard_params
 from nereus_jax.sharding.pipeline import PipelineError, check_schedule
-
-TINY_JOB = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=16",
-            "rollout.samples_per_prompt=2", "trainer.actor_lr=1e-3", "trainer.critic_lr=1e-3", "logging.progress=false",
-            "task.num_digits=1", "task.eval_size=16", "plan.stages.actor-gen.dp=2"]  # the warm fixture's job
 
 CFG = dataclasses.replace(ModelConfig(), num_layers=4)  # pp = 4 divides
 P, R, B = 7, 9, 16

@@ -4,6 +4,7 @@ default), and they compute what the pp = 1 job computes (padded and packed)."""
 
 import numpy as np
 import pytest
+from jobs import TINY_JOB
 
 import nereus_jax.sharding.pipeline as pipeline
 from nereus_jax.config import load_config
@@ -11,9 +12,6 @@ from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
 from nereus_jax.runtime.job import Job
 
-TINY_JOB = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=16",
-            "rollout.samples_per_prompt=2", "trainer.actor_lr=1e-3", "trainer.critic_lr=1e-3", "logging.progress=false",
-            "task.num_digits=1", "task.eval_size=16", "plan.stages.actor-gen.dp=2"]  # the warm fixture's job
 _GPIPE, _1F1B = pipeline._gpipe, pipeline._run_1f1b
 PP2 = ["plan.stages.actor-train.pp=2", "plan.stages.actor-train.dp=4", "plan.stages.ref-infer.pp=2",
        "plan.stages.ref-infer.dp=4", "plan.stages.critic-train.pp=2", "plan.stages.critic-train.dp=4"]
