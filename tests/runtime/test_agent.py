@@ -59,7 +59,7 @@ def _problems(job, k=8):
 def test_every_turn_is_the_greedy_continuation_of_the_whole_conversation(job):
     problems, positions = _problems(job)
     batch = job.collect_rollouts(problems, positions, 0.0, n=1)
-    tok, P = CharTokenizer(), job.cfg.rollout.max_prompt_length
+    tok = CharTokenizer()
     own, ctx = batch.response_mask_br, batch.context_mask_br
     assert np.all(own <= ctx) and np.all(np.diff(ctx, axis=1) <= 0)  # the context is one contiguous run
     env_turns = 0
@@ -72,12 +72,8 @@ def test_every_turn_is_the_greedy_continuation_of_the_whole_conversation(job):
                 env_turns += 1
         assert sum(own[row, r[0]] == 0 for r in runs) <= 2
     assert env_turns >= len(problems)  # every trajectory got at least one tool answer
-    params = job.units[ACTOR_GEN][0].to_host()["params"]
-    logits = response_logits(params, job.cfg.model, jnp.asarray(batch.tokens()), jnp.asarray(batch.attention_mask()),
-                             P)
-    greedy = np.asarray(jnp.argmax(logits, -1))
+    _assert_greedy_continuation(job, batch)
     mine = own > 0
-    np.testing.assert_array_equal(batch.response_br[mine], greedy[mine])
     # the log-probs the engine recorded are the policy's at every model token, 0 at the environment's
     assert np.all(batch.behaviour_logp_br[~mine] == 0)
     # the reward reads the last assistant message: after the last tool result
@@ -86,6 +82,16 @@ def test_every_turn_is_the_greedy_continuation_of_the_whole_conversation(job):
         env = np.flatnonzero((ctx[row] > 0) & (own[row] == 0))
         last_turns.append(tok.decode(batch.response_br[row, env[-1] + 1:]))
     assert job.texts(batch) == last_turns
+
+
+def _assert_greedy_continuation(job, batch):
+    """Every model token is the policy's argmax after everything before it (one forward pass, the reference)."""
+    params = job.units[ACTOR_GEN][0].to_host()["params"]
+    logits = response_logits(params, job.cfg.model, jnp.asarray(batch.tokens()), jnp.asarray(batch.attention_mask()),
+                             job.cfg.rollout.max_prompt_length)
+    greedy = np.asarray(jnp.argmax(logits, -1))
+    mine = batch.response_mask_br > 0
+    np.testing.assert_array_equal(batch.response_br[mine], greedy[mine])
 
 
 def test_a_trajectory_that_ends_at_once_is_the_single_turn_rollout(job):
@@ -231,3 +237,15 @@ def test_a_chat_checkpoint_runs_trajectories_in_its_template_checkpoints_and_res
     resumed = run_job(load_config(None, base + ["trainer.steps=3", f"checkpoint.resume_from={run / 'checkpoints'}"]),
                       str(tmp_path / "resumed"))
     assert resumed["steps"] == 3
+
+
+def test_after_moves_between_random_plans_turns_go_on_as_before(job):
+    import random
+
+    from plans import move_randomly
+
+    move_randomly(job, random.Random(3), 2)
+    problems, positions = _problems(job)
+    batch = job.collect_rollouts(problems, positions, 0.0, n=1)
+    assert ((batch.context_mask_br > 0) & (batch.response_mask_br == 0)).any()
+    _assert_greedy_continuation(job, batch)
