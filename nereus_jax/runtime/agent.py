@@ -6,9 +6,10 @@ rendered the way the chat template renders them after that assistant message, to
 next turn generates from the whole trajectory so far. The model's own tokens are the only ones the loss reads
 (``RolloutBatch.response_mask_br``); every real token is context (``context_mask_br``).
 
-Turn k > 1 prefills the whole conversation again (each trajectory a prompt of its own, sampled with a seed of
-its data position, sample and turn, so a split over replicas or a resume draws the same); a sequence's KV
-cache is not yet kept across turns, and the turns of a step run in lock-step (tools of one turn in parallel).
+Turn k > 1 prefills the whole conversation again (each trajectory a prompt of its own, in bucketed prefill
+batches, sampled with a seed of its data position, sample and turn, so a split over replicas or a resume draws
+the same); a sequence's KV cache is not yet kept across turns, and the turns of a step run in lock-step
+(the tools of one turn in parallel).
 A trajectory ends when the environment says done, after ``rollout.max_turns`` turns, or when its tokens fill
 the response budget (the step's ``rollout.max_response_length``, capped by ``rollout.max_total_length``).
 """
@@ -116,6 +117,10 @@ class AgentRollouts:
         total = self.cfg.rollout.max_total_length
         starts = [self.env.reset(p) for p in problems]
         prompts = [self.prompt_ids(m) for m in starts]
+        longest = max(len(p) for p in prompts)
+        if longest > P:
+            raise ConfigError(f"an environment's first prompt has {longest} tokens but rollout.max_prompt_length={P}: "
+                              "raise rollout.max_prompt_length or shorten what task.env's reset() returns")
         trajs = [Trajectory(prompts[i], [dict(m) for m in starts[i]]) for i in range(len(problems)) for _ in range(n)]
         limits = [budget if total is None else min(budget, total - len(t.prompt)) for t in trajs]
         for turn in range(self.cfg.rollout.max_turns):

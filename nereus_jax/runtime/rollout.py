@@ -72,13 +72,14 @@ class Rollout:
     def _new_engine(self, mesh) -> JaxEngine:
         cfg = self.cfg
         return JaxEngine(cfg.model, mesh, max_concurrent_decodes=max(1, cfg.rollout.max_concurrent_decodes),
-                         max_prefill_length=self.P, max_target_length=self.P + self.R,
+                         # multi-turn: a later turn's prompt is the trajectory so far, prefilled in one
+                         # bucketed batch (chunks onto a growing prefix would compile a program per chunk)
+                         max_prefill_length=self.P if self.agent is None else self.P + self.R - 1,
+                         max_target_length=self.P + self.R,
                          page_size=cfg.rollout.page_size, kv_bytes=cfg.rollout.kv_cache_bytes,
                          decode_steps_per_call=cfg.rollout.decode_steps_per_call,
                          max_prefill_batch=min(16, max(1, cfg.trainer.prompts_per_step)),
-                         max_stop_tokens=max(4, len(self.tok.eos_ids) + (self.agent is not None)),
-                         # multi-turn: a later turn's prompt is the trajectory so far (prefilled in chunks)
-                         max_prompt_length=self.P + self.R - 1 if self.agent is not None else None)
+                         max_stop_tokens=max(4, len(self.tok.eos_ids) + (self.agent is not None)))
 
     # ------------------------------------------------------------------------------ the data stream
     def prompt_ids(self, problem: Problem) -> list[int]:

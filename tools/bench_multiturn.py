@@ -1,0 +1,258 @@
+"""Throughput of multi-turn (agentic) rollouts (``task.env``) on the tiny model: model tokens a second of
+``Job.collect_rollouts`` with a scripted tool environment, with and without tool latency, in the same process.
+
+    python tools/bench_multiturn.py                     # 8 prompts x 2 samples, 3 repeats
+    python tools/bench_multiturn.py --prompts 16 --repeats 5 --latency 0.2
+    python tools/bench_multiturn.py --quick             # 4 prompts x 2 samples, 1 repeat, one engine (tests)
+
+The job is the default tiny one (``model: tiny``, CPU, the character tokenizer, so ``task.tool_format`` is
+``plain``) with ``rollout.max_prompt_length=12`` and actor-gen dp 2 (the tests' shape), built from random
+parameters (``init_params`` at ``trainer.seed``, no warm start; throughput does not need a trained policy), with
+``task.env=bench_multiturn:FixedToolEnv``: every trajectory has exactly 4 assistant turns, the first three each
+answered by a tool message of K digits, K drawn in [32, 128] from a generator seeded by the row's problem text
+and the turn (so every run and every repeat sees the same tool outputs), the fourth ended by the environment.
+A tool call sleeps ``FixedToolEnv.latency`` seconds.
+
+A random policy rarely samples the end-of-sequence token (about 1 in the vocabulary's 128), so a turn would run
+until the response budget and the trajectory would end after one turn. The benchmark therefore raises the
+end-of-sequence logit of the random parameters (``--eos-logit``: a constant dimension in every token embedding,
+read by the eos column of the language-model head; everything else stays random), so a turn stops after about
+``--turn-tokens`` (24) tokens on average. ``rollout.max_response_length`` is sized so that the budget never
+cuts a trajectory (``trajectories_truncated`` is reported and should be 0).
+
+What is measured (each figure the median of ``--repeats`` calls after a warm-up call that compiles, the calls
+without and with latency alternating so that a drift in the machine's load falls on both alike; every call draws
+the same samples, as sampling is keyed by the data position, sample and turn):
+
+- ``reprefill_tokens_per_s``: the model's tokens (the batch's ``response_mask``) a second of
+  ``collect_rollouts(problems, positions, 1.0, n=2, step=0)`` with no tool latency. Turn k > 1 re-prefills the
+  whole conversation (the KV cache is not kept across turns), and the turns of a step run in lock-step.
+- ``latency_throughput_ratio``: tokens a second with ``--latency`` (0.1 s) a tool call over the figure above.
+  The tools of one turn run in parallel (the agent's 8 threads), but no sequence decodes meanwhile:
+  ``latency_lockstep_seconds`` (3 turns x ceil(rows / 8) waves x the latency) is what lock-step adds to a call,
+  ``latency_added_seconds`` what it measurably added.
+- ``prefill_tokens_per_model_token``: real prompt tokens the engine prefills over all turns, counted from the
+  batch, over the model's tokens: turn 1 prefills each prompt once (its n samples share one prefill); every
+  later turn (a run of the model's tokens after an environment's) prefills the prompt and the whole trajectory
+  before it.
+- ``kept_cache_tokens_per_s`` and ``speedup``: null, as the KV cache is not yet kept across turns (see ``note``).
+- ``turns_mean``, ``env_tokens_mean``, ``response_tokens_mean``, ``trajectories_truncated``: the agent's metrics
+  of the warm-up call (every call is the same).
+- ``warmup_seconds`` and ``engine_traces``: the first call, and the programs the engines compiled. A later
+  turn's prompt (the trajectory so far) is longer than the engine's ``max_prefill_length`` (=
+  ``rollout.max_prompt_length``), so it is prefilled alone in chunks of that many tokens onto a growing prefix,
+  and every chunk offset is a prefill and an insert program of its own: the warm-up compiles tens of programs
+  per engine (most of a ``--quick`` run's time).
+- the machine's limits in the same run: float32 matmul FLOP/s and copy bandwidth (tools/machine_limits.py).
+
+Prints one JSON object on its last line.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # machine_limits, and task.env=bench_multiturn:...
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+import zlib  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from machine_limits import copy_bytes_per_s, matmul_flops_per_s  # noqa: E402
+
+from nereus_jax.config import load_config  # noqa: E402
+from nereus_jax.models import init_params  # noqa: E402
+from nereus_jax.rl.env import EnvStep  # noqa: E402
+from nereus_jax.rl.tasks import make_task  # noqa: E402
+from nereus_jax.rl.tokenizer import CharTokenizer  # noqa: E402
+from nereus_jax.runtime.job import Job  # noqa: E402
+
+GOAL_SPEEDUP, GOAL_LATENCY_THROUGHPUT_RATIO = 2.0, 0.8
+TOOL_TOKENS = (32, 128)  # a tool message's digits, inclusive
+TOOL_TURNS = 3  # assistant turns answered by a tool; the next one is ended by the environment
+TEMPLATE_TOKENS = len("[result: ]")  # the plain format's rendering around a tool's output (rl.tools.result_text)
+NOTE = ("the KV cache is not kept across turns yet: every turn after the first re-prefills the prompt and the "
+        "whole trajectory so far (re-prefill only), so there is no kept-cache figure and no speedup")
+
+
+def tool_length(text: str, turn: int) -> int:
+    """K digits of the tool message answering assistant turn ``turn`` (1-based) of a row whose problem is
+    ``text``: seeded by both, in [32, 128]."""
+    rng = np.random.default_rng(zlib.crc32(f"{turn}:{text}".encode()))
+    return int(rng.integers(TOOL_TOKENS[0], TOOL_TOKENS[1] + 1))
+
+
+class FixedToolEnv:
+    """Answers each of the first three assistant turns with a tool message of K digits (:func:`tool_length`),
+    then ends the trajectory at the fourth; a tool call sleeps ``latency`` seconds. Offers no tools (only eos
+    ends a turn)."""
+
+    latency = 0.0
+
+    def __init__(self, task_cfg, tools, fmt):
+        self.fmt = fmt
+
+    def reset(self, problem):
+        return [{"role": "user", "content": problem.prompt}]
+
+    def step(self, messages, assistant):
+        turn = sum(m["role"] == "assistant" for m in messages) + 1
+        if turn > TOOL_TURNS:
+            return EnvStep([], done=True)
+        start = time.perf_counter()
+        if self.latency > 0:
+            time.sleep(self.latency)
+        text = str(messages[0]["content"])
+        k = tool_length(text, turn)
+        digits = np.random.default_rng(zlib.crc32(f"digits:{turn}:{text}".encode())).integers(0, 10, k)
+        return EnvStep([{"role": "tool", "content": "".join(map(str, digits))}], tool_calls=1,
+                       tool_seconds=time.perf_counter() - start)
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompts", type=int, default=8, help="trainer.prompts_per_step")
+    p.add_argument("--samples", type=int, default=2, help="n samples a prompt")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--latency", type=float, default=0.1, help="seconds a tool call sleeps (second measurement)")
+    p.add_argument("--turn-tokens", type=float, default=24.0, help="mean model tokens a turn (sets --eos-logit)")
+    p.add_argument("--eos-logit", type=float, default=None, help="eos logit added to the random policy's "
+                   "(default: log((vocab - 1) / (turn_tokens - 1)), about 1 / turn_tokens per token)")
+    p.add_argument("--dp", type=int, default=2, help="actor-gen replicas (engines), the tests' 2")
+    p.add_argument("--quick", action="store_true", help="4 prompts, 1 repeat, one engine (half the compiles)")
+    args = p.parse_args()
+    if args.quick:
+        args.prompts, args.repeats, args.dp = 4, 1, 1
+    return args
+
+
+def response_length(turn_tokens: float) -> int:
+    """``rollout.max_response_length``: the tool messages at their longest, and room for the model's turns far
+    past their mean (a turn's length is about geometric), rounded up to 64."""
+    own = 4 * turn_tokens * 4
+    tools = TOOL_TURNS * (TOOL_TOKENS[1] + TEMPLATE_TOKENS + 1)
+    return int(-(-(own + tools) // 64) * 64)
+
+
+def overrides(args: argparse.Namespace) -> list[str]:
+    return ["task.env=bench_multiturn:FixedToolEnv", f"rollout.max_turns={TOOL_TURNS + 1}",
+            f"rollout.max_response_length={response_length(args.turn_tokens)}", "rollout.max_prompt_length=12",
+            f"trainer.prompts_per_step={args.prompts}", f"rollout.samples_per_prompt={args.samples}",
+            "logging.progress=false", f"plan.stages.actor-gen.dp={args.dp}"]
+
+
+def eos_policy(cfg, tok, prompts: list[list[int]], logit: float) -> dict:
+    """Random parameters (``init_params`` at ``trainer.seed``) whose eos logit is about ``logit`` above the
+    others (which are all near 0): embedding dimension 0 is a constant in every token, which the residual stream
+    carries through the small random layers, and the eos column of the head reads it, scaled by the mean of the
+    normed dimension 0 over ``prompts`` (one forward)."""
+    from nereus_jax.models.decoder import forward
+
+    params = jax.tree.map(np.array, init_params(cfg.model, seed=cfg.trainer.seed))
+    emb, head = params["embed"]["embedding"], params["lm_head"]["kernel"]
+    emb[:, 0] = 4.0 * float(np.abs(emb).max())
+    head[0, :] = 0.0
+    width = max(len(p) for p in prompts)
+    tokens = np.asarray([[tok.pad_id] * (width - len(p)) + p for p in prompts], np.int32)
+    mask = (tokens != tok.pad_id).astype(np.int32)
+    hidden = np.asarray(forward(params, cfg.model, tokens, attention_mask_bt=mask, return_hidden=True))
+    head[0, tok.eos_id] = logit / float(np.mean(hidden[..., 0][mask > 0]))
+    return params
+
+
+def prefill_tokens(batch, n: int) -> int:
+    """Real tokens the engine prefills over all turns of ``batch`` (see the module docstring)."""
+    prompt_len = batch.prompt_mask_bp.sum(1)
+    own, ctx = batch.response_mask_br, batch.context_mask_br
+    total = int(prompt_len[::n].sum())  # turn 1: one prefill a prompt, shared by its n samples
+    for row in range(own.shape[0]):
+        m = int(ctx[row].sum())
+        o = own[row, :m]
+        starts = np.flatnonzero((o[1:] > 0) & (o[:-1] == 0)) + 1  # a model run after an environment's tokens
+        total += int((prompt_len[row] + starts).sum())
+    return total
+
+
+def run(args: argparse.Namespace) -> dict:
+    cfg = load_config(None, overrides(args))
+    tok = CharTokenizer()
+    task = make_task(cfg.task)
+    positions = np.arange(args.prompts, dtype=np.int64)
+    problems = [task.problem(int(p)) for p in positions]
+    vocab = cfg.model.vocab_size
+    logit = args.eos_logit if args.eos_logit is not None else float(np.log((vocab - 1) / max(args.turn_tokens - 1, 1)))
+    params = eos_policy(cfg, tok, [tok.encode_prompt(p.prompt) for p in problems], logit)
+    job = Job(cfg, task, tok, actor=params)
+    try:
+        agent = job.rollout.agent
+        env = agent.env
+        n = args.samples
+
+        def collect():
+            return job.collect_rollouts(problems, positions, 1.0, n=n, step=0)
+
+        t = time.perf_counter()
+        batch = collect()  # warm-up: compiles the programs (every chunk offset of a later turn)
+        warmup_s = time.perf_counter() - t
+        metrics = dict(agent.metrics)
+        model_tokens = int(batch.response_mask_br.sum())
+        prefilled = prefill_tokens(batch, n)
+        traces = collections.Counter()
+        for gen in job.rollout.engines:
+            traces.update(gen.engine.traces)
+
+        plain, slow = [], []
+        for _ in range(args.repeats):  # alternating: a drift in the machine's load falls on both alike
+            for latency, times in ((0.0, plain), (args.latency, slow)):
+                env.latency = latency
+                t = time.perf_counter()
+                collect()
+                times.append(time.perf_counter() - t)
+        latency_metrics = dict(agent.metrics)
+        threads = getattr(agent._pool, "_max_workers", 8)
+        env.latency = 0.0
+        seconds, seconds_latency = statistics.median(plain), statistics.median(slow)
+    finally:
+        job.close()
+    flops, copy = matmul_flops_per_s(), copy_bytes_per_s()
+    tps, tps_latency = model_tokens / seconds, model_tokens / seconds_latency
+    rows = len(problems) * n
+    device = jax.devices()[0]
+    return {
+        "model": cfg.model.name, "prompts": len(problems), "samples": n, "rows": rows, "repeats": args.repeats,
+        "max_turns": cfg.rollout.max_turns, "max_prompt_length": cfg.rollout.max_prompt_length,
+        "max_response_length": cfg.rollout.max_response_length, "dp": args.dp, "eos_logit": logit,
+        "tool_tokens_range": list(TOOL_TOKENS), "tool_latency_s": args.latency,
+        "model_tokens": model_tokens, "prefill_tokens": prefilled,
+        "prefill_tokens_per_model_token": prefilled / model_tokens,
+        "engine_traces": dict(traces),
+        "collect_seconds": seconds, "collect_seconds_latency": seconds_latency,
+        "latency_added_seconds": seconds_latency - seconds,
+        "latency_lockstep_seconds": TOOL_TURNS * -(-rows // threads) * args.latency, "env_threads": threads,
+        "collect_seconds_all": plain, "collect_seconds_latency_all": slow, "warmup_seconds": warmup_s,
+        "reprefill_tokens_per_s": tps, "latency_tokens_per_s": tps_latency,
+        "latency_throughput_ratio": tps_latency / tps,
+        "kept_cache_tokens_per_s": None, "speedup": None, "note": NOTE,
+        "goal_speedup": GOAL_SPEEDUP, "goal_latency_throughput_ratio": GOAL_LATENCY_THROUGHPUT_RATIO,
+        "turns_mean": metrics["turns_mean"], "env_tokens_mean": metrics["env_tokens_mean"],
+        "response_tokens_mean": metrics["response_tokens_mean"], "tool_calls_mean": metrics["tool_calls_mean"],
+        "trajectories_truncated": metrics["trajectories_truncated"],
+        "tool_seconds_latency": latency_metrics["tool_seconds"],
+        "machine_matmul_flops_per_s": flops, "machine_copy_bytes_per_s": copy,
+        "simulated": False, "device": str(device.device_kind), "platform": device.platform,
+        "num_devices": jax.device_count(), "cpu_count": os.cpu_count(), "jax": jax.__version__,
+    }
+
+
+def main() -> None:
+    print(json.dumps(run(_parse())))
+
+
+if __name__ == "__main__":
+    main()
