@@ -1,6 +1,7 @@
 """tools/bench_multiturn.py runs (--quick) and reports what it promises: its JSON keys, 4-turn trajectories that
-the budget never cuts, tool outputs of 32-128 digits, positive throughputs and their latency ratio, and no
-kept-cache figure yet (re-prefill only). Its scripted environment and prefill count are checked directly too.
+the budget never cuts, tool outputs of 32-128 digits, positive throughputs and their ratios, the kept cache
+drawing the trajectories re-prefilling draws with fewer tokens prefilled. Its scripted environment and prefill
+count are checked directly too.
 Properties of the runs, not timings."""
 
 import importlib.util
@@ -18,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "bench_multiturn.py"
 
 KEYS = ("reprefill_tokens_per_s", "latency_tokens_per_s", "latency_throughput_ratio", "kept_cache_tokens_per_s",
-        "speedup", "note", "goal_speedup", "goal_latency_throughput_ratio", "turns_mean", "env_tokens_mean",
+        "speedup", "same_tokens", "kept_prefill_tokens_per_model_token", "goal_speedup",
+        "goal_latency_throughput_ratio", "turns_mean", "env_tokens_mean",
         "response_tokens_mean", "trajectories_truncated", "prefill_tokens_per_model_token", "model_tokens",
         "prefill_tokens", "rows", "tool_latency_s", "tool_seconds_latency", "machine_matmul_flops_per_s",
         "machine_copy_bytes_per_s", "simulated", "device")
@@ -68,8 +70,9 @@ def test_bench_multiturn_quick():
     r = json.loads(out.stdout.strip().splitlines()[-1])
     missing = [k for k in KEYS if k not in r]
     assert not missing, missing
-    assert r["reprefill_tokens_per_s"] > 0 and r["latency_tokens_per_s"] > 0
-    assert r["latency_throughput_ratio"] == r["latency_tokens_per_s"] / r["reprefill_tokens_per_s"]
+    assert r["reprefill_tokens_per_s"] > 0 and r["latency_tokens_per_s"] > 0 and r["kept_cache_tokens_per_s"] > 0
+    assert r["latency_throughput_ratio"] == r["latency_tokens_per_s"] / r["kept_cache_tokens_per_s"]
+    assert r["speedup"] == r["kept_cache_tokens_per_s"] / r["reprefill_tokens_per_s"]
     assert 0 < r["latency_throughput_ratio"] < 1.5
     # FixedToolEnv forces 4 turns, and the budget cuts no trajectory
     assert r["turns_mean"] == 4 and r["trajectories_truncated"] == 0
@@ -78,7 +81,8 @@ def test_bench_multiturn_quick():
     # every later turn re-prefills the prompt and the trajectory before it, tool outputs included
     assert r["prefill_tokens_per_model_token"] > 1
     assert r["tool_seconds_latency"] >= 0.99 * 3 * r["rows"] * r["tool_latency_s"]  # every tool call slept
-    assert r["kept_cache_tokens_per_s"] is None and r["speedup"] is None and "re-prefill" in r["note"]
+    assert r["same_tokens"]  # the kept cache and re-prefilling draw the same trajectories
+    assert r["kept_prefill_tokens_per_model_token"] < r["prefill_tokens_per_model_token"]
     assert r["goal_speedup"] == 2.0 and r["goal_latency_throughput_ratio"] == 0.8
     assert r["machine_matmul_flops_per_s"] > 0 and r["machine_copy_bytes_per_s"] > 0
     assert r["simulated"] is False and r["device"]

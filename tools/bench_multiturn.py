@@ -20,29 +20,24 @@ read by the eos column of the language-model head; everything else stays random)
 ``--turn-tokens`` (24) tokens on average. ``rollout.max_response_length`` is sized so that the budget never
 cuts a trajectory (``trajectories_truncated`` is reported and should be 0).
 
-What is measured (each figure the median of ``--repeats`` calls after a warm-up call that compiles, the calls
-without and with latency alternating so that a drift in the machine's load falls on both alike; every call draws
-the same samples, as sampling is keyed by the data position, sample and turn):
+What is measured (each figure the median of ``--repeats`` calls after a warm-up call that compiles, the three
+kinds of call alternating so that a drift in the machine's load falls on all alike; every call draws the same
+samples, as sampling is keyed by the data position, sample and turn):
 
-- ``reprefill_tokens_per_s``: the model's tokens (the batch's ``response_mask``) a second of
-  ``collect_rollouts(problems, positions, 1.0, n=2, step=0)`` with no tool latency. Turn k > 1 re-prefills the
-  whole conversation (the KV cache is not kept across turns), and the turns of a step run in lock-step.
-- ``latency_throughput_ratio``: tokens a second with ``--latency`` (0.1 s) a tool call over the figure above.
-  The tools of one turn run in parallel (the agent's 8 threads), but no sequence decodes meanwhile:
-  ``latency_lockstep_seconds`` (3 turns x ceil(rows / 8) waves x the latency) is what lock-step adds to a call,
-  ``latency_added_seconds`` what it measurably added.
-- ``prefill_tokens_per_model_token``: real prompt tokens the engine prefills over all turns, counted from the
-  batch, over the model's tokens: turn 1 prefills each prompt once (its n samples share one prefill); every
-  later turn (a run of the model's tokens after an environment's) prefills the prompt and the whole trajectory
-  before it.
-- ``kept_cache_tokens_per_s`` and ``speedup``: null, as the KV cache is not yet kept across turns (see ``note``).
+- ``kept_cache_tokens_per_s``: the model's tokens (the batch's ``response_mask``) a second of
+  ``collect_rollouts(problems, positions, 1.0, n=2, step=0)`` with ``rollout.turn_cache=keep`` (each later turn
+  prefills only its new tokens onto the conversation's kept KV cache), no tool latency.
+- ``reprefill_tokens_per_s``: the same with every later turn prefilling the whole conversation again;
+  ``speedup`` = kept / re-prefill (goal 2x). ``same_tokens``: both gave the same trajectories.
+- ``latency_throughput_ratio``: kept-cache tokens a second with ``--latency`` (0.1 s) a tool call over the
+  figure without. The tools of one turn run in parallel (the agent's 8 threads), but no sequence decodes
+  meanwhile: ``latency_lockstep_seconds`` (3 turns x ceil(rows / 8) waves x the latency) is what lock-step adds
+  to a call, ``latency_added_seconds`` what it measurably added.
+- ``prefill_tokens_per_model_token`` (re-prefill) and ``kept_prefill_tokens_per_model_token``: prompt tokens
+  the engines prefilled over all turns (the agent's ``turn_prefill_tokens``) over the model's tokens.
 - ``turns_mean``, ``env_tokens_mean``, ``response_tokens_mean``, ``trajectories_truncated``: the agent's metrics
   of the warm-up call (every call is the same).
-- ``warmup_seconds`` and ``engine_traces``: the first call, and the programs the engines compiled. A later
-  turn's prompt (the trajectory so far) is longer than the engine's ``max_prefill_length`` (=
-  ``rollout.max_prompt_length``), so it is prefilled alone in chunks of that many tokens onto a growing prefix,
-  and every chunk offset is a prefill and an insert program of its own: the warm-up compiles tens of programs
-  per engine (most of a ``--quick`` run's time).
+- ``warmup_seconds`` and ``engine_traces``: the first call, and the programs the engines compiled.
 - the machine's limits in the same run: float32 matmul FLOP/s and copy bandwidth (tools/machine_limits.py).
 
 Prints one JSON object on its last line.
@@ -77,8 +72,6 @@ GOAL_SPEEDUP, GOAL_LATENCY_THROUGHPUT_RATIO = 2.0, 0.8
 TOOL_TOKENS = (32, 128)  # a tool message's digits, inclusive
 TOOL_TURNS = 3  # assistant turns answered by a tool; the next one is ended by the environment
 TEMPLATE_TOKENS = len("[result: ]")  # the plain format's rendering around a tool's output (rl.tools.result_text)
-NOTE = ("the KV cache is not kept across turns yet: every turn after the first re-prefills the prompt and the "
-        "whole trajectory so far (re-prefill only), so there is no kept-cache figure and no speedup")
 
 
 def tool_length(text: str, turn: int) -> int:
@@ -194,34 +187,45 @@ def run(args: argparse.Namespace) -> dict:
         env = agent.env
         n = args.samples
 
-        def collect():
-            return job.collect_rollouts(problems, positions, 1.0, n=n, step=0)
+        keeps = agent.keeps_cache
+
+        def collect(keep=True):
+            agent.keeps_cache = keeps if keep else (lambda: False)
+            try:
+                return job.collect_rollouts(problems, positions, 1.0, n=n, step=0)
+            finally:
+                agent.keeps_cache = keeps
 
         t = time.perf_counter()
-        batch = collect()  # warm-up: compiles the programs (every chunk offset of a later turn)
+        batch = collect()  # warm-up: compiles the programs
         warmup_s = time.perf_counter() - t
         metrics = dict(agent.metrics)
         model_tokens = int(batch.response_mask_br.sum())
-        prefilled = prefill_tokens(batch, n)
+        full = collect(keep=False)  # and the re-prefilling path's
+        full_prefilled = agent.metrics["turn_prefill_tokens"]
+        assert full_prefilled == prefill_tokens(full, n), "the agent's prefill count disagrees with the batch's"
+        same = bool(np.array_equal(full.response_br, batch.response_br))
         traces = collections.Counter()
         for gen in job.rollout.engines:
             traces.update(gen.engine.traces)
 
-        plain, slow = [], []
-        for _ in range(args.repeats):  # alternating: a drift in the machine's load falls on both alike
-            for latency, times in ((0.0, plain), (args.latency, slow)):
+        plain, slow, again = [], [], []
+        for _ in range(args.repeats):  # alternating: a drift in the machine's load falls on all alike
+            for latency, keep, times in ((0.0, True, plain), (args.latency, True, slow), (0.0, False, again)):
                 env.latency = latency
                 t = time.perf_counter()
-                collect()
+                collect(keep)
                 times.append(time.perf_counter() - t)
-        latency_metrics = dict(agent.metrics)
+                if latency:
+                    latency_metrics = dict(agent.metrics)
         threads = getattr(agent._pool, "_max_workers", 8)
         env.latency = 0.0
         seconds, seconds_latency = statistics.median(plain), statistics.median(slow)
+        seconds_full = statistics.median(again)
     finally:
         job.close()
     flops, copy = matmul_flops_per_s(), copy_bytes_per_s()
-    tps, tps_latency = model_tokens / seconds, model_tokens / seconds_latency
+    tps, tps_latency, tps_full = model_tokens / seconds, model_tokens / seconds_latency, model_tokens / seconds_full
     rows = len(problems) * n
     device = jax.devices()[0]
     return {
@@ -229,16 +233,17 @@ def run(args: argparse.Namespace) -> dict:
         "max_turns": cfg.rollout.max_turns, "max_prompt_length": cfg.rollout.max_prompt_length,
         "max_response_length": cfg.rollout.max_response_length, "dp": args.dp, "eos_logit": logit,
         "tool_tokens_range": list(TOOL_TOKENS), "tool_latency_s": args.latency,
-        "model_tokens": model_tokens, "prefill_tokens": prefilled,
-        "prefill_tokens_per_model_token": prefilled / model_tokens,
+        "model_tokens": model_tokens, "prefill_tokens": full_prefilled,
+        "prefill_tokens_per_model_token": full_prefilled / model_tokens,
+        "kept_prefill_tokens": metrics["turn_prefill_tokens"],
+        "kept_prefill_tokens_per_model_token": metrics["turn_prefill_tokens"] / model_tokens, "same_tokens": same,
         "engine_traces": dict(traces),
         "collect_seconds": seconds, "collect_seconds_latency": seconds_latency,
         "latency_added_seconds": seconds_latency - seconds,
         "latency_lockstep_seconds": TOOL_TURNS * -(-rows // threads) * args.latency, "env_threads": threads,
-        "collect_seconds_all": plain, "collect_seconds_latency_all": slow, "warmup_seconds": warmup_s,
-        "reprefill_tokens_per_s": tps, "latency_tokens_per_s": tps_latency,
-        "latency_throughput_ratio": tps_latency / tps,
-        "kept_cache_tokens_per_s": None, "speedup": None, "note": NOTE,
+        "collect_seconds_all": plain, "collect_seconds_latency_all": slow, "collect_seconds_reprefill_all": again,
+        "warmup_seconds": warmup_s, "kept_cache_tokens_per_s": tps, "reprefill_tokens_per_s": tps_full,
+        "speedup": tps / tps_full, "latency_tokens_per_s": tps_latency, "latency_throughput_ratio": tps_latency / tps,
         "goal_speedup": GOAL_SPEEDUP, "goal_latency_throughput_ratio": GOAL_LATENCY_THROUGHPUT_RATIO,
         "turns_mean": metrics["turns_mean"], "env_tokens_mean": metrics["env_tokens_mean"],
         "response_tokens_mean": metrics["response_tokens_mean"], "tool_calls_mean": metrics["tool_calls_mean"],

@@ -48,7 +48,7 @@ import jax
 import numpy as np
 
 from nereus_jax.engine.admission import POLICIES, Admission, PagePool
-from nereus_jax.engine.engine import EngineError, JaxEngine, Params
+from nereus_jax.engine.engine import EngineError, JaxEngine, Params, Prefix
 from nereus_jax.engine.sampling import SamplingParams, make_requests
 
 Refill = Literal["continuous", "static"]
@@ -67,6 +67,7 @@ class Rollouts:
     sample_index: np.ndarray  # [rows]
     stats: dict[str, Any]  # decode_steps, decode_calls (k > 1), prefill_calls, insert_calls, tokens, seconds,
     # thread_cpu_s (the calling thread's CPU seconds), ...
+    kept: tuple | None = None  # keep=True: per row (Prefix, cached tokens) of its KV cache, or None (not kept)
 
     @property
     def num_rows(self) -> int:
@@ -116,7 +117,8 @@ class Generator:
                  forced_lengths: Sequence[int] | None = None, refill: Refill = "continuous",
                  on_step: Callable[[Generator, int], None] | None = None,
                  prompt_ids: Sequence[int] | None = None,
-                 max_new_tokens_per_prompt: Sequence[int] | None = None) -> Rollouts:
+                 max_new_tokens_per_prompt: Sequence[int] | None = None, keep: bool = False,
+                 prefixes: Sequence[tuple[Prefix, int] | None] | None = None) -> Rollouts:
         """Generates ``sampling.n`` responses for every prompt (token-id sequences). ``on_step(self, step)``
         runs after every engine call with the decode steps so far (a test hook, e.g. to swap parameters at
         a known step; with ``decode_steps_per_call=k`` it runs every k steps).
@@ -124,11 +126,19 @@ class Generator:
         splits one batch over several generators passes global ids, so the split never changes samples.
         ``max_new_tokens_per_prompt`` caps each prompt's responses at its own length (each at most
         ``sampling.max_new_tokens``; stop tokens still end them), e.g. the turns of trajectories with different
-        budgets left."""
+        budgets left. Conversations (contiguous KV caches only): ``keep=True`` returns each row's KV cache in
+        ``Rollouts.kept`` as (prefix, cached tokens) when it finished in a slot (its last drawn token is not
+        cached); ``prefixes[i]``, such a pair, makes prompt i the tokens that extend that cache (that last
+        token first), prefilled onto it instead of from scratch."""
         if refill not in ("continuous", "static"):
             raise EngineError(f"refill must be 'continuous' or 'static', got {refill!r}")
         prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
-        limits = self._limits(prompts, sampling, forced_lengths, max_new_tokens_per_prompt)
+        if (keep or prefixes is not None) and self.engine.paged:
+            raise EngineError("keep / prefixes need a contiguous KV cache (an engine built without page_size)")
+        if prefixes is not None and (len(prefixes) != len(prompts) or sampling.n != 1 and any(prefixes)):
+            raise EngineError("prefixes needs one entry (or None) per prompt, and n = 1 where any is given")
+        offsets = np.asarray([0 if q is None else q[1] for q in prefixes or [None] * len(prompts)], np.int64)
+        limits = self._limits(prompts, sampling, forced_lengths, max_new_tokens_per_prompt, offsets)
         ids = np.arange(len(prompts)) if prompt_ids is None else np.asarray(prompt_ids, np.int64).reshape(-1)
         if ids.shape[0] != len(prompts) or np.any(ids < 0) or np.any(ids >= 2**31):
             raise EngineError(f"prompt_ids needs one id in [0, 2**31) per prompt ({len(prompts)} prompts)")
@@ -138,6 +148,7 @@ class Generator:
             if not self._clean:  # an earlier call stopped mid-way: start from an empty state
                 self._state = self.engine.init_decode_state()
             run = _Run(self, prompts, sampling, limits, forced=forced_lengths is not None, refill=refill)
+            run.keep, run.prefixes, run.offsets = keep, prefixes, offsets
             run.prompt_ids = ids
             self._run = run
             start, cpu = time.perf_counter(), time.thread_time()
@@ -151,7 +162,7 @@ class Generator:
         return run.result(time.perf_counter() - start)
 
     # ------------------------------------------------------------------------------------- checking
-    def _limits(self, prompts, sampling, forced_lengths, per_prompt=None) -> np.ndarray:
+    def _limits(self, prompts, sampling, forced_lengths, per_prompt=None, offsets=None) -> np.ndarray:
         e = self.engine
         if len(sampling.stop_tokens) > e.max_stop_tokens:
             raise EngineError(f"{len(sampling.stop_tokens)} stop tokens given; the engine holds at most "
@@ -165,7 +176,13 @@ class Generator:
                 raise EngineError(f"{name} needs one length in [1, max_new_tokens={sampling.max_new_tokens}] "
                                   f"per prompt ({len(prompts)} prompts), got {limits.shape[0]} values in "
                                   f"[{limits.min(initial=0)}, {limits.max(initial=0)}]")
-        for i, (p, limit) in enumerate(zip(prompts, limits, strict=True)):
+        offsets = np.zeros(len(prompts), np.int64) if offsets is None else offsets
+        for i, (p, limit, off) in enumerate(zip(prompts, limits, offsets, strict=True)):
+            if off:  # extends a kept cache: one prefill onto it
+                if p.size == 0 or not e.extends_within(int(off), p.size) or off + p.size + limit > e.max_target_length:
+                    raise EngineError(f"prompt {i} extends a cache of {off} tokens by {p.size} (+ {limit} new): more "
+                                      f"than max_target_length={e.max_target_length} holds (see extends_within)")
+                continue
             if p.size == 0 or p.size > e.max_prompt_length:
                 longest = ("max_prefill_length" if e.max_prompt_length == e.max_prefill_length else
                            "max_prompt_length")
@@ -212,6 +229,8 @@ class _Run:
         self.order = np.zeros(e.max_concurrent_decodes, np.int64)  # admission number of each slot's row
         self.admitted = 0
         self.parked: list[tuple[int, int, Any]] = []  # (admission number, row, host copy) oldest first
+        self.keep, self.prefixes, self.offsets = False, None, np.zeros(len(prompts), np.int64)  # see rollouts
+        self.kept: list[tuple[Any, int] | None] = [None] * rows
 
     def loop(self, on_step) -> None:
         while True:
@@ -287,7 +306,7 @@ class _Run:
         if self.pool is not None:
             stats.update(peak_pages=self.pool.peak_used, kv_pages=self.pool.total)
         return Rollouts(self.tokens, self.logprobs, self.lengths, tuple(self.finish), self.versions,
-                        np.arange(rows) // n, np.arange(rows) % n, stats)
+                        np.arange(rows) // n, np.arange(rows) % n, stats, tuple(self.kept) if self.keep else None)
 
     def _swap_params(self) -> None:
         gen = self.gen
@@ -344,11 +363,16 @@ class _Run:
 
     def _prefill_next(self) -> None:
         batch, longest = self.engine.max_prefill_batch, self.engine.max_prefill_length
+        onto = lambda i: self.prefixes is not None and self.prefixes[i] is not None  # noqa: E731
+        if onto(self.waiting[0]):
+            self._prefill_onto(self.waiting.popleft())
+            return
         if self.prompts[self.waiting[0]].size > longest:
             self._prefill_chunked(self.waiting.popleft())
             return
         take = []
-        while self.waiting and len(take) < batch and self.prompts[self.waiting[0]].size <= longest:
+        while (self.waiting and len(take) < batch and self.prompts[self.waiting[0]].size <= longest
+               and not onto(self.waiting[0])):
             take.append(self.waiting.popleft())
         padded = take + take[-1:] * (batch - len(take))  # always full batches: one program per length bucket
         prompts = [self.prompts[i] for i in padded]
@@ -369,6 +393,15 @@ class _Run:
                                                 requests=requests, num_samples=self.sampling.n)
             start += size
             self.stats["prefill_chunks"] += 1
+        self._ready(prefix, first, [prompt])
+
+    def _prefill_onto(self, prompt: int) -> None:
+        """A prompt that extends a kept cache, alone, in one prefill onto it."""
+        tokens, (base, _) = self.prompts[prompt], self.prefixes[prompt]
+        prefix, first = self.engine.prefill(params=self.gen._params, existing_prefix=base, padded_tokens=tokens,
+                                            true_length=tokens.size, requests=self._requests([prompt]),
+                                            num_samples=self.sampling.n)
+        self.stats["prefill_onto"] += 1
         self._ready(prefix, first, [prompt])
 
     def _requests(self, prompts: list[int]):
@@ -410,6 +443,10 @@ class _Run:
             assert finished == bool(done[slot]), f"slot {slot}: host and device disagree on the row's end"
             if finished:
                 self.slot_row[slot] = -1
+                if self.keep:  # its cache: the prompt (and a kept prefix) + every drawn token but the last
+                    prompt = row // self.sampling.n
+                    cached = int(self.offsets[prompt]) + self.prompts[prompt].size + int(self.lengths[row]) - 1
+                    self.kept[row] = (self.engine.keep(self.gen._state, int(slot), cached), cached)
         if self.pool is not None:
             self.pool.step(live, done[live])
 

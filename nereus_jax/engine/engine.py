@@ -105,6 +105,7 @@ class JaxEngine:
         self.kv_heads = cfg.num_kv_heads * kv_repeat(cfg, self.layout)
         self.dtype = jnp.dtype(cfg.compute_dtype)
         self.prefill_lengths = _buckets(self._max_prefill)
+        self.keep_widths = _buckets(self.max_target_length)
         self.prefill_batches = _buckets(self.max_prefill_batch, smallest=1)
         self.traces: collections.Counter[str] = collections.Counter()
         self._tokenizer = tokenizer
@@ -298,6 +299,25 @@ class JaxEngine:
             return self._programs.generate_steps(params, decode_state)
         return self._programs.generate_steps(params, decode_state, self._items(decode_state, pages,
                                                                       self.decode_steps_per_call))
+
+    def keep(self, decode_state: DecodeState, slot: int, length: int) -> Prefix:
+        """A finished sequence's KV cache, still in slot ``slot`` (not yet reused), as a one-row prefix of its
+        ``length`` cached tokens (the last token it drew is not among them): ``prefill(existing_prefix=...)``
+        extends it, e.g. with that token and a tool's answer, so a conversation's next turn does not prefill
+        it all again. The cache is copied out, padded to a width in :attr:`keep_widths`. Contiguous (not
+        paged) engines."""
+        if self.paged:
+            raise EngineError("keep needs a contiguous KV cache (an engine built without page_size)")
+        self._check_slot(slot)
+        if not 0 < length <= self.max_target_length:
+            raise EngineError(f"length {length} is out of range (1 to max_target_length={self.max_target_length})")
+        return self._programs.keep(decode_state, np.int32(slot), _bucket(length, self.keep_widths))
+
+    def extends_within(self, length: int, tokens: int) -> bool:
+        """Whether a prefix kept at ``length`` tokens can be extended by ``tokens`` in one prefill: its
+        padded width plus the tokens' bucket fit ``max_target_length``."""
+        return (tokens <= self._max_prefill and _bucket(length, self.keep_widths)
+                + _bucket(tokens, self.prefill_lengths) <= self.max_target_length)
 
     def evict(self, decode_state: DecodeState, slot: int, *, pages: int | None = None
               ) -> tuple[DecodeState, Parked]:

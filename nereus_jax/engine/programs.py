@@ -72,6 +72,8 @@ class DecodePrograms:
                                  static_argnums=step, out_shardings=(state_sh, result_sh))
         self.generate_steps = jax.jit(self._traced("generate_steps", self._generate_steps_impl), donate_argnums=1,
                                        static_argnums=step, out_shardings=(state_sh, result_sh))
+        if not self.paged:
+            self.keep = jax.jit(self._traced("keep", self._keep_impl), static_argnums=2, out_shardings=prefix_sh)
         if self.paged:
             self.evict = jax.jit(self._traced("evict", self._evict_impl), donate_argnums=0, static_argnums=2,
                                   out_shardings=(state_sh, self.parked_sharding()))
@@ -181,6 +183,14 @@ class DecodePrograms:
         put = lambda x, v: x.at[slots].set(v, mode="drop")  # noqa: E731
         return DecodeState(caches, put(state.tokens, tokens), put(state.lengths, lengths),
                            put(state.steps, jnp.ones_like(tokens)), put(state.active, placed), requests, pages)
+
+    def _keep_impl(self, state, slot, width):
+        """Slot ``slot``'s cache (its first ``width`` positions) and request as a one-row prefix."""
+        caches = tuple(tuple(jax.lax.dynamic_slice(c, (slot, 0, 0, 0), (1, c.shape[1], width, c.shape[3]))
+                             for c in kv) for kv in state.caches)
+        request = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0), state.requests)
+        return Prefix(caches, state.lengths[slot][None], state.tokens[slot].reshape(1, 1),
+                      jnp.zeros((1, 1), jnp.float32), request)
 
     def _evict_impl(self, state, slot, count):
         pages, caches, held = paged.take_out(state.caches, state.pages, slot, count)

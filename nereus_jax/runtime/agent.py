@@ -6,10 +6,12 @@ rendered the way the chat template renders them after that assistant message, to
 next turn generates from the whole trajectory so far. The model's own tokens are the only ones the loss reads
 (``RolloutBatch.response_mask_br``); every real token is context (``context_mask_br``).
 
-Turn k > 1 prefills the whole conversation again (each trajectory a prompt of its own, in bucketed prefill
-batches, sampled with a seed of its data position, sample and turn, so a split over replicas or a resume draws
-the same); a sequence's KV cache is not yet kept across turns, and the turns of a step run in lock-step
-(the tools of one turn in parallel).
+Turn k > 1 continues each conversation on the replica that generated it: with ``rollout.turn_cache=keep`` (and a
+contiguous KV cache) the cache its last turn left is kept and only the new tokens (the turn's last drawn token,
+then the environment's) are prefilled onto it; otherwise, or where the kept cache cannot grow by them, the
+whole conversation is prefilled again (in bucketed batches). Each turn samples with a seed of the data position,
+sample and turn, so a split over replicas or a resume draws the same. The turns of a step run in lock-step (the
+tools of one turn in parallel).
 A trajectory ends when the environment says done, after ``rollout.max_turns`` turns, or when its tokens fill
 the response budget (the step's ``rollout.max_response_length``, capped by ``rollout.max_total_length``).
 """
@@ -102,6 +104,15 @@ class AgentRollouts:
                     out += self.tok.encode(c)
             return out
 
+    def keeps_cache(self) -> bool:
+        """Whether conversations keep their KV cache between turns (``rollout.turn_cache``; contiguous caches)."""
+        engines = [g for g in self.rollout.engines if g is not None]
+        return self.cfg.rollout.turn_cache == "keep" and bool(engines) and not engines[0].engine.paged
+
+    def extends(self, cached: int, tokens: int) -> bool:
+        engine = next(g for g in self.rollout.engines if g is not None).engine
+        return tokens > 0 and engine.extends_within(cached, tokens)
+
     def stop_tokens(self) -> tuple[int, ...]:
         """The engine's stop tokens: the tokenizer's, and in the plain format with tools the ``]`` that closes
         a call."""
@@ -123,6 +134,10 @@ class AgentRollouts:
                               "raise rollout.max_prompt_length or shorten what task.env's reset() returns")
         trajs = [Trajectory(prompts[i], [dict(m) for m in starts[i]]) for i in range(len(problems)) for _ in range(n)]
         limits = [budget if total is None else min(budget, total - len(t.prompt)) for t in trajs]
+        engine_of = np.repeat(r.engine_split(len(prompts)), n)  # a conversation stays where its cache is
+        keep = self.keeps_cache()
+        kept: list = [None] * len(trajs)
+        prefilled = 0  # prompt tokens prefilled over all turns
         for turn in range(self.cfg.rollout.max_turns):
             active = [i for i, t in enumerate(trajs) if not t.done]
             if not active:
@@ -130,13 +145,23 @@ class AgentRollouts:
             if turn == 0:
                 out = r.generate(prompts, r.sampling(temperature, n, budget, self.stop_tokens()),
                                  positions % (2**31), per_prompt=[max(1, min(limits[i * n:(i + 1) * n]))
-                                                                 for i in range(len(prompts))])
+                                                                 for i in range(len(prompts))], keep=keep)
+                prefilled += sum(len(p) for p in prompts)
             else:
                 ids = [_turn_seed(int(positions[i // n]), i % n, turn) for i in active]
-                out = r.generate([trajs[i].prompt + trajs[i].tokens for i in active],
-                                 r.sampling(temperature, 1, budget, self.stop_tokens()), np.asarray(ids),
-                                 per_prompt=[limits[i] - len(trajs[i].tokens) for i in active])
+                inputs, onto = [], []
+                for i in active:
+                    full, k = trajs[i].prompt + trajs[i].tokens, kept[i]
+                    use = k is not None and self.extends(k[1], len(full) - k[1])
+                    inputs.append(full[k[1]:] if use else full)
+                    onto.append(k if use else None)
+                prefilled += sum(len(x) for x in inputs)
+                out = r.generate(inputs, r.sampling(temperature, 1, budget, self.stop_tokens()), np.asarray(ids),
+                                 per_prompt=[limits[i] - len(trajs[i].tokens) for i in active],
+                                 engine_of=engine_of[active], keep=keep, prefixes=onto if keep else None)
             rows = list(range(len(trajs))) if turn == 0 else active
+            for k, i in enumerate(rows):
+                kept[i] = out.kept[k] if keep else None
             texts, stopped = [], []
             for k, i in enumerate(rows):
                 t, m = trajs[i], int(out.lengths[k])
@@ -154,7 +179,7 @@ class AgentRollouts:
                                         zip(rows, texts, strict=True)))
             for i, text, step, stop in zip(rows, texts, steps, stopped, strict=True):
                 self._advance(trajs[i], text, step, stop, limits[i], last=turn + 1 == self.cfg.rollout.max_turns)
-        self.metrics = _metrics(trajs)
+        self.metrics = _metrics(trajs) | {"turn_prefill_tokens": prefilled}
         response, own = right_pad([t.tokens for t in trajs], R, self.tok.pad_id)
         own[:, :] = 0
         logp = np.zeros((len(trajs), R), np.float32)

@@ -177,23 +177,40 @@ class Rollout:
         once: async mode generates step g + 1 while step g learns, so they are kept by step."""
         return self._step_metrics.pop(step, {})
 
+    def engine_split(self, count: int) -> np.ndarray:
+        """[count] the actor-gen replica each of ``count`` prompts goes to: contiguous runs, in order."""
+        out = np.zeros(count, np.int64)
+        for i, idx in enumerate(np.array_split(np.arange(count), len(self._engines))):
+            out[idx] = i
+        return out
+
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, ids: np.ndarray,
-                 per_prompt: Sequence[int] | None = None) -> Rollouts:
-        """Rollouts of ``prompts`` (ids: their identities in the random stream) split over the actor-gen
-        replicas in order, as one: rows prompt-major, every array concatenated (``per_prompt``: each prompt's
-        own token limit)."""
-        chunks = np.array_split(np.arange(len(prompts)), len(self._engines))
+                 per_prompt: Sequence[int] | None = None, *, engine_of: np.ndarray | None = None,
+                 keep: bool = False, prefixes: Sequence | None = None) -> Rollouts:
+        """Rollouts of ``prompts`` (ids: their identities in the random stream) over the actor-gen replicas
+        (``engine_of``: each prompt's; default :meth:`engine_split`), as one: rows prompt-major in the given
+        order, every array concatenated. ``per_prompt``: each prompt's own token limit; ``keep`` /
+        ``prefixes``: conversations' KV caches (``Generator.rollouts``; a prefix lives on the replica that
+        kept it, so a conversation keeps its ``engine_of``)."""
+        engine_of = self.engine_split(len(prompts)) if engine_of is None else np.asarray(engine_of)
         limits = None if per_prompt is None else np.asarray(per_prompt, np.int32)
+        groups = [(e, np.flatnonzero(engine_of == e)) for e in range(len(self._engines))]
 
         def work(idx):
             return lambda g: g.rollouts([prompts[j] for j in idx], sampling, prompt_ids=ids[idx],
-                                        max_new_tokens_per_prompt=None if limits is None else limits[idx])
+                                        max_new_tokens_per_prompt=None if limits is None else limits[idx],
+                                        keep=keep, prefixes=None if prefixes is None else [prefixes[j] for j in idx])
 
-        outs = self.on_engines([(i, work(idx)) for i, idx in enumerate(chunks) if len(idx)])
-        cat = lambda name: np.concatenate([getattr(o, name) for o in outs])  # noqa: E731
-        return Rollouts(cat("tokens"), cat("logprobs"), cat("lengths"),
-                        tuple(f for o in outs for f in o.finish_reasons), cat("param_versions"),
-                        cat("prompt_index"), cat("sample_index"), {})
+        outs = self.on_engines([(e, work(idx)) for e, idx in groups if len(idx)])
+        n = sampling.n
+        order = np.argsort(np.concatenate([(idx[:, None] * n + np.arange(n)).reshape(-1) for _, idx in groups
+                                           if len(idx)]), kind="stable")  # rows back in the prompts' order
+        cat = lambda name: np.concatenate([getattr(o, name) for o in outs])[order]  # noqa: E731
+        finish = [f for o in outs for f in (o.finish_reasons or ("",) * o.num_rows)]  # another process's: none
+        kept = [k for o in outs for k in (o.kept or [None] * o.num_rows)]
+        return Rollouts(cat("tokens"), cat("logprobs"), cat("lengths"), tuple(finish[i] for i in order),
+                        cat("param_versions"), cat("prompt_index"), cat("sample_index"), {},
+                        tuple(kept[i] for i in order) if keep else None)
 
     def on_engines(self, work: Sequence[tuple[int, Any]]) -> list[Rollouts]:
         """``fn(engine)`` for each (engine index, fn), in order. With several processes each process runs
