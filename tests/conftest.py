@@ -1,5 +1,5 @@
 """Test setup: 8 CPU virtual devices, set before JAX is imported anywhere; float32 matmuls exact; one
-persistent compilation cache per session for the subprocesses the tests start (not this process)."""
+persistent compilation cache per session; compiled programs dropped after every test module."""
 
 import atexit
 import json
@@ -24,11 +24,19 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
-# ...but not in this process: after a few hundred executables, jax 0.12's XLA:CPU (de)serialization of cache
-# entries crashes it (SIGSEGV/SIGABRT in get_executable_and_time / put_executable_and_time, at 51-68% of the
-# suite, quiet machine or not; docs/results.md "Test-suite crashes"). Subprocesses (CLIs, workers) are short and
-# still share the cache through the variables above.
-jax.config.update("jax_enable_compilation_cache", False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_executables():
+    """Drops every compiled program after each test module. XLA:CPU maps each executable's code into memory
+    pages of its own; a process holding the whole suite's programs passes the kernel's vm.max_map_count
+    (65,530 here: about 15,000 maps after two minutes of engine tests) and XLA aborts or segfaults in whatever
+    compiles or (de)serializes next (test_job at 58%)."""
+    yield
+    import gc
+
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
