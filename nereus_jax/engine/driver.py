@@ -133,6 +133,8 @@ class Generator:
         if refill not in ("continuous", "static"):
             raise EngineError(f"refill must be 'continuous' or 'static', got {refill!r}")
         prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
+        if forced_lengths is not None and max_new_tokens_per_prompt is not None:
+            raise EngineError("give forced_lengths or max_new_tokens_per_prompt, not both")
         if (keep or prefixes is not None) and self.engine.paged:
             raise EngineError("keep / prefixes need a contiguous KV cache (an engine built without page_size)")
         if prefixes is not None and (len(prefixes) != len(prompts) or sampling.n != 1 and any(prefixes)):

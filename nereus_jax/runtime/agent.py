@@ -179,6 +179,8 @@ class AgentRollouts:
                                         zip(rows, texts, strict=True)))
             for i, text, step, stop in zip(rows, texts, steps, stopped, strict=True):
                 self._advance(trajs[i], text, step, stop, limits[i], last=turn + 1 == self.cfg.rollout.max_turns)
+                if trajs[i].done:
+                    kept[i] = None  # its cache is not extended again: free the device copy now
         self.metrics = _metrics(trajs) | {"turn_prefill_tokens": prefilled}
         response, own = right_pad([t.tokens for t in trajs], R, self.tok.pad_id)
         own[:, :] = 0
