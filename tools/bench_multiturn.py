@@ -20,24 +20,35 @@ read by the eos column of the language-model head; everything else stays random)
 ``--turn-tokens`` (24) tokens on average. ``rollout.max_response_length`` is sized so that the budget never
 cuts a trajectory (``trajectories_truncated`` is reported and should be 0).
 
-What is measured (each figure the median of ``--repeats`` calls after a warm-up call that compiles, the three
-kinds of call alternating so that a drift in the machine's load falls on all alike; every call draws the same
-samples, as sampling is keyed by the data position, sample and turn):
+What is measured (each figure the median of ``--repeats`` calls after the warm-up, the three kinds of call
+alternating so that a drift in the machine's load falls on all alike; every call draws the same samples, as
+sampling is keyed by the data position, sample and turn, never by the schedule):
 
 - ``kept_cache_tokens_per_s``: the model's tokens (the batch's ``response_mask``) a second of
-  ``collect_rollouts(problems, positions, 1.0, n=2, step=0)`` with ``rollout.turn_cache=keep`` (each later turn
-  prefills only its new tokens onto the conversation's kept KV cache), no tool latency.
+  ``collect_rollouts(problems, positions, 1.0, n=2, step=0)`` with ``rollout.turn_cache=keep`` (a conversation's
+  cache stays in its slot while its tool runs; its next turn prefills only the new tokens onto it), no tool
+  latency.
 - ``reprefill_tokens_per_s``: the same with every later turn prefilling the whole conversation again;
   ``speedup`` = kept / re-prefill (goal 2x). ``same_tokens``: both gave the same trajectories.
 - ``latency_throughput_ratio``: kept-cache tokens a second with ``--latency`` (0.1 s) a tool call over the
-  figure without. The tools of one turn run in parallel (the agent's 8 threads), but no sequence decodes
-  meanwhile: ``latency_lockstep_seconds`` (3 turns x ceil(rows / 8) waves x the latency) is what lock-step adds
-  to a call, ``latency_added_seconds`` what it measurably added.
+  figure without (goal 0.8); ``same_tokens_latency``: the same trajectories. Turns are asynchronous (the other
+  conversations decode while a tool runs), but a conversation's own three tool calls come one after another:
+  ``latency_floor_seconds`` (3 x the latency) is the least the latency can add to a call,
+  ``latency_added_seconds`` what it measurably added.
 - ``prefill_tokens_per_model_token`` (re-prefill) and ``kept_prefill_tokens_per_model_token``: prompt tokens
-  the engines prefilled over all turns (the agent's ``turn_prefill_tokens``) over the model's tokens.
+  the engines prefilled over all turns (the agent's ``turn_prefill_tokens``) over the model's tokens;
+  ``turns_evicted``: parked conversations whose slot was taken (none here: every conversation has a slot).
+- ``engine_seconds_kept`` / ``_latency`` / ``_reprefill``: the engines' wall seconds of a call (medians, summed
+  over the engines, which run in parallel) spent decoding (``decode``: the steps and the hand-over of finished
+  turns), prefilling and inserting (``prefill``), and waiting with nothing to decode (``wait``). Only
+  ``prefill`` differs in kind between the kept cache and re-prefilling, so (decode + prefill) of re-prefill over
+  decode alone bounds what keeping the cache can gain here.
 - ``turns_mean``, ``env_tokens_mean``, ``response_tokens_mean``, ``trajectories_truncated``: the agent's metrics
-  of the warm-up call (every call is the same).
-- ``warmup_seconds`` and ``engine_traces``: the first call, and the programs the engines compiled.
+  of the first call (every call is the same).
+- ``first_call_seconds``, ``warmup_seconds`` and ``engine_traces``: the first call; the warm-up (the first call of
+  each kind, then calls of each kind until one compiles nothing, at most ``--warmup-calls``: turns end at other
+  moments each call, so prefills meet new shape buckets); the programs compiled by then.
+  ``traces_while_measuring``: programs compiled during the measured calls (should be 0).
 - the machine's limits in the same run: float32 matmul FLOP/s and copy bandwidth (tools/machine_limits.py).
 
 Prints one JSON object on its last line.
@@ -118,6 +129,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--eos-logit", type=float, default=None, help="eos logit added to the random policy's "
                    "(default: log((vocab - 1) / (turn_tokens - 1)), about 1 / turn_tokens per token)")
     p.add_argument("--dp", type=int, default=2, help="actor-gen replicas (engines), the tests' 2")
+    p.add_argument("--warmup-calls", type=int, default=4, help="warm-up calls of each kind at most, until one "
+                   "compiles nothing")
     p.add_argument("--quick", action="store_true", help="4 prompts, 1 repeat, one engine (half the compiles)")
     args = p.parse_args()
     if args.quick:
@@ -196,32 +209,56 @@ def run(args: argparse.Namespace) -> dict:
             finally:
                 agent.keeps_cache = keeps
 
+        def traces() -> collections.Counter:
+            out = collections.Counter()
+            for gen in job.rollout.engines:
+                out.update(gen.engine.traces)
+            return out
+
+        kinds = ((0.0, True), (args.latency, True), (0.0, False))  # (tool latency, kept cache)
+
+        def timed(latency: float, keep: bool):
+            env.latency = latency
+            t = time.perf_counter()
+            try:
+                return collect(keep), time.perf_counter() - t
+            finally:
+                env.latency = 0.0
+
         t = time.perf_counter()
-        batch = collect()  # warm-up: compiles the programs
-        warmup_s = time.perf_counter() - t
+        batch, first_s = timed(0.0, True)  # compiles most programs
         metrics = dict(agent.metrics)
         model_tokens = int(batch.response_mask_br.sum())
-        full = collect(keep=False)  # and the re-prefilling path's
+        full, _ = timed(0.0, False)  # and the re-prefilling path's
         full_prefilled = agent.metrics["turn_prefill_tokens"]
         assert full_prefilled == prefill_tokens(full, n), "the agent's prefill count disagrees with the batch's"
         same = bool(np.array_equal(full.response_br, batch.response_br))
-        traces = collections.Counter()
-        for gen in job.rollout.engines:
-            traces.update(gen.engine.traces)
+        slow_batch, _ = timed(args.latency, True)
+        same_latency = bool(np.array_equal(slow_batch.response_br, batch.response_br))
+        for latency, keep in kinds:  # turns end at other moments each call: shapes not met yet compile now
+            for _ in range(args.warmup_calls):
+                before = sum(traces().values())
+                timed(latency, keep)
+                if sum(traces().values()) == before:
+                    break
+        warmup_s = time.perf_counter() - t
+        warm_traces = traces()
 
-        plain, slow, again = [], [], []
+        times = {kind: [] for kind in kinds}
+        phases = {kind: collections.defaultdict(list) for kind in kinds}
         for _ in range(args.repeats):  # alternating: a drift in the machine's load falls on all alike
-            for latency, keep, times in ((0.0, True, plain), (args.latency, True, slow), (0.0, False, again)):
-                env.latency = latency
-                t = time.perf_counter()
-                collect(keep)
-                times.append(time.perf_counter() - t)
-                if latency:
+            for kind in kinds:
+                times[kind].append(timed(*kind)[1])
+                for phase, seconds in agent.engine_seconds.items():
+                    phases[kind][phase].append(seconds)
+                if kind[0]:
                     latency_metrics = dict(agent.metrics)
+        phase_medians = [{k: statistics.median(v) for k, v in phases[kind].items()} for kind in kinds]
         threads = getattr(agent._pool, "_max_workers", 8)
-        env.latency = 0.0
+        plain, slow, again = (times[kind] for kind in kinds)
         seconds, seconds_latency = statistics.median(plain), statistics.median(slow)
         seconds_full = statistics.median(again)
+        measured_traces = sum(traces().values()) - sum(warm_traces.values())
     finally:
         job.close()
     flops, copy = matmul_flops_per_s(), copy_bytes_per_s()
@@ -237,12 +274,16 @@ def run(args: argparse.Namespace) -> dict:
         "prefill_tokens_per_model_token": full_prefilled / model_tokens,
         "kept_prefill_tokens": metrics["turn_prefill_tokens"],
         "kept_prefill_tokens_per_model_token": metrics["turn_prefill_tokens"] / model_tokens, "same_tokens": same,
-        "engine_traces": dict(traces),
+        "same_tokens_latency": same_latency, "engine_seconds_kept": phase_medians[0],
+        "engine_seconds_latency": phase_medians[1], "engine_seconds_reprefill": phase_medians[2],
+        "engine_traces": dict(warm_traces),
+        "traces_while_measuring": measured_traces,
         "collect_seconds": seconds, "collect_seconds_latency": seconds_latency,
         "latency_added_seconds": seconds_latency - seconds,
-        "latency_lockstep_seconds": TOOL_TURNS * -(-rows // threads) * args.latency, "env_threads": threads,
+        "latency_floor_seconds": TOOL_TURNS * args.latency, "env_threads": threads,
         "collect_seconds_all": plain, "collect_seconds_latency_all": slow, "collect_seconds_reprefill_all": again,
-        "warmup_seconds": warmup_s, "kept_cache_tokens_per_s": tps, "reprefill_tokens_per_s": tps_full,
+        "first_call_seconds": first_s, "warmup_seconds": warmup_s, "turns_evicted": metrics["turns_evicted"],
+        "kept_cache_tokens_per_s": tps, "reprefill_tokens_per_s": tps_full,
         "speedup": tps / tps_full, "latency_tokens_per_s": tps_latency, "latency_throughput_ratio": tps_latency / tps,
         "goal_speedup": GOAL_SPEEDUP, "goal_latency_throughput_ratio": GOAL_LATENCY_THROUGHPUT_RATIO,
         "turns_mean": metrics["turns_mean"], "env_tokens_mean": metrics["env_tokens_mean"],

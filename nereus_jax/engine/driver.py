@@ -48,7 +48,7 @@ import jax
 import numpy as np
 
 from nereus_jax.engine.admission import POLICIES, Admission, PagePool
-from nereus_jax.engine.engine import EngineError, JaxEngine, Params, Prefix
+from nereus_jax.engine.engine import EngineError, JaxEngine, Params
 from nereus_jax.engine.sampling import SamplingParams, make_requests
 
 Refill = Literal["continuous", "static"]
@@ -65,9 +65,9 @@ class Rollouts:
     param_versions: np.ndarray  # [rows, max_new_tokens] int32 version of the params behind each token; -1 after
     prompt_index: np.ndarray  # [rows]
     sample_index: np.ndarray  # [rows]
-    stats: dict[str, Any]  # decode_steps, decode_calls (k > 1), prefill_calls, insert_calls, tokens, seconds,
+    stats: dict[str, Any]  # decode_steps, decode_calls (k > 1), prefill_calls, prefill_tokens (real prompt
+    # tokens prefilled), insert_calls, tokens, seconds,
     # thread_cpu_s (the calling thread's CPU seconds), ...
-    kept: tuple | None = None  # keep=True: per row (Prefix, cached tokens) of its KV cache, or None (not kept)
 
     @property
     def num_rows(self) -> int:
@@ -117,8 +117,7 @@ class Generator:
                  forced_lengths: Sequence[int] | None = None, refill: Refill = "continuous",
                  on_step: Callable[[Generator, int], None] | None = None,
                  prompt_ids: Sequence[int] | None = None,
-                 max_new_tokens_per_prompt: Sequence[int] | None = None, keep: bool = False,
-                 prefixes: Sequence[tuple[Prefix, int] | None] | None = None) -> Rollouts:
+                 max_new_tokens_per_prompt: Sequence[int] | None = None) -> Rollouts:
         """Generates ``sampling.n`` responses for every prompt (token-id sequences). ``on_step(self, step)``
         runs after every engine call with the decode steps so far (a test hook, e.g. to swap parameters at
         a known step; with ``decode_steps_per_call=k`` it runs every k steps).
@@ -126,32 +125,25 @@ class Generator:
         splits one batch over several generators passes global ids, so the split never changes samples.
         ``max_new_tokens_per_prompt`` caps each prompt's responses at its own length (each at most
         ``sampling.max_new_tokens``; stop tokens still end them), e.g. the turns of trajectories with different
-        budgets left. Conversations (contiguous KV caches only): ``keep=True`` returns each row's KV cache in
-        ``Rollouts.kept`` as (prefix, cached tokens) when it finished in a slot (its last drawn token is not
-        cached); ``prefixes[i]``, such a pair, makes prompt i the tokens that extend that cache (that last
-        token first), prefilled onto it instead of from scratch."""
+        budgets left (multi-turn conversations: :class:`~nereus_jax.engine.conversations.Conversations`)."""
         if refill not in ("continuous", "static"):
             raise EngineError(f"refill must be 'continuous' or 'static', got {refill!r}")
         prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
         if forced_lengths is not None and max_new_tokens_per_prompt is not None:
             raise EngineError("give forced_lengths or max_new_tokens_per_prompt, not both")
-        if (keep or prefixes is not None) and self.engine.paged:
-            raise EngineError("keep / prefixes need a contiguous KV cache (an engine built without page_size)")
-        if prefixes is not None and (len(prefixes) != len(prompts) or sampling.n != 1 and any(prefixes)):
-            raise EngineError("prefixes needs one entry (or None) per prompt, and n = 1 where any is given")
-        offsets = np.asarray([0 if q is None else q[1] for q in prefixes or [None] * len(prompts)], np.int64)
-        limits = self._limits(prompts, sampling, forced_lengths, max_new_tokens_per_prompt, offsets)
-        ids = np.arange(len(prompts)) if prompt_ids is None else np.asarray(prompt_ids, np.int64).reshape(-1)
-        if ids.shape[0] != len(prompts) or np.any(ids < 0) or np.any(ids >= 2**31):
-            raise EngineError(f"prompt_ids needs one id in [0, 2**31) per prompt ({len(prompts)} prompts)")
+        limits = self._limits(prompts, sampling, forced_lengths, max_new_tokens_per_prompt)
+        run = _Run(self, prompts, sampling, limits, forced=forced_lengths is not None, refill=refill)
+        run.prompt_ids = _prompt_ids(prompt_ids, len(prompts))
+        return run.result(self._drive(run, on_step))
+
+    def _drive(self, run: _Run, on_step) -> float:
+        """Runs ``run``'s loop on this generator's decode state (set_params waits for step boundaries
+        meanwhile); returns its seconds."""
         with self._lock:
             self._running = True
         try:
             if not self._clean:  # an earlier call stopped mid-way: start from an empty state
                 self._state = self.engine.init_decode_state()
-            run = _Run(self, prompts, sampling, limits, forced=forced_lengths is not None, refill=refill)
-            run.keep, run.prefixes, run.offsets = keep, prefixes, offsets
-            run.prompt_ids = ids
             self._run = run
             start, cpu = time.perf_counter(), time.thread_time()
             self._clean = False
@@ -161,10 +153,10 @@ class Generator:
                 self._running = False
         self._clean = True
         run.stats["thread_cpu_s"] = time.thread_time() - cpu  # this thread's Python and dispatch seconds
-        return run.result(time.perf_counter() - start)
+        return time.perf_counter() - start
 
     # ------------------------------------------------------------------------------------- checking
-    def _limits(self, prompts, sampling, forced_lengths, per_prompt=None, offsets=None) -> np.ndarray:
+    def _limits(self, prompts, sampling, forced_lengths, per_prompt=None) -> np.ndarray:
         e = self.engine
         if len(sampling.stop_tokens) > e.max_stop_tokens:
             raise EngineError(f"{len(sampling.stop_tokens)} stop tokens given; the engine holds at most "
@@ -178,13 +170,7 @@ class Generator:
                 raise EngineError(f"{name} needs one length in [1, max_new_tokens={sampling.max_new_tokens}] "
                                   f"per prompt ({len(prompts)} prompts), got {limits.shape[0]} values in "
                                   f"[{limits.min(initial=0)}, {limits.max(initial=0)}]")
-        offsets = np.zeros(len(prompts), np.int64) if offsets is None else offsets
-        for i, (p, limit, off) in enumerate(zip(prompts, limits, offsets, strict=True)):
-            if off:  # extends a kept cache: one prefill onto it
-                if p.size == 0 or not e.extends_within(int(off), p.size) or off + p.size + limit > e.max_target_length:
-                    raise EngineError(f"prompt {i} extends a cache of {off} tokens by {p.size} (+ {limit} new): more "
-                                      f"than max_target_length={e.max_target_length} holds (see extends_within)")
-                continue
+        for i, (p, limit) in enumerate(zip(prompts, limits, strict=True)):
             if p.size == 0 or p.size > e.max_prompt_length:
                 longest = ("max_prefill_length" if e.max_prompt_length == e.max_prefill_length else
                            "max_prompt_length")
@@ -225,14 +211,15 @@ class _Run:
         self.slot_row = np.full(self.engine.max_concurrent_decodes, -1, np.int64)
         self.stats = collections.Counter()
         self.prompt_ids = np.arange(len(prompts))
+        # prompt p's samples are rows first_row[p] .. + samples[p] - 1; row r answers prompt row_prompt[r]
+        self.row_prompt = np.arange(rows) // n
+        self.first_row, self.samples = np.arange(len(prompts)) * n, np.full(len(prompts), n)
         e = self.engine
         self.pool = (PagePool(e.max_concurrent_decodes, e.page_size, e.kv_pages, e.decode_steps_per_call,
                               gen.admission) if e.paged else None)
         self.order = np.zeros(e.max_concurrent_decodes, np.int64)  # admission number of each slot's row
         self.admitted = 0
         self.parked: list[tuple[int, int, Any]] = []  # (admission number, row, host copy) oldest first
-        self.keep, self.prefixes, self.offsets = False, None, np.zeros(len(prompts), np.int64)  # see rollouts
-        self.kept: list[tuple[Any, int] | None] = [None] * rows
 
     def loop(self, on_step) -> None:
         while True:
@@ -276,7 +263,7 @@ class _Run:
         while self.parked and free:
             order, row, parked = self.parked[0]
             length, steps = int(parked.length), int(parked.steps)
-            limit = int(self.limits[row // self.sampling.n])
+            limit = int(self.limits[self.row_prompt[row]])
             if not self.pool.fits(length, steps, limit):
                 return False
             self.parked.pop(0)
@@ -308,7 +295,7 @@ class _Run:
         if self.pool is not None:
             stats.update(peak_pages=self.pool.peak_used, kv_pages=self.pool.total)
         return Rollouts(self.tokens, self.logprobs, self.lengths, tuple(self.finish), self.versions,
-                        np.arange(rows) // n, np.arange(rows) % n, stats, tuple(self.kept) if self.keep else None)
+                        np.arange(rows) // n, np.arange(rows) % n, stats)
 
     def _swap_params(self) -> None:
         gen = self.gen
@@ -320,7 +307,7 @@ class _Run:
     def _fill_slots(self) -> None:
         if self.refill == "static" and np.any(self.slot_row >= 0):
             return
-        free = list(np.flatnonzero(self.slot_row < 0))
+        free = self._free_slots()
         if self.pool is not None and not self._resume_parked(free):
             return  # the oldest preempted sequence goes first
         current, placed = None, []  # the samples of one prefix go in with one insert_many call
@@ -332,6 +319,7 @@ class _Run:
                 break
             self.ready.popleft()
             if self._append(row, token, logprob, version):
+                self._finished(row, None)
                 continue  # finished with its first token
             if prefix is not current:
                 self._insert(current, placed)
@@ -342,19 +330,23 @@ class _Run:
         self._insert(current, placed)
         self.stats["peak_live"] = max(self.stats["peak_live"], int(np.sum(self.slot_row >= 0)))
 
+    def _free_slots(self) -> list:
+        return list(np.flatnonzero(self.slot_row < 0))
+
     def _ends_at_once(self, row: int, token) -> bool:
-        return token in self.stops or self.limits[row // self.sampling.n] <= 1
+        return token in self.stops or self.limits[self.row_prompt[row]] <= 1
 
     def _admissible(self, row: int) -> bool:
         if self.pool is None:
             return True
-        return self.pool.fits(self.prompts[row // self.sampling.n].size, 1, int(self.limits[row // self.sampling.n]))
+        prompt = self.row_prompt[row]
+        return self.pool.fits(self.prompts[prompt].size, 1, int(self.limits[prompt]))
 
     def _admit(self, slot: int, row: int) -> None:
         self.slot_row[slot], self.order[slot] = row, self.admitted
         self.admitted += 1
         if self.pool is not None:
-            prompt = row // self.sampling.n
+            prompt = self.row_prompt[row]
             self.pool.start(slot, self.prompts[prompt].size, 1, int(self.limits[prompt]))
 
     def _insert(self, prefix, placed: list[tuple[int, int, int]]) -> None:
@@ -365,25 +357,25 @@ class _Run:
 
     def _prefill_next(self) -> None:
         batch, longest = self.engine.max_prefill_batch, self.engine.max_prefill_length
-        onto = lambda i: self.prefixes is not None and self.prefixes[i] is not None  # noqa: E731
-        if onto(self.waiting[0]):
-            self._prefill_onto(self.waiting.popleft())
-            return
         if self.prompts[self.waiting[0]].size > longest:
             self._prefill_chunked(self.waiting.popleft())
             return
-        take = []
+        take, n = [], self.samples[self.waiting[0]]  # one prefill shares its samples count
         while (self.waiting and len(take) < batch and self.prompts[self.waiting[0]].size <= longest
-               and not onto(self.waiting[0])):
+               and self.samples[self.waiting[0]] == n):
             take.append(self.waiting.popleft())
-        padded = take + take[-1:] * (batch - len(take))  # always full batches: one program per length bucket
+        padded = self._padded(take)
         prompts = [self.prompts[i] for i in padded]
         t = max(p.size for p in prompts)
         tokens = np.stack([np.pad(p, (0, t - p.size)) for p in prompts])
         prefix, first = self.engine.prefill(params=self.gen._params, padded_tokens=tokens,
                                             true_length=[p.size for p in prompts], requests=self._requests(padded),
-                                            num_samples=self.sampling.n)
+                                            num_samples=int(n))
         self._ready(prefix, first, take)
+
+    def _padded(self, take: list[int]) -> list[int]:
+        """The prompts of one prefill, repeated up to full batches: one program per length bucket."""
+        return take + take[-1:] * (self.engine.max_prefill_batch - len(take))
 
     def _prefill_chunked(self, prompt: int) -> None:
         """A prompt longer than max_prefill_length, alone, chunk after chunk onto the growing prefix."""
@@ -392,18 +384,9 @@ class _Run:
         for size in self.engine.prefill_chunks(tokens.size):
             prefix, first = self.engine.prefill(params=self.gen._params, existing_prefix=prefix,
                                                 padded_tokens=tokens[start:start + size], true_length=size,
-                                                requests=requests, num_samples=self.sampling.n)
+                                                requests=requests, num_samples=int(self.samples[prompt]))
             start += size
             self.stats["prefill_chunks"] += 1
-        self._ready(prefix, first, [prompt])
-
-    def _prefill_onto(self, prompt: int) -> None:
-        """A prompt that extends a kept cache, alone, in one prefill onto it."""
-        tokens, (base, _) = self.prompts[prompt], self.prefixes[prompt]
-        prefix, first = self.engine.prefill(params=self.gen._params, existing_prefix=base, padded_tokens=tokens,
-                                            true_length=tokens.size, requests=self._requests([prompt]),
-                                            num_samples=self.sampling.n)
-        self.stats["prefill_onto"] += 1
         self._ready(prefix, first, [prompt])
 
     def _requests(self, prompts: list[int]):
@@ -414,12 +397,12 @@ class _Run:
 
     def _ready(self, prefix, first, take: list[int]) -> None:
         """The first tokens of a prefill's prompts ``take`` (its first rows) wait for slots."""
-        s = self.sampling
         first_tokens, first_logprobs = jax.device_get((first.tokens, first.logprobs))
+        self.stats["prefill_tokens"] += sum(self.prompts[p].size for p in take)
         for prow, prompt in enumerate(take):
-            for j in range(s.n):
-                self.ready.append((prefix, self.gen.version, prow, j, prompt * s.n + j, first_tokens[prow, j],
-                                   first_logprobs[prow, j]))
+            for j in range(self.samples[prompt]):
+                self.ready.append((prefix, self.gen.version, prow, j, self.first_row[prompt] + j,
+                                   first_tokens[prow, j], first_logprobs[prow, j]))
         self.stats["prefill_calls"] += 1
         self.stats["prefill_rows"] += len(take)
 
@@ -429,7 +412,7 @@ class _Run:
         self.tokens[row, i], self.logprobs[row, i], self.versions[row, i] = token, logprob, version
         self.lengths[row] = i + 1
         stopped = token in self.stops
-        if stopped or i + 1 >= self.limits[row // self.sampling.n]:
+        if stopped or i + 1 >= self.limits[self.row_prompt[row]]:
             self.finish[row] = "stop" if stopped else "length"
             return True
         return False
@@ -445,12 +428,19 @@ class _Run:
             assert finished == bool(done[slot]), f"slot {slot}: host and device disagree on the row's end"
             if finished:
                 self.slot_row[slot] = -1
-                if self.keep:  # its cache: the prompt (and a kept prefix) + every drawn token but the last
-                    prompt = row // self.sampling.n
-                    cached = int(self.offsets[prompt]) + self.prompts[prompt].size + int(self.lengths[row]) - 1
-                    self.kept[row] = (self.engine.keep(self.gen._state, int(slot), cached), cached)
+                self._finished(int(row), int(slot))
         if self.pool is not None:
             self.pool.step(live, done[live])
+
+    def _finished(self, row: int, slot: int | None) -> None:
+        """Row ``row`` ended, in ``slot`` (None: with its first token, before it had one); a hook."""
+
+
+def _prompt_ids(given: Sequence[int] | None, count: int) -> np.ndarray:
+    ids = np.arange(count) if given is None else np.asarray(given, np.int64).reshape(-1)
+    if ids.shape[0] != count or np.any(ids < 0) or np.any(ids >= 2**31):
+        raise EngineError(f"prompt_ids needs one id in [0, 2**31) per prompt ({count} prompts)")
+    return ids
 
 
 def rollouts(engine: JaxEngine, params: Params, prompts: Sequence[Sequence[int]], sampling: SamplingParams,

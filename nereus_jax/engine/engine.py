@@ -105,8 +105,8 @@ class JaxEngine:
         self.kv_heads = cfg.num_kv_heads * kv_repeat(cfg, self.layout)
         self.dtype = jnp.dtype(cfg.compute_dtype)
         self.prefill_lengths = _buckets(self._max_prefill)
-        self.keep_widths = _buckets(self.max_target_length)
         self.prefill_batches = _buckets(self.max_prefill_batch, smallest=1)
+        self.slot_widths = _buckets(self.max_target_length + self._max_prefill)  # prefill_slots' attention spans
         self.traces: collections.Counter[str] = collections.Counter()
         self._tokenizer = tokenizer
         self._stored_shapes: tuple[ModelConfig, dict] | None = None
@@ -300,24 +300,38 @@ class JaxEngine:
         return self._programs.generate_steps(params, decode_state, self._items(decode_state, pages,
                                                                       self.decode_steps_per_call))
 
-    def keep(self, decode_state: DecodeState, slot: int, length: int) -> Prefix:
-        """A finished sequence's KV cache, still in slot ``slot`` (not yet reused), as a one-row prefix of its
-        ``length`` cached tokens (the last token it drew is not among them): ``prefill(existing_prefix=...)``
-        extends it, e.g. with that token and a tool's answer, so a conversation's next turn does not prefill
-        it all again. The cache is copied out, padded to a width in :attr:`keep_widths`. Contiguous (not
-        paged) engines."""
+    def prefill_slots(self, params: Params, decode_state: DecodeState, slots: Sequence[int], padded_tokens,
+                      true_length, requests: Requests) -> tuple[DecodeState, ResultTokens]:
+        """Continues sequences whose KV caches are still in their slots (a finished turn's, the slot not
+        reused since; contiguous engines): row i's tokens (``padded_tokens`` [rows, t], right-padded,
+        ``true_length`` [rows]) are prefilled onto slot ``slots[i]``'s cache from its length on, row i's first
+        token is drawn under ``requests`` row i (as token 0 of a response), and the slot decodes on from it
+        with that request; a first token that ends the request leaves the slot inactive. Many sequences in
+        one call (rows, length and the attended span padded to their buckets: ``prefill_batches``,
+        ``prefill_lengths``, ``slot_widths``), so a conversation's next turn is neither a prefill of the whole
+        conversation nor a copy of its cache. Results ``[rows, 1]``. ``decode_state`` is donated."""
         if self.paged:
-            raise EngineError("keep needs a contiguous KV cache (an engine built without page_size)")
-        self._check_slot(slot)
-        if not 0 < length <= self.max_target_length:
-            raise EngineError(f"length {length} is out of range (1 to max_target_length={self.max_target_length})")
-        return self._programs.keep(decode_state, np.int32(slot), _bucket(length, self.keep_widths))
-
-    def extends_within(self, length: int, tokens: int) -> bool:
-        """Whether a prefix kept at ``length`` tokens can be extended by ``tokens`` in one prefill: its
-        padded width plus the tokens' bucket fit ``max_target_length``."""
-        return (tokens <= self._max_prefill and _bucket(length, self.keep_widths)
-                + _bucket(tokens, self.prefill_lengths) <= self.max_target_length)
+            raise EngineError("prefill_slots needs a contiguous KV cache (an engine built without page_size)")
+        tokens_bt, true_b = self._check_prompts(padded_tokens, true_length)
+        slots = np.asarray(slots, np.int32).reshape(-1)
+        rows = tokens_bt.shape[0]
+        if slots.shape[0] != rows or np.unique(slots).size != rows or slots.min() < 0 or slots.max() >= self._slots:
+            raise EngineError(f"prefill_slots needs {rows} distinct slots in [0, {self._slots}), got {slots.tolist()}")
+        start = np.asarray(jax.device_get(decode_state.lengths))[slots]
+        requests = Requests(*[np.asarray(x) for x in requests])
+        if requests.seed.shape != (rows,) or np.any(start + true_b + requests.limit > self.max_target_length):
+            raise EngineError(f"{rows} requests needed, and each slot's length + tokens + limit <= "
+                              f"max_target_length={self.max_target_length}; got lengths {start.tolist()}, tokens "
+                              f"{true_b.tolist()}, limits {requests.limit.tolist()}")
+        padded = _bucket(rows, self.prefill_batches)
+        length = _bucket(tokens_bt.shape[1], self.prefill_lengths)
+        tokens_bt = np.pad(tokens_bt, ((0, padded - rows), (0, length - tokens_bt.shape[1])))
+        true_b = np.pad(true_b, (0, padded - rows), constant_values=1)
+        slots = np.pad(slots, (0, padded - rows), constant_values=self._slots)  # out of range: dropped
+        requests = Requests(*[np.concatenate([x, np.repeat(x[-1:], padded - rows, axis=0)]) for x in requests])
+        width = _bucket(int(np.max(start)) + length, self.slot_widths)
+        state, result = self._programs.prefill_slots(params, decode_state, slots, tokens_bt, true_b, requests, width)
+        return state, jax.tree.map(lambda x: x[:rows], result)
 
     def evict(self, decode_state: DecodeState, slot: int, *, pages: int | None = None
               ) -> tuple[DecodeState, Parked]:

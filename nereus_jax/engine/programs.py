@@ -21,8 +21,8 @@ from nereus_jax.sharding import Layout, activation_sharding, logical_to_spec, pa
 
 class DecodePrograms:
     """The jitted programs of one engine (``unstack``, ``init_state``, ``empty_prefix``, ``prefill``,
-    ``insert``, ``insert_many``, ``generate``, ``generate_steps``; paged: ``evict``, ``resume``), counting their
-    traces in ``traces``."""
+    ``insert``, ``insert_many``, ``generate``, ``generate_steps``; contiguous: ``prefill_slots``; paged:
+    ``evict``, ``resume``), counting their traces in ``traces``."""
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, layout: Layout, *, slots: int, max_target_length: int,
                  kv_heads: int, max_stop_tokens: int, decode_steps_per_call: int, page_size: int | None,
@@ -73,7 +73,8 @@ class DecodePrograms:
         self.generate_steps = jax.jit(self._traced("generate_steps", self._generate_steps_impl), donate_argnums=1,
                                        static_argnums=step, out_shardings=(state_sh, result_sh))
         if not self.paged:
-            self.keep = jax.jit(self._traced("keep", self._keep_impl), static_argnums=2, out_shardings=prefix_sh)
+            self.prefill_slots = jax.jit(self._traced("prefill_slots", self._prefill_slots_impl), donate_argnums=1,
+                                         static_argnums=6, out_shardings=(state_sh, result_sh))
         if self.paged:
             self.evict = jax.jit(self._traced("evict", self._evict_impl), donate_argnums=0, static_argnums=2,
                                   out_shardings=(state_sh, self.parked_sharding()))
@@ -184,13 +185,42 @@ class DecodePrograms:
         return DecodeState(caches, put(state.tokens, tokens), put(state.lengths, lengths),
                            put(state.steps, jnp.ones_like(tokens)), put(state.active, placed), requests, pages)
 
-    def _keep_impl(self, state, slot, width):
-        """Slot ``slot``'s cache (its first ``width`` positions) and request as a one-row prefix."""
-        caches = tuple(tuple(jax.lax.dynamic_slice(c, (slot, 0, 0, 0), (1, c.shape[1], width, c.shape[3]))
-                             for c in kv) for kv in state.caches)
-        request = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0), state.requests)
-        return Prefix(caches, state.lengths[slot][None], state.tokens[slot].reshape(1, 1),
-                      jnp.zeros((1, 1), jnp.float32), request)
+    def _prefill_slots_impl(self, params, state, slots, tokens_bt, true_b, requests, width):
+        """Row b's tokens prefilled onto the cache in slot ``slots[b]`` (from its length on), its first token
+        drawn, and the slot made live with the row's request; rows whose slot is out of range are padding
+        (nothing changes). Attention reads the rows' first ``width`` positions (a bucket holding every row's
+        length + the tokens' bucket; past the slot's end it is zeros, so a padded bucket never overruns the
+        slot: a clamped write would land on earlier positions). Rows are read and written back one slice each
+        (XLA:CPU's gathers and scatters of whole windows are far slower than these copies)."""
+        rows, t = tokens_bt.shape
+        valid = slots < self._slots
+        start = state.lengths[jnp.minimum(slots, self._slots - 1)]
+        cut = min(width, self.max_target_length)
+
+        def rows_of(c):  # [rows, kv, width, head_dim]
+            out = jnp.concatenate([jax.lax.dynamic_slice(c, (slots[b], 0, 0, 0), (1,) + c.shape[1:2] + (cut,)
+                                                         + c.shape[3:]) for b in range(rows)])
+            pad = jnp.zeros(out.shape[:2] + (width - cut,) + out.shape[3:], out.dtype)
+            return out if cut == width else jnp.concatenate([out, pad], axis=2)
+
+        def back(c, old, new):  # padding rows write back what they read, and go first (their slot is clamped)
+            for b in reversed(range(rows)):
+                row = jnp.where(valid[b], new[b:b + 1, :, :cut], old[b:b + 1, :, :cut])
+                c = jax.lax.dynamic_update_slice(c, row, (slots[b], 0, 0, 0))
+            return c
+
+        old = tuple((rows_of(k), rows_of(v)) for k, v in state.caches)
+        hidden, new = decode.run(params, self.cfg, tokens_bt, start, old, only_b=true_b - 1)
+        tokens, logprobs = sample_blocks(decode.logits(params, hidden[:, 0]), requests, jnp.zeros((rows,), jnp.int32))
+        done = _is_done(tokens, jnp.ones_like(tokens), requests)
+        caches = tuple((back(k, ok, nk), back(v, ov, nv))
+                       for (k, v), (ok, ov), (nk, nv) in zip(state.caches, old, new, strict=True))
+        put = lambda x, v: x.at[slots].set(v, mode="drop")  # noqa: E731
+        state = DecodeState(caches, put(state.tokens, tokens), put(state.lengths, start + true_b),
+                            put(state.steps, jnp.ones_like(tokens)), put(state.active, ~done),
+                            jax.tree.map(put, state.requests, requests))
+        ones = jnp.ones((rows, 1), jnp.int32)
+        return state, ResultTokens(tokens[:, None], logprobs[:, None], ones.astype(bool), ones, done[:, None])
 
     def _evict_impl(self, state, slot, count):
         pages, caches, held = paged.take_out(state.caches, state.pages, slot, count)

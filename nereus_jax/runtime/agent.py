@@ -6,12 +6,14 @@ rendered the way the chat template renders them after that assistant message, to
 next turn generates from the whole trajectory so far. The model's own tokens are the only ones the loss reads
 (``RolloutBatch.response_mask_br``); every real token is context (``context_mask_br``).
 
-Turn k > 1 continues each conversation on the replica that generated it: with ``rollout.turn_cache=keep`` (and a
-contiguous KV cache) the cache its last turn left is kept and only the new tokens (the turn's last drawn token,
-then the environment's) are prefilled onto it; otherwise, or where the kept cache cannot grow by them, the
-whole conversation is prefilled again (in bucketed batches). Each turn samples with a seed of the data position,
-sample and turn, so a split over replicas or a resume draws the same. The turns of a step run in lock-step (the
-tools of one turn in parallel).
+Every conversation stays on the replica that started it, and its turns run asynchronously
+(:class:`~nereus_jax.engine.conversations.Conversations`): when a turn ends, the environment's step runs in the
+tool pool while that engine's other conversations go on decoding (continuous batching); its answer starts the
+conversation's next turn. With ``rollout.turn_cache=keep`` (and a contiguous KV cache) the conversation's cache
+stays in its decode slot meanwhile and only the new tokens (the turn's last drawn token, then the
+environment's) are prefilled onto it, several conversations in one call; a parked conversation whose slot is
+needed is evicted and later prefilled whole, as every later turn is with ``reprefill``. Each turn samples with
+a seed of the data position, sample and turn, so the schedule, a split over replicas or a resume draw the same.
 A trajectory ends when the environment says done, after ``rollout.max_turns`` turns, or when its tokens fill
 the response budget (the step's ``rollout.max_response_length``, capped by ``rollout.max_total_length``).
 """
@@ -29,6 +31,7 @@ import jax
 import numpy as np
 
 from nereus_jax.config import ConfigError
+from nereus_jax.engine.conversations import Conversations, Turn
 from nereus_jax.rl.batch import RolloutBatch, left_pad, right_pad
 from nereus_jax.rl.env import Env, EnvStep, make_env, tool_schemas
 from nereus_jax.rl.errors import TokenizerError
@@ -36,6 +39,7 @@ from nereus_jax.rl.tasks import Problem
 from nereus_jax.rl.tools import result_text
 
 _SENTINEL = "\u2063NEREUS-ASSISTANT-TURN\u2063"
+TOOL_THREADS = 64  # environment steps (tool calls) of one job running at once; more wait for a thread
 
 
 @dataclasses.dataclass
@@ -62,8 +66,10 @@ class AgentRollouts:
         self.tok, self.cfg = rollout.tok, rollout.cfg
         self.schemas = tool_schemas(env)
         self.chat = fmt != "plain"
-        self._pool = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="nereus-env")
+        # a conversation whose turn ended waits for no thread: tool calls of this many at once
+        self._pool = concurrent.futures.ThreadPoolExecutor(TOOL_THREADS, thread_name_prefix="nereus-env")
         self.metrics: dict[str, float] = {}
+        self.engine_seconds: dict[str, float] = {}  # the last collect's engines' wall seconds by phase, summed
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
@@ -109,22 +115,18 @@ class AgentRollouts:
         engines = [g for g in self.rollout.engines if g is not None]
         return self.cfg.rollout.turn_cache == "keep" and bool(engines) and not engines[0].engine.paged
 
-    def extends(self, cached: int, tokens: int) -> bool:
-        engine = next(g for g in self.rollout.engines if g is not None).engine
-        return tokens > 0 and engine.extends_within(cached, tokens)
-
     def stop_tokens(self) -> tuple[int, ...]:
         """The engine's stop tokens: the tokenizer's, and in the plain format with tools the ``]`` that closes
         a call."""
         stops = tuple(self.tok.eos_ids)
         return stops + tuple(self._plain_ids("]")) if not self.chat and self.schemas else stops
 
-    # ------------------------------------------------------------------------------ the turn loop
+    # ------------------------------------------------------------------------------ the turns
     def collect(self, problems: Sequence[Problem], positions: np.ndarray, temperature: float, n: int,
                 budget: int) -> RolloutBatch:
         """Trajectories of every prompt's ``n`` samples (prompt-major rows), response columns padded to R."""
         r = self.rollout
-        P, R = r.P, r.R
+        P = r.P
         total = self.cfg.rollout.max_total_length
         starts = [self.env.reset(p) for p in problems]
         prompts = [self.prompt_ids(m) for m in starts]
@@ -134,54 +136,25 @@ class AgentRollouts:
                               "raise rollout.max_prompt_length or shorten what task.env's reset() returns")
         trajs = [Trajectory(prompts[i], [dict(m) for m in starts[i]]) for i in range(len(problems)) for _ in range(n)]
         limits = [budget if total is None else min(budget, total - len(t.prompt)) for t in trajs]
-        engine_of = np.repeat(r.engine_split(len(prompts)), n)  # a conversation stays where its cache is
-        keep = self.keeps_cache()
-        kept: list = [None] * len(trajs)
-        prefilled = 0  # prompt tokens prefilled over all turns
-        for turn in range(self.cfg.rollout.max_turns):
-            active = [i for i, t in enumerate(trajs) if not t.done]
-            if not active:
-                break
-            if turn == 0:
-                out = r.generate(prompts, r.sampling(temperature, n, budget, self.stop_tokens()),
-                                 positions % (2**31), per_prompt=[max(1, min(limits[i * n:(i + 1) * n]))
-                                                                 for i in range(len(prompts))], keep=keep)
-                prefilled += sum(len(p) for p in prompts)
-            else:
-                ids = [_turn_seed(int(positions[i // n]), i % n, turn) for i in active]
-                inputs, onto = [], []
-                for i in active:
-                    full, k = trajs[i].prompt + trajs[i].tokens, kept[i]
-                    use = k is not None and self.extends(k[1], len(full) - k[1])
-                    inputs.append(full[k[1]:] if use else full)
-                    onto.append(k if use else None)
-                prefilled += sum(len(x) for x in inputs)
-                out = r.generate(inputs, r.sampling(temperature, 1, budget, self.stop_tokens()), np.asarray(ids),
-                                 per_prompt=[limits[i] - len(trajs[i].tokens) for i in active],
-                                 engine_of=engine_of[active], keep=keep, prefixes=onto if keep else None)
-            rows = list(range(len(trajs))) if turn == 0 else active
-            for k, i in enumerate(rows):
-                kept[i] = out.kept[k] if keep else None
-            texts, stopped = [], []
-            for k, i in enumerate(rows):
-                t, m = trajs[i], int(out.lengths[k])
-                new = out.tokens[k, :m].tolist()
-                t.tokens += new
-                t.own += [1] * m
-                t.logp += out.logprobs[k, :m].tolist()
-                v = out.param_versions[k, :m]
-                t.version = min(t.version, int(v[v >= 0].min(initial=t.version)))
-                t.turns += 1
-                texts.append(self.tok.decode(new))
-                stopped.append(out.finish_reasons[k] == "stop")
-            steps = list(self._pool.map(lambda a: self.env.step(trajs[a[0]].messages,
-                                                                {"role": "assistant", "content": a[1]}),
-                                        zip(rows, texts, strict=True)))
-            for i, text, step, stop in zip(rows, texts, steps, stopped, strict=True):
-                self._advance(trajs[i], text, step, stop, limits[i], last=turn + 1 == self.cfg.rollout.max_turns)
-                if trajs[i].done:
-                    kept[i] = None  # its cache is not extended again: free the device copy now
-        self.metrics = _metrics(trajs) | {"turn_prefill_tokens": prefilled}
+        engine_of = r.engine_split(len(prompts))
+        sampling = r.sampling(temperature, n, budget, self.stop_tokens())
+        turns = _Turns(self, trajs, limits, positions, n)
+        for e in range(len(r.engines)):
+            idx = np.flatnonzero(engine_of == e)
+            if len(idx):  # a conversation stays on its replica, where its cache is
+                convs = Conversations(r.engines[e], [prompts[i] for i in idx], sampling,
+                                      prompt_ids=positions[idx] % (2**31), park=self.keeps_cache(),
+                                      max_new_tokens_per_prompt=[max(1, min(limits[i * n:(i + 1) * n])) for i in idx])
+                turns.add(e, convs, [i * n + j for i in idx for j in range(n)])
+        stats = turns.run()
+        total = lambda key: sum(s.get(key, 0) for s in stats)  # noqa: E731
+        self.metrics = _metrics(trajs) | {"turn_prefill_tokens": total("prefill_tokens"),
+                                          "turns_evicted": total("evicted")}
+        self.engine_seconds = {k: total(f"{k}_seconds") for k in ("decode", "prefill", "wait")}
+        return self._batch(trajs, positions, n, len(problems))
+
+    def _batch(self, trajs: Sequence[Trajectory], positions: np.ndarray, n: int, count: int) -> RolloutBatch:
+        P, R = self.rollout.P, self.rollout.R
         response, own = right_pad([t.tokens for t in trajs], R, self.tok.pad_id)
         own[:, :] = 0
         logp = np.zeros((len(trajs), R), np.float32)
@@ -192,19 +165,31 @@ class AgentRollouts:
         prompt, prompt_mask = left_pad([t.prompt for t in trajs], P, self.tok.pad_id)
         rewards = np.asarray([t.env_reward for t in trajs], np.float32)
         return RolloutBatch(prompt, prompt_mask, response, own, logp, np.repeat(positions, n),
-                            np.tile(np.arange(n), len(problems)).astype(np.int32),
+                            np.tile(np.arange(n), count).astype(np.int32),
                             np.asarray([t.version for t in trajs], np.int32), context,
                             rewards if np.any(rewards) else None)
 
-    def _advance(self, t: Trajectory, text: str, step: EnvStep, stopped: bool, limit: int, last: bool) -> None:
-        """After a turn: the environment's verdict, and the tokens the next turn starts from."""
+    def record(self, t: Trajectory, turn: Turn) -> tuple[str, bool]:
+        """A finished turn joins its trajectory; returns its text and whether a stop token ended it."""
+        new = turn.tokens.tolist()
+        t.tokens += new
+        t.own += [1] * len(new)
+        t.logp += turn.logprobs.tolist()
+        v = turn.versions
+        t.version = min(t.version, int(v[v >= 0].min(initial=t.version)))
+        t.turns += 1
+        return self.tok.decode(new), turn.finish == "stop"
+
+    def advance(self, t: Trajectory, text: str, step: EnvStep, stopped: bool, limit: int, last: bool) -> list[int]:
+        """After a turn: the environment's verdict, and the tokens the next turn starts from (appended to the
+        trajectory and returned; none when it is done)."""
         for key in ("tool_calls", "tool_errors", "tool_timeouts", "tool_seconds"):
             t.stats[key] = t.stats.get(key, 0) + getattr(step, key)
         t.env_reward += float(step.reward or 0.0)
         t.messages.append({"role": "assistant", "content": text})
         if step.done or last or len(t.tokens) >= limit:
             t.done = True
-            return
+            return []
         extra = self.continuation(t, step, stopped)
         t.messages += [dict(m) for m in step.messages]
         room = limit - len(t.tokens)
@@ -215,6 +200,56 @@ class AgentRollouts:
         t.tokens += extra
         t.own += [0] * len(extra)
         t.logp += [0.0] * len(extra)
+        return extra
+
+
+class _Turns:
+    """One collect's conversations on the replicas' engines: each finished turn joins its trajectory (in the
+    engine's thread) and goes to the environment in the tool pool, whose verdict answers the conversation (its
+    next turn) or closes it; meanwhile the engine decodes the others. An error anywhere stops every engine's
+    conversations and is raised by :meth:`run`."""
+
+    def __init__(self, agent: AgentRollouts, trajs: list[Trajectory], limits: list[int], positions: np.ndarray,
+                 n: int):
+        self.agent, self.trajs, self.limits, self.positions, self.n = agent, trajs, limits, positions, n
+        self.sessions: list[tuple[int, Conversations, list[int]]] = []  # (engine, conversations, their rows)
+
+    def add(self, engine: int, convs: Conversations, rows: list[int]) -> None:
+        self.sessions.append((engine, convs, rows))
+
+    def run(self) -> list[dict]:
+        """Runs every engine's conversations to their end, each engine in its thread; their statistics."""
+        outs = self.agent.rollout.run_engines([(e, self._runner(c, rows)) for e, c, rows in self.sessions])
+        return [outs[e] for e, _, _ in self.sessions]
+
+    def _runner(self, convs: Conversations, rows: list[int]):
+        def on_turn(turn: Turn) -> None:
+            try:
+                row = rows[turn.conversation]
+                text, stopped = self.agent.record(self.trajs[row], turn)
+                self.agent._pool.submit(self._env_step, convs, turn.conversation, row, text, stopped)
+            except BaseException as e:
+                self.abort(e)
+                raise
+
+        return lambda gen: convs.run(on_turn)
+
+    def _env_step(self, convs: Conversations, conversation: int, row: int, text: str, stopped: bool) -> None:
+        try:
+            agent, t = self.agent, self.trajs[row]
+            step = agent.env.step(t.messages, {"role": "assistant", "content": text})
+            extra = agent.advance(t, text, step, stopped, self.limits[row], last=t.turns == agent.cfg.rollout.max_turns)
+            if t.done:
+                convs.close(conversation)
+                return
+            seed = _turn_seed(int(self.positions[row // self.n]), row % self.n, t.turns)
+            convs.answer(conversation, extra, limit=self.limits[row] - len(t.tokens), prompt_id=seed)
+        except BaseException as e:  # noqa: BLE001 - raised by run(), in the caller's thread
+            self.abort(e)
+
+    def abort(self, error: BaseException) -> None:
+        for _, convs, _ in self.sessions:
+            convs.fail(error)
 
 
 def make_agent_env(cfg, tok) -> tuple[Env, str]:

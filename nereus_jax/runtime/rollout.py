@@ -185,21 +185,17 @@ class Rollout:
         return out
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, ids: np.ndarray,
-                 per_prompt: Sequence[int] | None = None, *, engine_of: np.ndarray | None = None,
-                 keep: bool = False, prefixes: Sequence | None = None) -> Rollouts:
-        """Rollouts of ``prompts`` (ids: their identities in the random stream) over the actor-gen replicas
-        (``engine_of``: each prompt's; default :meth:`engine_split`), as one: rows prompt-major in the given
-        order, every array concatenated. ``per_prompt``: each prompt's own token limit; ``keep`` /
-        ``prefixes``: conversations' KV caches (``Generator.rollouts``; a prefix lives on the replica that
-        kept it, so a conversation keeps its ``engine_of``)."""
-        engine_of = self.engine_split(len(prompts)) if engine_of is None else np.asarray(engine_of)
+                 per_prompt: Sequence[int] | None = None) -> Rollouts:
+        """Rollouts of ``prompts`` (ids: their identities in the random stream) split over the actor-gen
+        replicas (:meth:`engine_split`), as one: rows prompt-major in the given order, every array
+        concatenated. ``per_prompt``: each prompt's own token limit."""
+        engine_of = self.engine_split(len(prompts))
         limits = None if per_prompt is None else np.asarray(per_prompt, np.int32)
         groups = [(e, np.flatnonzero(engine_of == e)) for e in range(len(self._engines))]
 
         def work(idx):
             return lambda g: g.rollouts([prompts[j] for j in idx], sampling, prompt_ids=ids[idx],
-                                        max_new_tokens_per_prompt=None if limits is None else limits[idx],
-                                        keep=keep, prefixes=None if prefixes is None else [prefixes[j] for j in idx])
+                                        max_new_tokens_per_prompt=None if limits is None else limits[idx])
 
         outs = self.on_engines([(e, work(idx)) for e, idx in groups if len(idx)])
         n = sampling.n
@@ -207,10 +203,8 @@ class Rollout:
                                            if len(idx)]), kind="stable")  # rows back in the prompts' order
         cat = lambda name: np.concatenate([getattr(o, name) for o in outs])[order]  # noqa: E731
         finish = [f for o in outs for f in (o.finish_reasons or ("",) * o.num_rows)]  # another process's: none
-        kept = [k for o in outs for k in (o.kept or [None] * o.num_rows)]
         return Rollouts(cat("tokens"), cat("logprobs"), cat("lengths"), tuple(finish[i] for i in order),
-                        cat("param_versions"), cat("prompt_index"), cat("sample_index"), {},
-                        tuple(kept[i] for i in order) if keep else None)
+                        cat("param_versions"), cat("prompt_index"), cat("sample_index"), {})
 
     def on_engines(self, work: Sequence[tuple[int, Any]]) -> list[Rollouts]:
         """``fn(engine)`` for each (engine index, fn), in order. With several processes each process runs
@@ -229,7 +223,13 @@ class Rollout:
             outs.append(mine or Rollouts(*arrays[:3], (), *arrays[3:], {}))
         return outs
 
-    def _run_local(self, work: Sequence[tuple[int, Any]]) -> dict[int, Rollouts]:
+    def run_engines(self, work: Sequence[tuple[int, Any]]) -> dict[int, Any]:
+        """``fn(generator)`` for each (engine index, fn) of this process's engines, each engine in a thread of
+        its own; the results by engine index. (A result with ``stats`` or a dict of them counts its
+        ``thread_cpu_s``.)"""
+        return self._run_local(work)
+
+    def _run_local(self, work: Sequence[tuple[int, Any]]) -> dict[int, Any]:
         """This process's engines, each in a thread of its own: every engine's decode loop waits on its own
         devices, so one after another would keep only one replica busy at a time (results do not depend
         on the order: sampling is keyed per request)."""
@@ -242,7 +242,7 @@ class Rollout:
             self._engine_pool_size = len(work)
         futures = {i: self._engine_pool.submit(fn, self._engines[i]) for i, fn in work}
         outs = {i: f.result() for i, f in futures.items()}
-        self.engine_thread_cpu_s += sum(o.stats.get("thread_cpu_s", 0.0) for o in outs.values())
+        self.engine_thread_cpu_s += sum(getattr(o, "stats", o).get("thread_cpu_s", 0.0) for o in outs.values())
         return outs
 
     def sampling(self, temperature: float, n: int, max_new_tokens: int | None = None,

@@ -1,0 +1,264 @@
+"""Multi-turn sequences on one :class:`~nereus_jax.engine.driver.Generator`: conversations whose turns are
+generated with continuous batching while their other turns wait for answers from outside (a tool, a user).
+
+    convs = Conversations(gen, prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=256))
+    convs.run(on_turn)              # in the engine's thread; returns when every conversation is closed
+    # on_turn(turn) runs in that thread when a conversation's turn ends (a stop token or its limit); then,
+    # from any thread:
+    convs.answer(turn.conversation, tokens, limit=64, prompt_id=7)   # its next turn: after these tokens
+    convs.close(turn.conversation)                                  # or: it is over
+
+Conversation ``c`` is row ``prompt * n + sample`` of the first turn (the n samples of a prompt share one
+prefill). An answer's tokens follow the turn's last drawn token; the next turn draws up to ``limit`` tokens
+as request ``prompt_id`` (sample 0) of the random stream, so it draws what a fresh ``Generator.rollouts`` of
+the whole conversation with that id draws.
+
+While a conversation waits for its answer no slot decodes it, and the others (and new conversations) go on.
+With ``park=True`` (contiguous KV caches) its cache stays in its slot meanwhile: the answer's tokens, with
+the last drawn one first, are prefilled onto it in that slot (:meth:`JaxEngine.prefill_slots`, one call for
+all conversations answered since the last decode step). When a waiting conversation needs a slot and none
+is free, a parked conversation is evicted (the one with the shortest cache: the cheapest to rebuild) and its
+next turn prefills the whole conversation again, with the same tokens. With ``park=False`` (and on paged
+engines) every turn after the first prefills the whole conversation. Greedy turns are the same tokens either
+way; log-probabilities agree to float rounding (the kept keys and values were computed a decode step at a
+time).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from nereus_jax.engine.driver import Generator, _prompt_ids, _Run
+from nereus_jax.engine.engine import EngineError
+from nereus_jax.engine.sampling import SamplingParams
+
+
+class Turn(NamedTuple):
+    """One finished turn of conversation ``conversation``: its drawn tokens and their log-probabilities and
+    parameter versions, and why it ended ("stop" or "length")."""
+
+    conversation: int
+    tokens: np.ndarray  # [m] int32
+    logprobs: np.ndarray  # [m] float32
+    versions: np.ndarray  # [m] int32
+    finish: str
+
+
+class Conversations:
+    """The conversations of one engine (see the module docstring). ``answer`` / ``close`` / ``fail`` may be
+    called from any thread; ``run`` once, in the thread that owns the generator."""
+
+    def __init__(self, gen: Generator, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
+                 prompt_ids: Sequence[int] | None = None, max_new_tokens_per_prompt: Sequence[int] | None = None,
+                 park: bool = True):
+        if park and gen.engine.paged:
+            raise EngineError("park=True keeps caches in their slots: it needs a contiguous KV cache (an engine "
+                              "built without page_size)")
+        prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
+        limits = gen._limits(prompts, sampling, None, max_new_tokens_per_prompt)
+        self._run = _Session(gen, prompts, sampling, limits, park)
+        self._run.prompt_ids = _prompt_ids(prompt_ids, len(prompts))
+        self.gen = gen
+
+    @property
+    def count(self) -> int:
+        """Conversations: prompts x n."""
+        return self._run.lengths.shape[0]
+
+    def run(self, on_turn: Callable[[Turn], None]) -> collections.Counter:
+        """Generates every turn until every conversation is closed; ``on_turn`` gets each finished turn.
+        Returns the run's statistics (decode steps, prefill calls, ``turns``, ``continued`` (turns prefilled
+        onto a parked cache), ``evicted``, ``seconds``, and its wall seconds spent decoding (with the turns'
+        hand-over), prefilling and inserting, and waiting for answers: ``decode_seconds``,
+        ``prefill_seconds``, ``wait_seconds``)."""
+        self._run.on_turn = on_turn
+        seconds = self.gen._drive(self._run, None)
+        return collections.Counter({**self._run.stats, "seconds": seconds})  # a missing count reads 0
+
+    def answer(self, conversation: int, tokens: Sequence[int], *, limit: int, prompt_id: int) -> None:
+        """Conversation ``conversation``'s next turn: ``tokens`` (maybe none) follow its last turn, then up to
+        ``limit`` tokens are drawn as request ``prompt_id``."""
+        self._run.post(("answer", conversation, np.asarray(tokens, np.int32).reshape(-1), int(limit),
+                        int(prompt_id)))
+
+    def close(self, conversation: int) -> None:
+        """Conversation ``conversation`` has no more turns (its slot, if it kept one, is free)."""
+        self._run.post(("close", conversation))
+
+    def fail(self, error: BaseException) -> None:
+        """Stops ``run``, which raises ``error`` (an answer that cannot come)."""
+        self._run.post(("fail", error))
+
+
+class _Session(_Run):
+    """:class:`_Run` with requests arriving while it runs: each conversation's next turn is a new request (a
+    prompt of one sample) answered by the conversation's row."""
+
+    def __init__(self, gen: Generator, prompts, sampling: SamplingParams, limits, park: bool):
+        super().__init__(gen, prompts, sampling, limits, forced=False, refill="continuous")
+        n, rows = sampling.n, self.lengths.shape[0]
+        self.park, self.initial = park, len(prompts)
+        self.on_turn: Callable[[Turn], None] | None = None
+        self.history = [list(map(int, prompts[r // n])) for r in range(rows)]  # every token so far
+        self.open = rows
+        self.slot_kept = np.full(self.engine.max_concurrent_decodes, -1, np.int64)  # conversation parked there
+        self.kept_slot = np.full(rows, -1, np.int64)
+        self.continuing: list[tuple[int, int]] = []  # (request, slot): answered, its cache in its slot
+        self._inbox: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+
+    def post(self, item: tuple) -> None:
+        with self._cond:
+            self._inbox.append(item)
+            self._cond.notify()
+
+    # ------------------------------------------------------------------------------------- the loop
+    def loop(self, on_step) -> None:
+        clock = time.perf_counter()
+
+        def spent(phase: str) -> None:  # wall seconds by phase (each ends with a read of its results)
+            nonlocal clock
+            now = time.perf_counter()
+            self.stats[phase] += now - clock
+            clock = now
+
+        while True:
+            self._swap_params()
+            self._take_answers(wait=not self._has_work())
+            spent("wait_seconds")
+            self._continue_kept()
+            self._fill_slots()
+            spent("prefill_seconds")
+            if not np.any(self.slot_row >= 0):
+                if not self.open:
+                    assert not self.waiting and not self.ready and not self.parked
+                    return
+                continue  # every open conversation waits for its answer
+            pages = self._make_room()
+            if self.engine.decode_steps_per_call > 1:
+                self._decode_chunk(pages)
+            else:
+                self.gen._state, result = self.engine.generate(self.gen._params, self.gen._state, **pages)
+                self._record(*jax.device_get((result.tokens, result.logprobs, result.valid, result.done)))
+                self.stats["decode_steps"] += 1
+            spent("decode_seconds")
+
+    def _has_work(self) -> bool:
+        return bool(np.any(self.slot_row >= 0) or self.waiting or self.ready or self.parked or not self.open)
+
+    def _take_answers(self, wait: bool) -> None:
+        with self._cond:
+            while wait and not self._inbox:
+                self._cond.wait()
+            items, self._inbox = list(self._inbox), collections.deque()
+        for kind, *args in items:
+            if kind == "fail":
+                raise args[0]
+            if kind == "close":
+                self._close(*args)
+            else:
+                self._next_turn(*args)
+
+    def _close(self, row: int) -> None:
+        if self.kept_slot[row] >= 0:
+            self.slot_kept[self.kept_slot[row]] = -1
+            self.kept_slot[row] = -1
+        self.open -= 1
+
+    def _next_turn(self, row: int, tokens: np.ndarray, limit: int, prompt_id: int) -> None:
+        """Conversation ``row``'s next turn as a new request: onto its parked cache when it kept one that can
+        take the tokens, else the whole conversation prefilled again."""
+        e = self.engine
+        if not 1 <= limit <= self.sampling.max_new_tokens:
+            raise EngineError(f"conversation {row}: an answer's limit must be in [1, {self.sampling.max_new_tokens}]"
+                              f", got {limit}")
+        self.history[row] += tokens.tolist()
+        total = len(self.history[row])
+        if total + limit > e.max_target_length:
+            raise EngineError(f"conversation {row}: {total} tokens + {limit} new exceed max_target_length="
+                              f"{e.max_target_length}")
+        if e.paged and e.pages_for(total + limit - 1) > e.kv_pages:
+            raise EngineError(f"conversation {row}: {total} tokens + {limit} new need more KV pages than the pool's "
+                              f"kv_pages={e.kv_pages}")
+        slot = int(self.kept_slot[row])
+        cached = total - tokens.size - 1  # its slot holds every token but the last one it drew
+        onto = slot >= 0 and total - cached <= e.max_prefill_length
+        if slot >= 0 and not onto:
+            self._evict(slot)
+        if not onto and total > e.max_prompt_length:
+            raise EngineError(f"conversation {row}: {total} tokens to prefill again exceed max_prompt_length="
+                              f"{e.max_prompt_length}")
+        request = len(self.prompts)
+        self.prompts.append(np.asarray(self.history[row][cached:] if onto else self.history[row], np.int32))
+        self.limits = np.append(self.limits, np.int32(limit))
+        self.prompt_ids = np.append(self.prompt_ids, prompt_id)
+        self.first_row, self.samples = np.append(self.first_row, row), np.append(self.samples, 1)
+        self.row_prompt[row], self.lengths[row], self.finish[row] = request, 0, ""
+        if onto:
+            self.continuing.append((request, slot))
+        else:
+            self.waiting.append(request)
+
+    # ------------------------------------------------------------------------------------- slots
+    def _continue_kept(self) -> None:
+        """Prefills every answered parked conversation onto its slot's cache, up to a prefill batch a call."""
+        while self.continuing:
+            batch, self.continuing = (self.continuing[:self.engine.max_prefill_batch],
+                                      self.continuing[self.engine.max_prefill_batch:])
+            requests, slots = (list(x) for x in zip(*batch, strict=True))
+            prompts = [self.prompts[q] for q in requests]
+            t = max(p.size for p in prompts)
+            tokens = np.stack([np.pad(p, (0, t - p.size)) for p in prompts])
+            self.gen._state, first = self.engine.prefill_slots(self.gen._params, self.gen._state, slots, tokens,
+                                                               [p.size for p in prompts], self._requests(requests))
+            first_tokens, first_logprobs = jax.device_get((first.tokens, first.logprobs))
+            self.stats["prefill_slots_calls"] += 1
+            self.stats["prefill_tokens"] += sum(p.size for p in prompts)
+            for k, (request, slot) in enumerate(batch):
+                row = int(self.first_row[request])
+                self.slot_kept[slot], self.kept_slot[row] = -1, -1
+                self.stats["continued"] += 1
+                if self._append(row, first_tokens[k, 0], first_logprobs[k, 0], self.gen.version):
+                    self._finished(row, slot)  # ended at once: its cache stays in the slot
+                else:
+                    self.slot_row[slot] = row
+                    self.order[slot], self.admitted = self.admitted, self.admitted + 1
+
+    def _padded(self, take: list[int]) -> list[int]:
+        """First turns as :meth:`Generator.rollouts` prefills them (full batches: the same numbers); later
+        turns come a few at a time, so their rows are only padded to their bucket (by the engine)."""
+        return super()._padded(take) if take[0] < self.initial else take
+
+    def _free_slots(self) -> list:
+        free = list(np.flatnonzero((self.slot_row < 0) & (self.slot_kept < 0)))
+        need = len(self.ready) + int(sum(self.samples[q] for q in self.waiting)) - len(free)
+        while need > 0 and np.any(self.slot_kept >= 0):  # a waiting conversation takes a parked one's slot
+            kept = np.flatnonzero(self.slot_kept >= 0)
+            slot = int(kept[np.argmin([len(self.history[self.slot_kept[s]]) for s in kept])])
+            self._evict(slot)
+            free.append(slot)
+            need -= 1
+        return free
+
+    def _evict(self, slot: int) -> None:
+        self.kept_slot[self.slot_kept[slot]] = -1
+        self.slot_kept[slot] = -1
+        self.stats["evicted"] += 1
+
+    def _finished(self, row: int, slot: int | None) -> None:
+        """A turn ended: its tokens join the conversation, which parks in ``slot`` (when it had one and
+        ``park``) until its answer, and ``on_turn`` hears of it."""
+        m = int(self.lengths[row])
+        self.history[row] += self.tokens[row, :m].tolist()
+        if self.park and slot is not None:
+            self.slot_kept[slot], self.kept_slot[row] = row, slot
+        self.stats["turns"] += 1
+        self.on_turn(Turn(row, self.tokens[row, :m].copy(), self.logprobs[row, :m].copy(),
+                          self.versions[row, :m].copy(), self.finish[row]))
