@@ -190,31 +190,31 @@ class DecodePrograms:
         drawn, and the slot made live with the row's request; rows whose slot is out of range are padding
         (nothing changes). Attention reads the rows' first ``width`` positions (a bucket holding every row's
         length + the tokens' bucket; past the slot's end it is zeros, so a padded bucket never overruns the
-        slot: a clamped write would land on earlier positions). Rows are read and written back one slice each
-        (XLA:CPU's gathers and scatters of whole windows are far slower than these copies)."""
+        slot: a clamped write would land on earlier positions). Rows are read one slice each (XLA:CPU's
+        gathers of whole windows are far slower) and only the new positions are written back, in place (a
+        write of whole windows read from the same buffer made XLA copy every cache)."""
         rows, t = tokens_bt.shape
-        valid = slots < self._slots
         start = state.lengths[jnp.minimum(slots, self._slots - 1)]
         cut = min(width, self.max_target_length)
+        positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [rows, t] the tokens' places
 
-        def rows_of(c):  # [rows, kv, width, head_dim]
+        def rows_of(c):  # [rows, kv, width, head_dim]; a padding row reads the last slot (clamped)
             out = jnp.concatenate([jax.lax.dynamic_slice(c, (slots[b], 0, 0, 0), (1,) + c.shape[1:2] + (cut,)
                                                          + c.shape[3:]) for b in range(rows)])
             pad = jnp.zeros(out.shape[:2] + (width - cut,) + out.shape[3:], out.dtype)
             return out if cut == width else jnp.concatenate([out, pad], axis=2)
 
-        def back(c, old, new):  # padding rows write back what they read, and go first (their slot is clamped)
-            for b in reversed(range(rows)):
-                row = jnp.where(valid[b], new[b:b + 1, :, :cut], old[b:b + 1, :, :cut])
-                c = jax.lax.dynamic_update_slice(c, row, (slots[b], 0, 0, 0))
-            return c
+        def back(c, new):  # only the tokens' keys / values; padding rows and places past the slot are dropped
+            fresh = jnp.take_along_axis(new, positions[:, None, :, None], axis=2).transpose(0, 2, 1, 3)
+            return c.at[slots[:, None], :, positions, :].set(fresh, mode="drop")
 
-        old = tuple((rows_of(k), rows_of(v)) for k, v in state.caches)
+        # the windows are read before any cache is written (else XLA copies every cache to write it in place)
+        old, cache_in = jax.lax.optimization_barrier((tuple((rows_of(k), rows_of(v)) for k, v in state.caches),
+                                                      state.caches))
         hidden, new = decode.run(params, self.cfg, tokens_bt, start, old, only_b=true_b - 1)
         tokens, logprobs = sample_blocks(decode.logits(params, hidden[:, 0]), requests, jnp.zeros((rows,), jnp.int32))
         done = _is_done(tokens, jnp.ones_like(tokens), requests)
-        caches = tuple((back(k, ok, nk), back(v, ov, nv))
-                       for (k, v), (ok, ov), (nk, nv) in zip(state.caches, old, new, strict=True))
+        caches = tuple((back(k, nk), back(v, nv)) for (k, v), (nk, nv) in zip(cache_in, new, strict=True))
         put = lambda x, v: x.at[slots].set(v, mode="drop")  # noqa: E731
         state = DecodeState(caches, put(state.tokens, tokens), put(state.lengths, start + true_b),
                             put(state.steps, jnp.ones_like(tokens)), put(state.active, ~done),
