@@ -49,6 +49,9 @@ sampling is keyed by the data position, sample and turn, never by the schedule):
   each kind, then calls of each kind until one compiles nothing, at most ``--warmup-calls``: turns end at other
   moments each call, so prefills meet new shape buckets); the programs compiled by then.
   ``traces_while_measuring``: programs compiled during the measured calls (should be 0).
+- ``cpu_seconds_kept`` / ``_latency`` / ``_reprefill``: the process's CPU seconds of a call (all threads,
+  medians) and ``speedup_cpu`` = re-prefill / kept: the work each path does, which a machine shared with other
+  jobs (whose load stretches wall times) changes less than the seconds above.
 - the machine's limits in the same run: float32 matmul FLOP/s and copy bandwidth (tools/machine_limits.py).
 
 Prints one JSON object on its last line.
@@ -129,7 +132,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--eos-logit", type=float, default=None, help="eos logit added to the random policy's "
                    "(default: log((vocab - 1) / (turn_tokens - 1)), about 1 / turn_tokens per token)")
     p.add_argument("--dp", type=int, default=2, help="actor-gen replicas (engines), the tests' 2")
-    p.add_argument("--warmup-calls", type=int, default=4, help="warm-up calls of each kind at most, until one "
+    p.add_argument("--warmup-calls", type=int, default=8, help="warm-up calls of each kind at most, until one "
                    "compiles nothing")
     p.add_argument("--quick", action="store_true", help="4 prompts, 1 repeat, one engine (half the compiles)")
     args = p.parse_args()
@@ -217,13 +220,16 @@ def run(args: argparse.Namespace) -> dict:
 
         kinds = ((0.0, True), (args.latency, True), (0.0, False))  # (tool latency, kept cache)
 
+        cpu_s: dict = collections.defaultdict(list)
+
         def timed(latency: float, keep: bool):
             env.latency = latency
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), time.process_time()
             try:
                 return collect(keep), time.perf_counter() - t
             finally:
                 env.latency = 0.0
+                cpu_s[(latency, keep)].append(time.process_time() - cpu)
 
         t = time.perf_counter()
         batch, first_s = timed(0.0, True)  # compiles most programs
@@ -244,6 +250,7 @@ def run(args: argparse.Namespace) -> dict:
         warmup_s = time.perf_counter() - t
         warm_traces = traces()
 
+        cpu_s.clear()
         times = {kind: [] for kind in kinds}
         phases = {kind: collections.defaultdict(list) for kind in kinds}
         for _ in range(args.repeats):  # alternating: a drift in the machine's load falls on all alike
@@ -254,6 +261,7 @@ def run(args: argparse.Namespace) -> dict:
                 if kind[0]:
                     latency_metrics = dict(agent.metrics)
         phase_medians = [{k: statistics.median(v) for k, v in phases[kind].items()} for kind in kinds]
+        cpu_kept, cpu_latency, cpu_full = (statistics.median(cpu_s[kind]) for kind in kinds)
         threads = getattr(agent._pool, "_max_workers", 8)
         plain, slow, again = (times[kind] for kind in kinds)
         seconds, seconds_latency = statistics.median(plain), statistics.median(slow)
@@ -284,7 +292,9 @@ def run(args: argparse.Namespace) -> dict:
         "collect_seconds_all": plain, "collect_seconds_latency_all": slow, "collect_seconds_reprefill_all": again,
         "first_call_seconds": first_s, "warmup_seconds": warmup_s, "turns_evicted": metrics["turns_evicted"],
         "kept_cache_tokens_per_s": tps, "reprefill_tokens_per_s": tps_full,
-        "speedup": tps / tps_full, "latency_tokens_per_s": tps_latency, "latency_throughput_ratio": tps_latency / tps,
+        "speedup": tps / tps_full, "cpu_seconds_kept": cpu_kept, "cpu_seconds_latency": cpu_latency,
+        "cpu_seconds_reprefill": cpu_full, "speedup_cpu": cpu_full / cpu_kept,
+        "latency_tokens_per_s": tps_latency, "latency_throughput_ratio": tps_latency / tps,
         "goal_speedup": GOAL_SPEEDUP, "goal_latency_throughput_ratio": GOAL_LATENCY_THROUGHPUT_RATIO,
         "turns_mean": metrics["turns_mean"], "env_tokens_mean": metrics["env_tokens_mean"],
         "response_tokens_mean": metrics["response_tokens_mean"], "tool_calls_mean": metrics["tool_calls_mean"],
