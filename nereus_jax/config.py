@@ -301,8 +301,9 @@ class RolloutConfig(_Node):
     tool_timeout: float = _field(10.0, "with task.env: seconds one tool call may take; a slower one is stopped and "
                                        "answered with a timeout message")
     turn_cache: Literal["keep", "reprefill"] = _field(
-        "keep", "with task.env: a conversation's KV cache between its turns: 'keep' it and prefill only the new "
-                "tokens (contiguous caches; a paged engine re-prefills), or 'reprefill' the whole conversation")
+        "keep", "with task.env: a conversation's KV cache while its tool runs: 'keep' it in its decode slot and "
+                "prefill only the new tokens there (contiguous caches; a paged engine re-prefills), or "
+                "'reprefill' the whole conversation")
 
     def __post_init__(self) -> None:
         _check_length_schedule(self.length_schedule, self.max_response_length)

@@ -37,7 +37,8 @@ sampling is keyed by the data position, sample and turn, never by the schedule):
   ``latency_added_seconds`` what it measurably added.
 - ``prefill_tokens_per_model_token`` (re-prefill) and ``kept_prefill_tokens_per_model_token``: prompt tokens
   the engines prefilled over all turns (the agent's ``turn_prefill_tokens``) over the model's tokens;
-  ``turns_evicted``: parked conversations whose slot was taken (none here: every conversation has a slot).
+  ``turns_evicted``: parked conversations whose slot a waiting one took (none at the defaults: every
+  conversation has a slot), ``turns_restored``: of them, put back from a host copy of their cache.
 - ``engine_seconds_kept`` / ``_latency`` / ``_reprefill``: the engines' wall seconds of a call (medians, summed
   over the engines, which run in parallel) spent decoding (``decode``: the steps and the hand-over of finished
   turns), prefilling and inserting (``prefill``), and waiting with nothing to decode (``wait``). Only
@@ -291,6 +292,7 @@ def run(args: argparse.Namespace) -> dict:
         "latency_floor_seconds": TOOL_TURNS * args.latency, "env_threads": threads,
         "collect_seconds_all": plain, "collect_seconds_latency_all": slow, "collect_seconds_reprefill_all": again,
         "first_call_seconds": first_s, "warmup_seconds": warmup_s, "turns_evicted": metrics["turns_evicted"],
+        "turns_restored": metrics["turns_restored"],
         "kept_cache_tokens_per_s": tps, "reprefill_tokens_per_s": tps_full,
         "speedup": tps / tps_full, "cpu_seconds_kept": cpu_kept, "cpu_seconds_latency": cpu_latency,
         "cpu_seconds_reprefill": cpu_full, "speedup_cpu": cpu_full / cpu_kept,

@@ -17,8 +17,10 @@ While a conversation waits for its answer no slot decodes it, and the others (an
 With ``park=True`` (contiguous KV caches) its cache stays in its slot meanwhile: the answer's tokens, with
 the last drawn one first, are prefilled onto it in that slot (:meth:`JaxEngine.prefill_slots`, one call for
 all conversations answered since the last decode step). When a waiting conversation needs a slot and none
-is free, a parked conversation is evicted (the one with the shortest cache: the cheapest to rebuild) and its
-next turn prefills the whole conversation again, with the same tokens. With ``park=False`` (and on paged
+is free, a parked conversation is evicted (the one with the shortest cache): its cache is copied to host
+memory (:meth:`JaxEngine.take_cache`; at most ``max_saved`` such copies, by default one per slot) and put back
+into a free slot when its answer comes (:meth:`JaxEngine.put_cache`), or, beyond that, dropped, and its next
+turn prefills the whole conversation again. Either way the same tokens. With ``park=False`` (and on paged
 engines) every turn after the first prefills the whole conversation. Greedy turns are the same tokens either
 way; log-probabilities agree to float rounding (the kept keys and values were computed a decode step at a
 time).
@@ -57,13 +59,14 @@ class Conversations:
 
     def __init__(self, gen: Generator, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
                  prompt_ids: Sequence[int] | None = None, max_new_tokens_per_prompt: Sequence[int] | None = None,
-                 park: bool = True):
+                 park: bool = True, max_saved: int | None = None):
         if park and gen.engine.paged:
             raise EngineError("park=True keeps caches in their slots: it needs a contiguous KV cache (an engine "
                               "built without page_size)")
         prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
         limits = gen._limits(prompts, sampling, None, max_new_tokens_per_prompt)
-        self._run = _Session(gen, prompts, sampling, limits, park)
+        saved = gen.engine.max_concurrent_decodes if max_saved is None else max_saved
+        self._run = _Session(gen, prompts, sampling, limits, park, saved)
         self._run.prompt_ids = _prompt_ids(prompt_ids, len(prompts))
         self.gen = gen
 
@@ -75,7 +78,8 @@ class Conversations:
     def run(self, on_turn: Callable[[Turn], None]) -> collections.Counter:
         """Generates every turn until every conversation is closed; ``on_turn`` gets each finished turn.
         Returns the run's statistics (decode steps, prefill calls, ``turns``, ``continued`` (turns prefilled
-        onto a parked cache), ``evicted``, ``seconds``, and its wall seconds spent decoding (with the turns'
+        onto a parked cache), ``evicted`` (parked conversations that lost their slot), ``saved`` (of them, copied
+        to host memory), ``restored`` (put back), ``seconds``, and its wall seconds spent decoding (with the turns'
         hand-over), prefilling and inserting, and waiting for answers: ``decode_seconds``,
         ``prefill_seconds``, ``wait_seconds``)."""
         self._run.on_turn = on_turn
@@ -101,7 +105,7 @@ class _Session(_Run):
     """:class:`_Run` with requests arriving while it runs: each conversation's next turn is a new request (a
     prompt of one sample) answered by the conversation's row."""
 
-    def __init__(self, gen: Generator, prompts, sampling: SamplingParams, limits, park: bool):
+    def __init__(self, gen: Generator, prompts, sampling: SamplingParams, limits, park: bool, max_saved: int):
         super().__init__(gen, prompts, sampling, limits, forced=False, refill="continuous")
         n, rows = sampling.n, self.lengths.shape[0]
         self.park, self.initial = park, len(prompts)
@@ -111,6 +115,9 @@ class _Session(_Run):
         self.slot_kept = np.full(self.engine.max_concurrent_decodes, -1, np.int64)  # conversation parked there
         self.kept_slot = np.full(rows, -1, np.int64)
         self.continuing: list[tuple[int, int]] = []  # (request, slot): answered, its cache in its slot
+        self.cached = np.zeros(rows, np.int64)  # a parked conversation's tokens in cache (all but its last)
+        self.max_saved, self.saved = max_saved, {}  # conversation -> host copy of its evicted cache
+        self.restoring: collections.deque = collections.deque()  # answered requests whose cache is saved
         self._inbox: collections.deque = collections.deque()
         self._cond = threading.Condition()
 
@@ -134,11 +141,14 @@ class _Session(_Run):
             self._take_answers(wait=not self._has_work())
             spent("wait_seconds")
             self._continue_kept()
+            if self.restoring:
+                self._restore()
+                self._continue_kept()
             self._fill_slots()
             spent("prefill_seconds")
             if not np.any(self.slot_row >= 0):
                 if not self.open:
-                    assert not self.waiting and not self.ready and not self.parked
+                    assert not self.waiting and not self.ready and not self.parked and not self.restoring
                     return
                 continue  # every open conversation waits for its answer
             pages = self._make_room()
@@ -151,7 +161,8 @@ class _Session(_Run):
             spent("decode_seconds")
 
     def _has_work(self) -> bool:
-        return bool(np.any(self.slot_row >= 0) or self.waiting or self.ready or self.parked or not self.open)
+        return bool(np.any(self.slot_row >= 0) or self.waiting or self.ready or self.parked or self.restoring
+                    or not self.open)
 
     def _take_answers(self, wait: bool) -> None:
         with self._cond:
@@ -170,11 +181,13 @@ class _Session(_Run):
         if self.kept_slot[row] >= 0:
             self.slot_kept[self.kept_slot[row]] = -1
             self.kept_slot[row] = -1
+        self.saved.pop(row, None)
         self.open -= 1
 
     def _next_turn(self, row: int, tokens: np.ndarray, limit: int, prompt_id: int) -> None:
-        """Conversation ``row``'s next turn as a new request: onto its parked cache when it kept one that can
-        take the tokens, else the whole conversation prefilled again."""
+        """Conversation ``row``'s next turn as a new request: onto its parked cache (in its slot, or put back
+        from its saved copy) when it kept one that can take the tokens, else the whole conversation prefilled
+        again."""
         e = self.engine
         if not 1 <= limit <= self.sampling.max_new_tokens:
             raise EngineError(f"conversation {row}: an answer's limit must be in [1, {self.sampling.max_new_tokens}]"
@@ -187,22 +200,26 @@ class _Session(_Run):
         if e.paged and e.pages_for(total + limit - 1) > e.kv_pages:
             raise EngineError(f"conversation {row}: {total} tokens + {limit} new need more KV pages than the pool's "
                               f"kv_pages={e.kv_pages}")
-        slot = int(self.kept_slot[row])
-        cached = total - tokens.size - 1  # its slot holds every token but the last one it drew
-        onto = slot >= 0 and total - cached <= e.max_prefill_length
-        if slot >= 0 and not onto:
-            self._evict(slot)
-        if not onto and total > e.max_prompt_length:
+        slot, cached = int(self.kept_slot[row]), int(self.cached[row])
+        fits = total - cached <= e.max_prefill_length  # the new tokens, with the last one it drew
+        if slot >= 0 and not fits:
+            self._evict(slot, save=False)
+        if not fits:
+            self.saved.pop(row, None)
+        onto, restore = slot >= 0 and fits, row in self.saved
+        if not (onto or restore) and total > e.max_prompt_length:
             raise EngineError(f"conversation {row}: {total} tokens to prefill again exceed max_prompt_length="
                               f"{e.max_prompt_length}")
         request = len(self.prompts)
-        self.prompts.append(np.asarray(self.history[row][cached:] if onto else self.history[row], np.int32))
+        self.prompts.append(np.asarray(self.history[row][cached:] if onto or restore else self.history[row], np.int32))
         self.limits = np.append(self.limits, np.int32(limit))
         self.prompt_ids = np.append(self.prompt_ids, prompt_id)
         self.first_row, self.samples = np.append(self.first_row, row), np.append(self.samples, 1)
         self.row_prompt[row], self.lengths[row], self.finish[row] = request, 0, ""
         if onto:
             self.continuing.append((request, slot))
+        elif restore:
+            self.restoring.append(request)
         else:
             self.waiting.append(request)
 
@@ -236,9 +253,21 @@ class _Session(_Run):
         turns come a few at a time, so their rows are only padded to their bucket (by the engine)."""
         return super()._padded(take) if take[0] < self.initial else take
 
+    def _restore(self) -> None:
+        """Answered conversations whose caches were saved go back into free slots (first), to be continued."""
+        free = self._free_slots()
+        while self.restoring and free:
+            request, slot = self.restoring.popleft(), int(free.pop(0))
+            row = int(self.first_row[request])
+            caches, length = self.saved.pop(row)
+            self.gen._state = self.engine.put_cache(self.gen._state, slot, caches, length)
+            self.slot_kept[slot], self.kept_slot[row] = row, slot
+            self.continuing.append((request, slot))
+            self.stats["restored"] += 1
+
     def _free_slots(self) -> list:
         free = list(np.flatnonzero((self.slot_row < 0) & (self.slot_kept < 0)))
-        need = len(self.ready) + int(sum(self.samples[q] for q in self.waiting)) - len(free)
+        need = len(self.restoring) + len(self.ready) + int(sum(self.samples[q] for q in self.waiting)) - len(free)
         while need > 0 and np.any(self.slot_kept >= 0):  # a waiting conversation takes a parked one's slot
             kept = np.flatnonzero(self.slot_kept >= 0)
             slot = int(kept[np.argmin([len(self.history[self.slot_kept[s]]) for s in kept])])
@@ -247,8 +276,15 @@ class _Session(_Run):
             need -= 1
         return free
 
-    def _evict(self, slot: int) -> None:
-        self.kept_slot[self.slot_kept[slot]] = -1
+    def _evict(self, slot: int, save: bool = True) -> None:
+        """Slot ``slot``'s parked conversation leaves it: its cache copied to host memory while fewer than
+        ``max_saved`` are (put back when its answer comes), else dropped (its next turn prefills it all)."""
+        row = int(self.slot_kept[slot])
+        if save and len(self.saved) < self.max_saved:
+            cached = int(self.cached[row])
+            self.saved[row] = (jax.device_get(self.engine.take_cache(self.gen._state, slot, cached)), cached)
+            self.stats["saved"] += 1
+        self.kept_slot[row] = -1
         self.slot_kept[slot] = -1
         self.stats["evicted"] += 1
 
@@ -259,6 +295,7 @@ class _Session(_Run):
         self.history[row] += self.tokens[row, :m].tolist()
         if self.park and slot is not None:
             self.slot_kept[slot], self.kept_slot[row] = row, slot
+            self.cached[row] = len(self.history[row]) - 1
         self.stats["turns"] += 1
         self.on_turn(Turn(row, self.tokens[row, :m].copy(), self.logprobs[row, :m].copy(),
                           self.versions[row, :m].copy(), self.finish[row]))

@@ -310,8 +310,7 @@ class JaxEngine:
         one call (rows, length and the attended span padded to their buckets: ``prefill_batches``,
         ``prefill_lengths``, ``slot_widths``), so a conversation's next turn is neither a prefill of the whole
         conversation nor a copy of its cache. Results ``[rows, 1]``. ``decode_state`` is donated."""
-        if self.paged:
-            raise EngineError("prefill_slots needs a contiguous KV cache (an engine built without page_size)")
+        self._need_contiguous("prefill_slots")
         tokens_bt, true_b = self._check_prompts(padded_tokens, true_length)
         slots = np.asarray(slots, np.int32).reshape(-1)
         rows = tokens_bt.shape[0]
@@ -332,6 +331,28 @@ class JaxEngine:
         width = _bucket(int(np.max(start)) + length, self.slot_widths)
         state, result = self._programs.prefill_slots(params, decode_state, slots, tokens_bt, true_b, requests, width)
         return state, jax.tree.map(lambda x: x[:rows], result)
+
+    def take_cache(self, decode_state: DecodeState, slot: int, length: int) -> tuple:
+        """A copy of slot ``slot``'s first ``length`` cache positions (padded to a width in
+        :attr:`slot_widths`), per layer (k, v) ``[1, kv_heads, width, head_dim]``, e.g. to hand its slot to
+        another sequence; :meth:`put_cache` puts it back (contiguous engines). The state is not changed."""
+        self._need_contiguous("take_cache")
+        self._check_slot(slot)
+        if not 0 < length <= self.max_target_length:
+            raise EngineError(f"length {length} is out of range (1 to max_target_length={self.max_target_length})")
+        width = min(_bucket(length, self.slot_widths), self.max_target_length)
+        return self._programs.take_cache(decode_state, np.int32(slot), width)
+
+    def put_cache(self, decode_state: DecodeState, slot: int, caches: tuple, length: int) -> DecodeState:
+        """Puts a :meth:`take_cache` copy (device or host arrays) into slot ``slot`` (whatever it held is
+        dropped), holding ``length`` tokens and not decoding: :meth:`prefill_slots` continues it, bit for bit
+        as if it had stayed. ``decode_state`` is donated."""
+        self._need_contiguous("put_cache")
+        self._check_slot(slot)
+        if not 0 < length <= caches[0][0].shape[2] <= self.max_target_length:
+            raise EngineError(f"length {length} does not fit the copy's {caches[0][0].shape[2]} positions")
+        caches = jax.device_put(caches, self._programs.prefix_sharding().caches)
+        return self._programs.put_cache(decode_state, np.int32(slot), caches, np.int32(length))
 
     def evict(self, decode_state: DecodeState, slot: int, *, pages: int | None = None
               ) -> tuple[DecodeState, Parked]:
@@ -361,6 +382,10 @@ class JaxEngine:
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self._slots:
             raise EngineError(f"slot {slot} is out of range: this engine has {self._slots} slots")
+
+    def _need_contiguous(self, what: str) -> None:
+        if self.paged:
+            raise EngineError(f"{what} needs a contiguous KV cache (an engine built without page_size)")
 
     def _need_paged(self, what: str) -> None:
         if not self.paged:

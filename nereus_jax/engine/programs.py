@@ -21,8 +21,8 @@ from nereus_jax.sharding import Layout, activation_sharding, logical_to_spec, pa
 
 class DecodePrograms:
     """The jitted programs of one engine (``unstack``, ``init_state``, ``empty_prefix``, ``prefill``,
-    ``insert``, ``insert_many``, ``generate``, ``generate_steps``; contiguous: ``prefill_slots``; paged:
-    ``evict``, ``resume``), counting their traces in ``traces``."""
+    ``insert``, ``insert_many``, ``generate``, ``generate_steps``; contiguous: ``prefill_slots``, ``take_cache``,
+    ``put_cache``; paged: ``evict``, ``resume``), counting their traces in ``traces``."""
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, layout: Layout, *, slots: int, max_target_length: int,
                  kv_heads: int, max_stop_tokens: int, decode_steps_per_call: int, page_size: int | None,
@@ -75,6 +75,10 @@ class DecodePrograms:
         if not self.paged:
             self.prefill_slots = jax.jit(self._traced("prefill_slots", self._prefill_slots_impl), donate_argnums=1,
                                          static_argnums=6, out_shardings=(state_sh, result_sh))
+            self.take_cache = jax.jit(self._traced("take_cache", self._take_cache_impl), static_argnums=2,
+                                      out_shardings=prefix_sh.caches)
+            self.put_cache = jax.jit(self._traced("put_cache", self._put_cache_impl), donate_argnums=0,
+                                     out_shardings=state_sh)
         if self.paged:
             self.evict = jax.jit(self._traced("evict", self._evict_impl), donate_argnums=0, static_argnums=2,
                                   out_shardings=(state_sh, self.parked_sharding()))
@@ -221,6 +225,19 @@ class DecodePrograms:
                             jax.tree.map(put, state.requests, requests))
         ones = jnp.ones((rows, 1), jnp.int32)
         return state, ResultTokens(tokens[:, None], logprobs[:, None], ones.astype(bool), ones, done[:, None])
+
+    def _take_cache_impl(self, state, slot, width):
+        """Slot ``slot``'s first ``width`` cache positions, per layer (k, v) [1, kv_heads, width, head_dim]."""
+        return tuple(tuple(jax.lax.dynamic_slice(c, (slot, 0, 0, 0), (1, c.shape[1], width, c.shape[3])) for c in kv)
+                     for kv in state.caches)
+
+    def _put_cache_impl(self, state, slot, caches, length):
+        """``caches`` (as :meth:`_take_cache_impl` returns them) back into slot ``slot``, which holds ``length``
+        tokens then and does not decode (a prefill_slots call continues it)."""
+        new = tuple(tuple(jax.lax.dynamic_update_slice(c, w, (slot, 0, 0, 0)) for c, w in zip(kv, saved, strict=True))
+                    for kv, saved in zip(state.caches, caches, strict=True))
+        return state._replace(caches=new, lengths=state.lengths.at[slot].set(length),
+                              active=state.active.at[slot].set(False))
 
     def _evict_impl(self, state, slot, count):
         pages, caches, held = paged.take_out(state.caches, state.pages, slot, count)

@@ -149,7 +149,7 @@ class AgentRollouts:
         stats = turns.run()
         total = lambda key: sum(s.get(key, 0) for s in stats)  # noqa: E731
         self.metrics = _metrics(trajs) | {"turn_prefill_tokens": total("prefill_tokens"),
-                                          "turns_evicted": total("evicted")}
+                                          "turns_evicted": total("evicted"), "turns_restored": total("restored")}
         self.engine_seconds = {k: total(f"{k}_seconds") for k in ("decode", "prefill", "wait")}
         return self._batch(trajs, positions, n, len(problems))
 
