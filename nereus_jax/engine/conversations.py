@@ -20,10 +20,10 @@ all conversations answered since the last decode step). When a waiting conversat
 is free, a parked conversation is evicted (the one with the shortest cache): its cache is copied to host
 memory (:meth:`JaxEngine.take_cache`; at most ``max_saved`` such copies, by default one per slot) and put back
 into a free slot when its answer comes (:meth:`JaxEngine.put_cache`), or, beyond that, dropped, and its next
-turn prefills the whole conversation again. Either way the same tokens. With ``park=False`` (and on paged
-engines) every turn after the first prefills the whole conversation. Greedy turns are the same tokens either
-way; log-probabilities agree to float rounding (the kept keys and values were computed a decode step at a
-time).
+turn prefills the whole conversation again. With ``park=False`` (and on paged engines) every turn after the
+first prefills the whole conversation. The tokens are the same whichever way a turn starts and whatever the
+schedule (greedy or sampled); log-probabilities agree to float rounding (kept keys and values were computed a
+decode step at a time, and prefills of different row counts round differently).
 """
 
 from __future__ import annotations
