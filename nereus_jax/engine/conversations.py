@@ -18,12 +18,13 @@ With ``park=True`` (contiguous KV caches) its cache stays in its slot meanwhile:
 the last drawn one first, are prefilled onto it in that slot (:meth:`JaxEngine.prefill_slots`, one call for
 all conversations answered since the last decode step). When a waiting conversation needs a slot and none
 is free, a parked conversation is evicted (the one with the shortest cache): its cache is copied to host
-memory (:meth:`JaxEngine.take_cache`; at most ``max_saved`` such copies, by default one per slot) and put back
-into a free slot when its answer comes (:meth:`JaxEngine.put_cache`), or, beyond that, dropped, and its next
-turn prefills the whole conversation again. With ``park=False`` (and on paged engines) every turn after the
-first prefills the whole conversation. The tokens are the same whichever way a turn starts and whatever the
-schedule (greedy or sampled); log-probabilities agree to float rounding (kept keys and values were computed a
-decode step at a time, and prefills of different row counts round differently).
+memory (:meth:`JaxEngine.take_cache`; copies of at most ``max_saved_bytes`` in all, by default the decode
+state's own KV bytes) and put back into a free slot when its answer comes (:meth:`JaxEngine.put_cache`), or,
+beyond that, dropped, and its next turn prefills the whole conversation again. With ``park=False`` (and on
+paged engines) every turn after the first prefills the whole conversation. The tokens are the same whichever
+way a turn starts and whatever the schedule (greedy or sampled); log-probabilities agree to float rounding
+(kept keys and values were computed a decode step at a time, and prefills of different row counts round
+differently).
 """
 
 from __future__ import annotations
@@ -59,13 +60,13 @@ class Conversations:
 
     def __init__(self, gen: Generator, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
                  prompt_ids: Sequence[int] | None = None, max_new_tokens_per_prompt: Sequence[int] | None = None,
-                 park: bool = True, max_saved: int | None = None):
+                 park: bool = True, max_saved_bytes: int | None = None):
         if park and gen.engine.paged:
             raise EngineError("park=True keeps caches in their slots: it needs a contiguous KV cache (an engine "
                               "built without page_size)")
         prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
         limits = gen._limits(prompts, sampling, None, max_new_tokens_per_prompt)
-        saved = gen.engine.max_concurrent_decodes if max_saved is None else max_saved
+        saved = gen.engine.kv_cache_bytes if max_saved_bytes is None else max_saved_bytes
         self._run = _Session(gen, prompts, sampling, limits, park, saved)
         self._run.prompt_ids = _prompt_ids(prompt_ids, len(prompts))
         self.gen = gen
@@ -105,7 +106,7 @@ class _Session(_Run):
     """:class:`_Run` with requests arriving while it runs: each conversation's next turn is a new request (a
     prompt of one sample) answered by the conversation's row."""
 
-    def __init__(self, gen: Generator, prompts, sampling: SamplingParams, limits, park: bool, max_saved: int):
+    def __init__(self, gen: Generator, prompts, sampling: SamplingParams, limits, park: bool, max_saved_bytes: int):
         super().__init__(gen, prompts, sampling, limits, forced=False, refill="continuous")
         n, rows = sampling.n, self.lengths.shape[0]
         self.park, self.initial = park, len(prompts)
@@ -116,7 +117,8 @@ class _Session(_Run):
         self.kept_slot = np.full(rows, -1, np.int64)
         self.continuing: list[tuple[int, int]] = []  # (request, slot): answered, its cache in its slot
         self.cached = np.zeros(rows, np.int64)  # a parked conversation's tokens in cache (all but its last)
-        self.max_saved, self.saved = max_saved, {}  # conversation -> host copy of its evicted cache
+        self.saved: dict[int, tuple] = {}  # conversation -> (host copy of its evicted cache, cached tokens)
+        self.max_saved_bytes, self.saved_bytes = max_saved_bytes, 0
         self.restoring: collections.deque = collections.deque()  # answered requests whose cache is saved
         self._inbox: collections.deque = collections.deque()
         self._cond = threading.Condition()
@@ -181,7 +183,7 @@ class _Session(_Run):
         if self.kept_slot[row] >= 0:
             self.slot_kept[self.kept_slot[row]] = -1
             self.kept_slot[row] = -1
-        self.saved.pop(row, None)
+        self._unsave(row)
         self.open -= 1
 
     def _next_turn(self, row: int, tokens: np.ndarray, limit: int, prompt_id: int) -> None:
@@ -205,7 +207,7 @@ class _Session(_Run):
         if slot >= 0 and not fits:
             self._evict(slot, save=False)
         if not fits:
-            self.saved.pop(row, None)
+            self._unsave(row)
         onto, restore = slot >= 0 and fits, row in self.saved
         if not (onto or restore) and total > e.max_prompt_length:
             raise EngineError(f"conversation {row}: {total} tokens to prefill again exceed max_prompt_length="
@@ -259,7 +261,8 @@ class _Session(_Run):
         while self.restoring and free:
             request, slot = self.restoring.popleft(), int(free.pop(0))
             row = int(self.first_row[request])
-            caches, length = self.saved.pop(row)
+            caches, length = self.saved[row]
+            self._unsave(row)
             self.gen._state = self.engine.put_cache(self.gen._state, slot, caches, length)
             self.slot_kept[slot], self.kept_slot[row] = row, slot
             self.continuing.append((request, slot))
@@ -277,16 +280,23 @@ class _Session(_Run):
         return free
 
     def _evict(self, slot: int, save: bool = True) -> None:
-        """Slot ``slot``'s parked conversation leaves it: its cache copied to host memory while fewer than
-        ``max_saved`` are (put back when its answer comes), else dropped (its next turn prefills it all)."""
+        """Slot ``slot``'s parked conversation leaves it: its cache copied to host memory while the copies fit
+        ``max_saved_bytes`` (put back when its answer comes), else dropped (its next turn prefills it all)."""
         row = int(self.slot_kept[slot])
-        if save and len(self.saved) < self.max_saved:
-            cached = int(self.cached[row])
+        cached = int(self.cached[row])
+        size = self.engine.kv_page_bytes * self.engine.cache_width(cached)  # bytes of one position, all layers
+        if save and self.saved_bytes + size <= self.max_saved_bytes:
             self.saved[row] = (jax.device_get(self.engine.take_cache(self.gen._state, slot, cached)), cached)
+            self.saved_bytes += size
             self.stats["saved"] += 1
         self.kept_slot[row] = -1
         self.slot_kept[slot] = -1
         self.stats["evicted"] += 1
+
+    def _unsave(self, row: int) -> None:
+        if row in self.saved:
+            caches, _ = self.saved.pop(row)
+            self.saved_bytes -= sum(x.nbytes for kv in caches for x in kv)
 
     def _finished(self, row: int, slot: int | None) -> None:
         """A turn ended: its tokens join the conversation, which parks in ``slot`` (when it had one and

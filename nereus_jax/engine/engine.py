@@ -340,8 +340,11 @@ class JaxEngine:
         self._check_slot(slot)
         if not 0 < length <= self.max_target_length:
             raise EngineError(f"length {length} is out of range (1 to max_target_length={self.max_target_length})")
-        width = min(_bucket(length, self.slot_widths), self.max_target_length)
-        return self._programs.take_cache(decode_state, np.int32(slot), width)
+        return self._programs.take_cache(decode_state, np.int32(slot), self.cache_width(length))
+
+    def cache_width(self, length: int) -> int:
+        """Positions a :meth:`take_cache` copy of ``length`` tokens holds."""
+        return min(_bucket(length, self.slot_widths), self.max_target_length)
 
     def put_cache(self, decode_state: DecodeState, slot: int, caches: tuple, length: int) -> DecodeState:
         """Puts a :meth:`take_cache` copy (device or host arrays) into slot ``slot`` (whatever it held is

@@ -27,13 +27,13 @@ def _turn_id(conversation: int, turn: int) -> int:
     return 100 * turn + conversation
 
 
-def _converse(gen, prompts, sampling, park, hold=None, defer=False, max_saved=None):
+def _converse(gen, prompts, sampling, park, hold=None, defer=False, max_saved_bytes=None):
     """Every conversation answered with ENV's tokens after each turn, then closed; ``hold``: a conversation
     whose first answer waits until every other conversation is closed; ``defer``: each answer waits until
     the next turn of another conversation ends (while one is decoding), so conversations sit parked while
     others want slots. Returns the turns, the conversations' tokens, the order turns ended in, and the run's
     statistics."""
-    convs = Conversations(gen, prompts, sampling, park=park, max_saved=max_saved)
+    convs = Conversations(gen, prompts, sampling, park=park, max_saved_bytes=max_saved_bytes)
     n = sampling.n
     seqs = [list(map(int, prompts[c // n])) for c in range(convs.count)]
     turns, order, closed, pending = [[] for _ in seqs], [], set(), []
@@ -145,14 +145,14 @@ def test_sampled_turns_on_parked_caches_draw_what_re_prefilling_draws(devices, r
     _assert_same_turns(turns, reference, atol=2e-6)
 
 
-@pytest.mark.parametrize("max_saved", [None, 0])  # evicted caches put back from host memory / re-prefilled
-def test_evicted_conversations_resume_with_the_same_tokens(devices, raw_params, max_saved):
+@pytest.mark.parametrize("max_saved_bytes", [None, 0])  # evicted caches put back from host memory / re-prefilled
+def test_evicted_conversations_resume_with_the_same_tokens(devices, raw_params, max_saved_bytes):
     engine = make_engine(devices, max_concurrent_decodes=2, **ARGS)  # 5 conversations, 2 slots
     prompts = make_prompts(5, seed=5, low=3, high=9)
     gen = Generator(engine, engine.load_params(raw_params))
-    turns, seqs, _, stats = _converse(gen, prompts, GREEDY, park=True, defer=True, max_saved=max_saved)
+    turns, seqs, _, stats = _converse(gen, prompts, GREEDY, park=True, defer=True, max_saved_bytes=max_saved_bytes)
     assert stats["evicted"] > 0 and stats["continued"] > 0  # both kinds of later turn happened
-    if max_saved is None:
+    if max_saved_bytes is None:
         assert stats["saved"] > 0 and stats["restored"] > 0
     else:
         assert stats["saved"] == stats["restored"] == 0
