@@ -17,7 +17,8 @@ While a conversation waits for its answer no slot decodes it, and the others (an
 With ``park=True`` (contiguous KV caches) its cache stays in its slot meanwhile: the answer's tokens, with
 the last drawn one first, are prefilled onto it in that slot (:meth:`JaxEngine.prefill_slots`, one call for
 all conversations answered since the last decode step). When a waiting conversation needs a slot and none
-is free, a parked conversation is evicted (the one with the shortest cache): its cache is copied to host
+is free, a parked conversation is evicted (the one with the shortest cache, among those parked for at least
+``PATIENCE_STEPS`` decode steps while others decode): its cache is copied to host
 memory (:meth:`JaxEngine.take_cache`; copies of at most ``max_saved_bytes`` in all, by default the decode
 state's own KV bytes) and put back into a free slot when its answer comes (:meth:`JaxEngine.put_cache`), or,
 beyond that, dropped, and its next turn prefills the whole conversation again. With ``park=False`` (and on
@@ -41,6 +42,10 @@ import numpy as np
 from nereus_jax.engine.driver import Generator, _prompt_ids, _Run
 from nereus_jax.engine.engine import EngineError
 from nereus_jax.engine.sampling import SamplingParams
+
+# Decode steps a just-parked conversation keeps its slot while others decode: a fast tool's answer is usually
+# back by then, and evicting it would copy its cache out and back in for nothing.
+PATIENCE_STEPS = 2
 
 
 class Turn(NamedTuple):
@@ -114,6 +119,7 @@ class _Session(_Run):
         self.history = [list(map(int, prompts[r // n])) for r in range(rows)]  # every token so far
         self.open = rows
         self.slot_kept = np.full(self.engine.max_concurrent_decodes, -1, np.int64)  # conversation parked there
+        self.parked_at = np.zeros(self.engine.max_concurrent_decodes, np.int64)  # decode steps then
         self.kept_slot = np.full(rows, -1, np.int64)
         self.continuing: list[tuple[int, int]] = []  # (request, slot): answered, its cache in its slot
         self.cached = np.zeros(rows, np.int64)  # a parked conversation's tokens in cache (all but its last)
@@ -271,9 +277,12 @@ class _Session(_Run):
     def _free_slots(self) -> list:
         free = list(np.flatnonzero((self.slot_row < 0) & (self.slot_kept < 0)))
         need = len(self.restoring) + len(self.ready) + int(sum(self.samples[q] for q in self.waiting)) - len(free)
-        while need > 0 and np.any(self.slot_kept >= 0):  # a waiting conversation takes a parked one's slot
-            kept = np.flatnonzero(self.slot_kept >= 0)
+        kept = np.flatnonzero(self.slot_kept >= 0)
+        if np.any(self.slot_row >= 0):  # while others decode, a conversation parked just now keeps its slot
+            kept = kept[self.stats["decode_steps"] - self.parked_at[kept] >= PATIENCE_STEPS]
+        while need > 0 and kept.size:  # a waiting conversation takes a parked one's slot
             slot = int(kept[np.argmin([len(self.history[self.slot_kept[s]]) for s in kept])])
+            kept = kept[kept != slot]
             self._evict(slot)
             free.append(slot)
             need -= 1
@@ -306,6 +315,7 @@ class _Session(_Run):
         if self.park and slot is not None:
             self.slot_kept[slot], self.kept_slot[row] = row, slot
             self.cached[row] = len(self.history[row]) - 1
+            self.parked_at[slot] = self.stats["decode_steps"]
         self.stats["turns"] += 1
         self.on_turn(Turn(row, self.tokens[row, :m].copy(), self.logprobs[row, :m].copy(),
                           self.versions[row, :m].copy(), self.finish[row]))
