@@ -47,8 +47,9 @@ sampling is keyed by the data position, sample and turn, never by the schedule):
 - ``turns_mean``, ``env_tokens_mean``, ``response_tokens_mean``, ``trajectories_truncated``: the agent's metrics
   of the first call (every call is the same).
 - ``first_call_seconds``, ``warmup_seconds`` and ``engine_traces``: the first call; the warm-up (the first call of
-  each kind, then rounds of a call of each kind until a round compiles nothing, at most ``--warmup-rounds``: turns
-  end at other moments each call, so prefills meet new shape buckets); the programs compiled by then.
+  each kind, then rounds of a call of each kind until two rounds in a row compile nothing, at most
+  ``--warmup-rounds``: turns end at other moments each call, so prefills meet new shape buckets); the programs
+  compiled by then.
   ``traces_while_measuring``: programs compiled during the measured calls (should be 0).
 - ``cpu_seconds_kept`` / ``_latency`` / ``_reprefill``: the process's CPU seconds of a call (all threads,
   medians) and ``speedup_cpu`` = re-prefill / kept: the work each path does, which a machine shared with other
@@ -133,8 +134,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--eos-logit", type=float, default=None, help="eos logit added to the random policy's "
                    "(default: log((vocab - 1) / (turn_tokens - 1)), about 1 / turn_tokens per token)")
     p.add_argument("--dp", type=int, default=2, help="actor-gen replicas (engines), the tests' 2")
-    p.add_argument("--warmup-rounds", type=int, default=8, help="warm-up rounds (a call of each kind) at most, "
-                   "until one compiles nothing")
+    p.add_argument("--warmup-rounds", type=int, default=20, help="warm-up rounds (a call of each kind) at most, "
+                   "until two in a row compile nothing")
     p.add_argument("--quick", action="store_true", help="4 prompts, 1 repeat, one engine (half the compiles)")
     args = p.parse_args()
     if args.quick:
@@ -242,11 +243,13 @@ def run(args: argparse.Namespace) -> dict:
         same = bool(np.array_equal(full.response_br, batch.response_br))
         slow_batch, _ = timed(args.latency, True)
         same_latency = bool(np.array_equal(slow_batch.response_br, batch.response_br))
+        clean = 0
         for _ in range(args.warmup_rounds):  # turns end at other moments each call: new shapes compile now
             before = sum(traces().values())
             for kind in kinds:
                 timed(*kind)
-            if sum(traces().values()) == before:
+            clean = clean + 1 if sum(traces().values()) == before else 0
+            if clean == 2:
                 break
         warmup_s = time.perf_counter() - t
         warm_traces = traces()
