@@ -256,7 +256,9 @@ def _lora_block(x, lp, cfg, positions_bt, inv_freq, mask_bts):
     def proj(h, group, weight, n_in, spec):
         y = jnp.einsum(spec, h, group[weight])
         d = lora.delta(h, group, weight, n_in, cfg)
-        return y if d is None else y + d
+        # the adapter's update kept out of the base projection's fusion: XLA:CPU (jax 0.12.1) otherwise fuses it
+        # into the layer scan's matmuls and rounds them differently, so B = 0 would not give the base bit for bit
+        return y if d is None else y + jax.lax.optimization_barrier(d)
 
     def heads(h, name, norm):
         y = proj(h, a, f"w{name}", 1, "btd,dhe->bthe")
