@@ -30,9 +30,14 @@ RULES: MappingProxyType = MappingProxyType({
     "gen": MappingProxyType(dict(_TENSOR_PARALLEL)),
     # Forward-only scoring (actor-infer, ref-infer, critic-infer, reward-infer).
     "infer": MappingProxyType(dict(_TENSOR_PARALLEL)),
-    # Training: same parameter layout; optimizer state is laid out like the parameters (no ZeRO over dp).
+    # Training: same parameter layout; optimizer state is laid out like the parameters, and with
+    # plan.shard_optimizer also split over dp along the first of OPTIMIZER_DP_AXES that dp divides.
     "train": MappingProxyType(dict(_TENSOR_PARALLEL)),
 })
+
+# ZeRO-1: the logical axes an optimizer leaf may be split over dp along, in order of preference. Each is one
+# the rules above leave whole (replicated over tp), so a replica's block is a slice of its tp shard.
+OPTIMIZER_DP_AXES = ("embed", "head_dim", "lora_rank", "labels")
 
 MESH_AXES = ("dp", "pp", "tp")
 
