@@ -226,6 +226,9 @@ class PlanConfig(_Node):
 
     colocate: bool = _field(True, "all model-stages share all devices (true) or get split device sets")
     park_idle: bool = _field(False, "offload idle model-stages' state to host memory between their uses")
+    shard_optimizer: bool = _field(
+        True, "training stages with dp > 1 keep 1/dp of the optimizer state on each replica (ZeRO-1); the "
+        "parameters stay whole on every replica")
     default: StageLayoutConfig = field(default_factory=StageLayoutConfig)
     stages: dict[str, StageLayoutConfig] = field(
         default_factory=dict, metadata={"help": "per-stage layouts overriding plan.default"}

@@ -261,7 +261,7 @@ class Learner:
         """One training program: mini_batches x ppo_epochs updates of the stage on ``data`` ([rows, ...]).
         Logged: each metric's mean over the updates (``*_max`` / ``*_min``: the extreme), and with more than
         one update ``<model>_per_update``, the policy's ratio and clipping statistics update by update."""
-        stages, spec = self.stages, self.stages.specs[ms]
+        stages, spec = self.stages, self.stages.unit_spec(ms)
         leaves, mesh, key, micro, layout = stages.stage_inputs(ms, data, ("train", ms), self.cfg.trainer.mini_batches)
         self._packed(layout)
         new_leaves, metrics = stages.run(key, lambda: stages.train_program(ms, spec, mesh), leaves, micro)

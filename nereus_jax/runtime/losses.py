@@ -207,25 +207,34 @@ def canonical_global_norm(grads: dict, cfg: ModelConfig) -> jax.Array:
 
 
 def make_train_step(loss_fn: LossFn | None, optimizer: optax.GradientTransformation, cfg: ModelConfig,
-                    max_grad_norm: float = 1.0, *, value_and_grad: GradFn | None = None):
+                    max_grad_norm: float = 1.0, *, value_and_grad: GradFn | None = None, param_shardings=None):
     """(params, opt_state, micro_batches [accum, rows, ...]) -> (params, opt_state, metrics). ``value_and_grad``
     (default ``jax.value_and_grad(loss_fn, has_aux=True)``) gives each micro-batch's loss, metrics and gradients:
-    :func:`pipelined_value_and_grad` for the 1F1B pipeline."""
+    :func:`pipelined_value_and_grad` for the 1F1B pipeline. ``param_shardings`` (a tree like ``params``): where
+    the parameters the forward reads and the gradients are pinned. With an optimizer state split over dp, the
+    partitioner would otherwise carry that split back from the update into the forward and backward (gathering
+    activations over dp) and sum in another order than replicas with whole copies do: the same update, but not
+    bit for bit."""
     grad_fn = value_and_grad or jax.value_and_grad(loss_fn, has_aux=True)
+    grad_shardings = None if param_shardings is None else split_trainable(param_shardings, cfg)[0]
+    pin = (lambda g: g) if grad_shardings is None else (
+        lambda g: jax.lax.with_sharding_constraint(g, grad_shardings))
 
     def step(params, opt_state, batches):
         # With LoRA only the adapters (and a value head) train: the frozen base's gradients are never
         # accumulated (XLA drops their computation), it has no optimizer state, and it leaves the step as
         # the same buffers, bit for bit. Without LoRA ``trainable`` is the whole tree.
+        if param_shardings is not None:
+            params = jax.lax.with_sharding_constraint(params, param_shardings)
         trainable, frozen = split_trainable(params, cfg)
 
         def micro(acc, mb):
             (loss, metrics), grads = grad_fn(params, mb)
-            return jax.tree.map(jnp.add, acc, split_trainable(grads, cfg)[0]), (loss, metrics)
+            return jax.tree.map(jnp.add, acc, pin(split_trainable(grads, cfg)[0])), (loss, metrics)
 
-        zeros = jax.tree.map(jnp.zeros_like, trainable)
+        zeros = pin(jax.tree.map(jnp.zeros_like, trainable))
         grads, (losses, metrics) = jax.lax.scan(micro, zeros, batches)
-        grads = sync_kv_grads(grads, cfg)
+        grads = pin(sync_kv_grads(grads, cfg))
         norm = canonical_global_norm(grads, cfg)
         scale = jnp.minimum(1.0, max_grad_norm / jnp.maximum(norm, 1e-12))
         grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
@@ -308,12 +317,14 @@ def _pieces(x, m: int, split: bool = True) -> jax.Array:
 
 
 def make_minibatch_train_step(loss_fn: LossFn | None, optimizer: optax.GradientTransformation, cfg: ModelConfig,
-                              epochs: int = 1, max_grad_norm: float = 1.0, *, value_and_grad: GradFn | None = None):
+                              epochs: int = 1, max_grad_norm: float = 1.0, *, value_and_grad: GradFn | None = None,
+                              param_shardings=None):
     """(params, opt_state, batches [mini, accum, rows, ...]) -> (params, opt_state, metrics [epochs * mini]):
     ``epochs`` passes over the mini-batches in order, one :func:`make_train_step` update each (a non-finite
     one is skipped, the next starts from the kept state). The caller's ``old_logp`` are the generating
     step's, so the first update's ratio is 1 and the later ones' move away from it."""
-    update = make_train_step(loss_fn, optimizer, cfg, max_grad_norm, value_and_grad=value_and_grad)
+    update = make_train_step(loss_fn, optimizer, cfg, max_grad_norm, value_and_grad=value_and_grad,
+                             param_shardings=param_shardings)
 
     def step(params, opt_state, batches):
         def one(carry, mb):

@@ -90,10 +90,15 @@ class StageState:
         for ms in job_stages(self.cfg):
             sp = self.plan[ms]
             replicas = [[self.devices[i] for i in r] for r in sp.replicas]
-            units[ms] = units_from_source(ms, self.specs[ms], sp.layout, replicas, sources[ms])
+            units[ms] = units_from_source(ms, self.unit_spec(ms), sp.layout, replicas, sources[ms])
         self.units = units
         self.sync = WeightSync(self.plan, self.specs[ACTOR_TRAIN], self.specs[ACTOR_GEN],
                                caps=self.cfg.cluster.device_memory_bytes)
+
+    def unit_spec(self, ms: ModelStage, plan: ExecutionPlan | None = None) -> StateSpec:
+        """What each unit of ``ms`` holds in ``plan`` (default: the current one): its StateSpec, with the
+        optimizer split over the replicas where ``plan.shard_optimizer`` does so (``StateSpec.for_dp``)."""
+        return self.specs[ms].for_dp((plan or self.plan)[ms].dp)
 
     # ------------------------------------------------------------------------------ plan changes
     def check_plan(self, plan: ExecutionPlan) -> WeightSync:
@@ -128,9 +133,9 @@ class StageState:
             accum = self.accum(kind, plan[ms].dp)
             mini = self.cfg.trainer.mini_batches if kind == "train" else None
             micro = _abstract_micro(signature, accum, mesh, mini)
-            spec = self.specs[ms]
+            spec = self.unit_spec(ms, plan)
             leaves = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
-                      for a, sh in zip(spec.abstract(plan[ms].layout), spec.shardings(mesh), strict=True)]
+                      for a, sh in zip(spec.global_abstract(plan[ms].layout), spec.shardings(mesh), strict=True)]
             if kind == "train":
                 fn = self.train_program(ms, spec, mesh)
                 programs[self.key("train", ms, mesh, accum, _signature((leaves, micro)))] = \
@@ -241,8 +246,11 @@ class StageState:
         else:
             make_loss = functools.partial(losses.critic_loss, m, a, self.P)
         grad_fn = stage_value_and_grad(mesh, spec.kind, make_loss, self.cfg.trainer.pipeline_schedule)
+        pins = None
+        if spec.shards > 1:  # forward, backward and gradients as without the split (see make_train_step)
+            pins = jax.tree.unflatten(spec.params_def, spec.shardings(mesh)[: spec.n_params])
         step = losses.make_minibatch_train_step(None, spec.optimizer, m, epochs=self.cfg.trainer.ppo_epochs,
-                                               value_and_grad=grad_fn)
+                                               value_and_grad=grad_fn, param_shardings=pins)
 
         def program(leaves, micro):
             state = spec.unflatten(leaves)
@@ -258,12 +266,14 @@ def _put(host: dict, mesh, mini: int | None) -> dict:
 
 def _specs(cfg: Config, critic: bool) -> dict[ModelStage, StateSpec]:
     m = cfg.model
-    specs = {ACTOR_TRAIN: StateSpec(m, "train", optimizer=losses.make_optimizer(cfg.trainer.actor_lr)),
+    zero = cfg.plan.shard_optimizer
+    specs = {ACTOR_TRAIN: StateSpec(m, "train", optimizer=losses.make_optimizer(cfg.trainer.actor_lr),
+                                    shard_optimizer=zero),
              ACTOR_GEN: StateSpec(m, "gen", dtype=m.compute_dtype),
              REF_INFER: StateSpec(base_config(m), "infer", dtype=m.compute_dtype)}  # LoRA: the base, no adapters
     if critic:
         specs[CRITIC_TRAIN] = StateSpec(m, "train", head="value",
-                                        optimizer=losses.make_optimizer(cfg.trainer.critic_lr))
+                                        optimizer=losses.make_optimizer(cfg.trainer.critic_lr), shard_optimizer=zero)
     return specs
 
 
