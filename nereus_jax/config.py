@@ -102,7 +102,7 @@ class ModelConfig(_Node):
     critic_hf_path: str | None = _field(
         None, "local *ForSequenceClassification checkpoint the critic starts from (null: the actor's trunk "
               "with a zero value head)")
-    family: Literal["llama", "qwen2", "qwen3"] = "llama"
+    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] = "llama"
     vocab_size: int = 128
     hidden_size: int = 64
     num_layers: int = 2
@@ -110,6 +110,10 @@ class ModelConfig(_Node):
     num_kv_heads: int = 2
     head_dim: int | None = _field(None, "null -> hidden_size // num_heads (derived once, at construction)")
     intermediate_size: int = 256
+    num_experts: int = _field(0, "experts per mixture-of-experts layer (0: a dense MLP; Qwen3-MoE)")
+    num_experts_per_tok: int = _field(2, "experts each token is routed to (top-k of the router)")
+    moe_intermediate_size: int | None = _field(None, "each expert's MLP width (null: intermediate_size)")
+    norm_topk_prob: bool = _field(True, "renormalise the top-k routing weights to sum to 1 (Qwen3-MoE)")
     rope_theta: float = 10000.0
     rope_scaling: RopeScalingConfig | None = None
     rms_norm_eps: float = 1e-5
@@ -159,8 +163,19 @@ class ModelConfig(_Node):
             )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         _check_positive("model", self, "head_dim")
-        if self.family == "qwen3":
-            require(self.qk_norm, "model.family=qwen3 has per-head q/k RMSNorm: set model.qk_norm=true")
+        if self.family in ("qwen3", "qwen3_moe"):
+            require(self.qk_norm, f"model.family={self.family} has per-head q/k RMSNorm: set model.qk_norm=true")
+        require(self.num_experts >= 0, f"model.num_experts must be >= 0 (0: a dense MLP), got {self.num_experts}")
+        require((self.family == "qwen3_moe") == (self.num_experts > 0),
+                f"model.family={self.family} with model.num_experts={self.num_experts}: mixture-of-experts layers "
+                "are Qwen3-MoE's (family qwen3_moe with num_experts > 0; any other family has num_experts 0)")
+        if self.num_experts:
+            require(1 <= self.num_experts_per_tok <= self.num_experts,
+                    f"model.num_experts_per_tok={self.num_experts_per_tok} must be in [1, model.num_experts="
+                    f"{self.num_experts}]")
+            if self.moe_intermediate_size is None:
+                object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
+            _check_positive("model", self, "moe_intermediate_size")
         require(self.lora_rank >= 0, f"model.lora_rank must be >= 0 (0: no adapters), got {self.lora_rank}")
         object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
         if self.lora_rank:
@@ -169,6 +184,11 @@ class ModelConfig(_Node):
                     f"model.lora_targets={list(self.lora_targets)}: unknown {unknown or 'empty list'}; choose among "
                     f"{list(LORA_TARGETS)}")
             require(self.lora_alpha > 0, f"model.lora_alpha must be > 0, got {self.lora_alpha}")
+            mlp = [t for t in self.lora_targets if t in ("gate_proj", "up_proj", "down_proj")]
+            require(not (self.num_experts and mlp),
+                    f"model.lora_targets {mlp} adapt MLP projections, which a mixture-of-experts model has per "
+                    "expert: adapters on experts are not supported; set model.lora_targets=[q_proj,k_proj,v_proj,"
+                    "o_proj]")
             require(self.lora_dropout == 0.0,
                     f"model.lora_dropout={self.lora_dropout}: adapter dropout is not supported yet; set "
                     "model.lora_dropout=0 (RL post-training usually runs without it)")

@@ -19,7 +19,8 @@ import numpy as np
 
 from nereus_jax.config import ModelConfig
 from nereus_jax.engine import paged
-from nereus_jax.models.layers import apply_rope, attention, constrain, project_heads, rms_norm, rope_inv_freq, swiglu
+from nereus_jax.models.decoder import mlp
+from nereus_jax.models.layers import apply_rope, attention, constrain, project_heads, rms_norm, rope_inv_freq
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # as nereus_jax.models.layers
 LayerCaches = tuple[tuple[jax.Array, jax.Array], ...]  # per layer (k, v) [batch, kv_heads, length, head_dim]
@@ -123,9 +124,8 @@ def _queries(h, a, cfg, positions_bt, inv_freq):
 def _finish(x, out_bthe, lp, cfg):
     """The attention output projection and residual, then the MLP block."""
     x = constrain(x + jnp.einsum("bthe,hed->btd", out_bthe, lp["attn"]["wo"]), ("batch", "length", "embed"))
-    m = lp["mlp"]
     h = rms_norm(x, lp["mlp_norm"]["scale"], cfg.rms_norm_eps)
-    x = x + swiglu(h, m["w_gate"], m["w_up"], m["w_down"])
+    x = x + mlp(h, lp, cfg)
     return constrain(x, ("batch", "length", "embed"))
 
 

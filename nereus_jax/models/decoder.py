@@ -12,6 +12,8 @@ The parameter tree (``nnx.to_pure_dict(nnx.state(model, nnx.Param))``) is::
     layers/attn/q_norm/scale   [layers, head_dim]   (+ k_norm: per-head RMSNorm of q and k, Qwen3's qk_norm)
     layers/mlp_norm/scale      [layers, embed]
     layers/mlp/w_gate, w_up    [layers, embed, mlp];  layers/mlp/w_down [layers, mlp, embed]
+    layers/moe/router          [layers, embed, experts]  (instead of layers/mlp with model.num_experts > 0)
+    layers/moe/w_gate, w_up    [layers, experts, embed, mlp];  layers/moe/w_down [layers, experts, mlp, embed]
     final_norm/scale           [embed]
     lm_head/kernel             [embed, vocab]    (language-model head, absent when embeddings are tied)
     value_head/kernel          [embed, labels]   (value/score head for critic and reward models)
@@ -34,7 +36,16 @@ from flax import nnx
 
 from nereus_jax.config import ModelConfig
 from nereus_jax.models import lora
-from nereus_jax.models.layers import apply_rope, attention, constrain, project_heads, rms_norm, rope_inv_freq, swiglu
+from nereus_jax.models.layers import (
+    apply_rope,
+    attention,
+    constrain,
+    moe_mlp,
+    project_heads,
+    rms_norm,
+    rope_inv_freq,
+    swiglu,
+)
 
 Head = Literal["lm", "value"]
 _INIT_STD = 0.02
@@ -82,13 +93,27 @@ class _Mlp(nnx.Module):
         self.w_down = _param(rngs, (n, f, d), ("layers", "mlp", "embed"), dtype)
 
 
+class _Moe(nnx.Module):
+    """Qwen3-MoE's sparse block: a router over ``num_experts`` SwiGLU experts stacked on an ``experts`` axis."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        n, d, e, f = cfg.num_layers, cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        self.router = _param(rngs, (n, d, e), ("layers", "embed", "experts"), dtype)
+        self.w_gate = _param(rngs, (n, e, d, f), ("layers", "experts", "embed", "mlp"), dtype)
+        self.w_up = _param(rngs, (n, e, d, f), ("layers", "experts", "embed", "mlp"), dtype)
+        self.w_down = _param(rngs, (n, e, f, d), ("layers", "experts", "mlp", "embed"), dtype)
+
+
 class _Layers(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
         shape, axes = (cfg.num_layers, cfg.hidden_size), ("layers", "embed")
         self.attn_norm = _Norm(shape, axes, dtype, rngs)
         self.attn = _Attention(cfg, dtype, rngs)
         self.mlp_norm = _Norm(shape, axes, dtype, rngs)
-        self.mlp = _Mlp(cfg, dtype, rngs)
+        if cfg.num_experts:
+            self.moe = _Moe(cfg, dtype, rngs)
+        else:
+            self.mlp = _Mlp(cfg, dtype, rngs)
         for t in lora.targets(cfg):
             group = getattr(self, t.group)
             weight = getattr(group, t.weight)
@@ -243,15 +268,24 @@ def _block(x, lp, cfg, positions_bt, inv_freq, mask_bts):
     out = attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask_bts)
     x = x + jnp.einsum("bthe,hed->btd", out, a["wo"])
     x = constrain(x, ("batch", "length", "embed"))
-    m = lp["mlp"]
     h = rms_norm(x, lp["mlp_norm"]["scale"], cfg.rms_norm_eps)
-    return x + swiglu(h, m["w_gate"], m["w_up"], m["w_down"])
+    return x + mlp(h, lp, cfg)
+
+
+def mlp(h_btd: jax.Array, lp: dict, cfg: ModelConfig) -> jax.Array:
+    """One layer's MLP on its normed input: SwiGLU, or Qwen3-MoE's routed experts (``lp["moe"]``)."""
+    if "moe" in lp:
+        m = lp["moe"]
+        return moe_mlp(h_btd, m["router"], m["w_gate"], m["w_up"], m["w_down"], cfg.num_experts_per_tok,
+                       cfg.norm_topk_prob)
+    m = lp["mlp"]
+    return swiglu(h_btd, m["w_gate"], m["w_up"], m["w_down"])
 
 
 def _lora_block(x, lp, cfg, positions_bt, inv_freq, mask_bts):
     """:func:`_block` with each adapted projection plus its low-rank update, unmerged (the adapters' own
     gradients, no merged weight copy per layer)."""
-    a, m = lp["attn"], lp["mlp"]
+    a, m = lp["attn"], lp.get("mlp")
 
     def proj(h, group, weight, n_in, spec):
         y = jnp.einsum(spec, h, group[weight])
@@ -272,6 +306,8 @@ def _lora_block(x, lp, cfg, positions_bt, inv_freq, mask_bts):
     out = attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask_bts)
     x = constrain(x + proj(out, a, "wo", 2, "bthe,hed->btd"), ("batch", "length", "embed"))
     h = rms_norm(x, lp["mlp_norm"]["scale"], cfg.rms_norm_eps)
+    if "moe" in lp:  # experts carry no adapters (config refuses MLP targets with experts)
+        return x + mlp(h, lp, cfg)
     gate, up = proj(h, m, "w_gate", 1, "btd,df->btf"), proj(h, m, "w_up", 1, "btd,df->btf")
     hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
     return x + proj(hidden, m, "w_down", 1, "btf,fd->btd")

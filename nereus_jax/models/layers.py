@@ -104,3 +104,35 @@ def swiglu(x_btd: jax.Array, w_gate_df: jax.Array, w_up_df: jax.Array, w_down_fd
     up = jnp.einsum("btd,df->btf", x_btd, w_up_df)
     hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
     return jnp.einsum("btf,fd->btd", hidden, w_down_fd)
+
+
+def route(x_btd: jax.Array, router_de: jax.Array, k: int, norm_topk: bool) -> tuple[jax.Array, jax.Array]:
+    """Qwen3-MoE's router: softmax over the experts in float32, the top ``k`` (ties to the lower index), their
+    weights renormalised to sum to 1 when ``norm_topk``. Returns (weights [b, t, k] in x's dtype, experts
+    [b, t, k] int32)."""
+    logits = jnp.einsum("btd,de->bte", x_btd, router_de).astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, k)
+    if norm_topk:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights.astype(x_btd.dtype), experts.astype(jnp.int32)
+
+
+def moe_mlp(x_btd: jax.Array, router_de: jax.Array, w_gate_edf: jax.Array, w_up_edf: jax.Array,
+            w_down_efd: jax.Array, k: int, norm_topk: bool) -> jax.Array:
+    """A dropless mixture of SwiGLU experts: every token's ``k`` routed experts, as grouped matmuls over the
+    token-expert pairs sorted by expert (``lax.ragged_dot``: no capacity, no dropped tokens, no padding to
+    a per-expert maximum), then each token's outputs summed with its routing weights."""
+    b, t, d = x_btd.shape
+    num_experts = router_de.shape[-1]
+    weights, experts = route(x_btd, router_de, k, norm_topk)
+    flat_e = experts.reshape(-1)                       # [b*t*k] the expert of each pair
+    order = jnp.argsort(flat_e, stable=True)            # pairs grouped by expert
+    token = order // k                                  # the token of each sorted pair
+    group_sizes = jnp.bincount(flat_e, length=num_experts).astype(jnp.int32)
+    xs = x_btd.reshape(b * t, d)[token]
+    gate = jax.lax.ragged_dot(xs, w_gate_edf, group_sizes)
+    up = jax.lax.ragged_dot(xs, w_up_edf, group_sizes)
+    ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down_efd, group_sizes)   # [b*t*k, d] sorted
+    pairs = jnp.zeros_like(ys).at[order].set(ys).reshape(b, t, k, d)
+    return jnp.einsum("btkd,btk->btd", pairs, weights)
