@@ -91,7 +91,7 @@ def _parse() -> argparse.Namespace:
 def masked_dense(x_btd, router_de, w_gate_edf, w_up_edf, w_down_efd, k: int, norm_topk: bool):
     """The reference (and the 'onehot' alternative): every expert on every token, each expert's output weighted
     by the token's routing weight for it (0 when not among its top k)."""
-    weights, experts = route(x_btd, router_de, k, norm_topk)
+    weights, experts = route(x_btd, router_de, k, norm_topk)[:2]
     combine = jnp.sum(jax.nn.one_hot(experts, router_de.shape[-1], dtype=weights.dtype) * weights[..., None],
                       axis=-2)                                                      # [b, t, e]
     gate = jnp.einsum("btd,edf->btef", x_btd, w_gate_edf)
@@ -106,7 +106,7 @@ def blocked_moe(x_btd, router_de, w_gate_edf, w_up_edf, w_down_efd, k: int, norm
     b, t, d = x_btd.shape
     e = router_de.shape[-1]
     pairs = b * t * k
-    weights, experts = route(x_btd, router_de, k, norm_topk)
+    weights, experts = route(x_btd, router_de, k, norm_topk)[:2]
     flat_e = experts.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)
     sorted_e = flat_e[order]

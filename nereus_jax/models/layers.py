@@ -11,6 +11,7 @@ import contextlib
 import contextvars
 import math
 from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -106,27 +107,56 @@ def swiglu(x_btd: jax.Array, w_gate_df: jax.Array, w_up_df: jax.Array, w_down_fd
     return jnp.einsum("btf,fd->btd", hidden, w_down_fd)
 
 
-def route(x_btd: jax.Array, router_de: jax.Array, k: int, norm_topk: bool) -> tuple[jax.Array, jax.Array]:
+class Routed(NamedTuple):
+    """One mixture-of-experts layer's routing of its tokens."""
+
+    weights: jax.Array  # [b, t, k] in x's dtype: the gate weight of each expert used
+    experts: jax.Array  # [b, t, k] int32: the experts used (the forced ones where routes were forced)
+    own: jax.Array      # [b, t, k] int32: the router's own top-k (equal to ``experts`` without forcing)
+    probs: jax.Array    # [b, t, experts] float32: the router's softmax (what the load-balancing loss reads)
+
+
+def route(x_btd: jax.Array, router_de: jax.Array, k: int, norm_topk: bool,
+          forced_btk: jax.Array | None = None) -> Routed:
     """Qwen3-MoE's router: softmax over the experts in float32, the top ``k`` (ties to the lower index), their
-    weights renormalised to sum to 1 when ``norm_topk``. Returns (weights [b, t, k] in x's dtype, experts
-    [b, t, k] int32)."""
+    weights renormalised to sum to 1 when ``norm_topk``.
+
+    ``forced_btk`` (routing replay: the experts another run chose, -1 where it recorded none) replaces the
+    top-k of every token whose k entries are all recorded; the gate weights are still this router's softmax at
+    those experts (renormalised alike), so the router keeps its gradient."""
     logits = jnp.einsum("btd,de->bte", x_btd, router_de).astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
-    weights, experts = jax.lax.top_k(probs, k)
+    top, own = jax.lax.top_k(probs, k)
+    own = own.astype(jnp.int32)
+    experts, weights = own, top
+    if forced_btk is not None:
+        use = jnp.all(forced_btk >= 0, axis=-1, keepdims=True)
+        experts = jnp.where(use, forced_btk.astype(jnp.int32), own)
+        weights = jnp.take_along_axis(probs, experts, axis=-1)
     if norm_topk:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights.astype(x_btd.dtype), experts.astype(jnp.int32)
+    return Routed(weights.astype(x_btd.dtype), experts, own, probs)
+
+
+def same_experts(a_btk: jax.Array, b_btk: jax.Array) -> jax.Array:
+    """[b, t] bool: the two top-k lists name the same set of experts (order ignored)."""
+    return jnp.all(jnp.sort(a_btk, axis=-1) == jnp.sort(b_btk.astype(a_btk.dtype), axis=-1), axis=-1)
 
 
 def moe_mlp(x_btd: jax.Array, router_de: jax.Array, w_gate_edf: jax.Array, w_up_edf: jax.Array,
             w_down_efd: jax.Array, k: int, norm_topk: bool) -> jax.Array:
-    """A dropless mixture of SwiGLU experts: every token's ``k`` routed experts, as grouped matmuls over the
-    token-expert pairs sorted by expert (``lax.ragged_dot``: no capacity, no dropped tokens, no padding to
-    a per-expert maximum), then each token's outputs summed with its routing weights."""
+    """A dropless mixture of SwiGLU experts on the router's own top-k (:func:`route`, :func:`experts_mlp`)."""
+    return experts_mlp(x_btd, route(x_btd, router_de, k, norm_topk), w_gate_edf, w_up_edf, w_down_efd)
+
+
+def experts_mlp(x_btd: jax.Array, routed: Routed, w_gate_edf: jax.Array, w_up_edf: jax.Array,
+                w_down_efd: jax.Array) -> jax.Array:
+    """Every token's routed experts, as grouped matmuls over the token-expert pairs sorted by expert
+    (``lax.ragged_dot``: no capacity, no dropped tokens, no padding to a per-expert maximum), then each token's
+    outputs summed with its routing weights."""
     b, t, d = x_btd.shape
-    num_experts = router_de.shape[-1]
-    weights, experts = route(x_btd, router_de, k, norm_topk)
-    flat_e = experts.reshape(-1)                       # [b*t*k] the expert of each pair
+    k, num_experts = routed.experts.shape[-1], w_gate_edf.shape[0]
+    flat_e = routed.experts.reshape(-1)                # [b*t*k] the expert of each pair
     order = jnp.argsort(flat_e, stable=True)            # pairs grouped by expert
     token = order // k                                  # the token of each sorted pair
     group_sizes = jnp.bincount(flat_e, length=num_experts).astype(jnp.int32)
@@ -135,4 +165,4 @@ def moe_mlp(x_btd: jax.Array, router_de: jax.Array, w_gate_edf: jax.Array, w_up_
     up = jax.lax.ragged_dot(xs, w_up_edf, group_sizes)
     ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down_efd, group_sizes)   # [b*t*k, d] sorted
     pairs = jnp.zeros_like(ys).at[order].set(ys).reshape(b, t, k, d)
-    return jnp.einsum("btkd,btk->btd", pairs, weights)
+    return jnp.einsum("btkd,btk->btd", pairs, routed.weights)

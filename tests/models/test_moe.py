@@ -1,7 +1,13 @@
 """Qwen3-MoE against its references: the routed experts against every expert run densely and masked by the
-router's top-k (exactly the same function), transformers' Qwen3MoeForCausalLM (logits within 1e-4, padded,
-3.11 lane), the engine's decode path against the full forward, tp-sharded against one device, and the HF export
-round trip bit for bit (the engine's decode path: tests/models/test_decoder.py, family qwen3_moe)."""
+router's top-k (exactly the same function), transformers' Qwen3MoeForCausalLM (logits and the load-balancing
+loss within 1e-4 / 1e-5, padded, 3.11 lane), the engine's decode path against the full forward, tp-sharded and
+pipelined against one device, and the HF export round trip bit for bit (the engine's decode path:
+tests/models/test_decoder.py, family qwen3_moe).
+
+Routing replay and the load-balancing loss against a reference written out here layer by layer with every
+expert run on every token: replayed routes equal the logits (and router gradients) of a model whose router
+logits are raised by 1e4 at the recorded experts (its own top-k is then the record, its renormalised weights
+its softmax there); the loss equals transformers' formula in numpy on that reference's router logits."""
 
 import os
 
@@ -9,12 +15,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from moe_reference import hf_load_balancing_loss_numpy, overridden_router_forward, random_routes
 
 from nereus_jax.config import ConfigError, ModelConfig
 from nereus_jax.models import forward, init_params
 from nereus_jax.models import layers as L
 from nereus_jax.models.hf import load_hf, save_hf
+from nereus_jax.models.routing import load_balancing_loss
 from nereus_jax.sharding import Layout, activation_sharding, make_mesh, shard_params
+from nereus_jax.sharding.pipeline import pipeline_forward
 
 MOE = ModelConfig(family="qwen3_moe", qk_norm=True, vocab_size=96, hidden_size=32, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, intermediate_size=48, moe_intermediate_size=16, num_experts=8,
@@ -34,7 +43,7 @@ def params():
 def test_routed_experts_equal_every_expert_masked_by_the_top_k(params, norm):
     x = jnp.asarray(np.random.default_rng(1).normal(size=(3, 7, 32)), jnp.float32)
     m = jax.tree.map(lambda a: a[0], params["layers"]["moe"])
-    weights, experts = L.route(x, m["router"], 2, norm)
+    weights, experts = L.route(x, m["router"], 2, norm)[:2]
     dense = jnp.stack([L.swiglu(x, m["w_gate"][e], m["w_up"][e], m["w_down"][e]) for e in range(8)], axis=2)
     gate = jnp.zeros((3, 7, 8)).at[jnp.arange(3)[:, None, None], jnp.arange(7)[None, :, None], experts].set(weights)
     want = jnp.einsum("bted,bte->btd", dense, gate)
@@ -80,7 +89,7 @@ def test_bad_moe_settings_are_refused_with_the_fix():
         dataclasses.replace(MOE, lora_rank=4)
 
 
-def test_hf_parity_qwen3_moe_logits_match_transformers_on_a_padded_batch(tmp_path):
+def _hf():
     if os.environ.get("NEREUS_REQUIRE_HF") == "1":
         import torch
         import transformers
@@ -88,6 +97,11 @@ def test_hf_parity_qwen3_moe_logits_match_transformers_on_a_padded_batch(tmp_pat
         why = "Hugging Face parity needs torch and transformers (pip install -e '.[hf]' on Python 3.11)"
         torch = pytest.importorskip("torch", reason=why)
         transformers = pytest.importorskip("transformers", reason=why)
+    return torch, transformers
+
+
+def test_hf_parity_qwen3_moe_logits_match_transformers_on_a_padded_batch(tmp_path):
+    torch, transformers = _hf()
     torch.manual_seed(0)
     config = transformers.Qwen3MoeConfig(
         vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -115,3 +129,105 @@ def test_hf_parity_qwen3_moe_logits_match_transformers_on_a_padded_batch(tmp_pat
         back = again(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask),
                      position_ids=torch.tensor(positions), use_cache=False).logits.numpy()
     np.testing.assert_allclose(back[real], ref[real], atol=1e-5, rtol=0)
+
+
+def test_hf_parity_qwen3_moe_load_balancing_loss_matches_transformers_aux_loss(tmp_path):
+    torch, transformers = _hf()
+    torch.manual_seed(1)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, intermediate_size=48, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, rms_norm_eps=1e-6, max_position_embeddings=64, initializer_range=0.2,
+        attn_implementation="eager", output_router_logits=True)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    model.save_pretrained(tmp_path)
+    cfg, ours = load_hf(tmp_path)
+    mask = np.ones((3, 10), np.int64)
+    mask[1, :4] = 0
+    mask[2, 7:] = 0
+    tokens = np.where(mask == 1, np.random.RandomState(1).randint(1, 96, (3, 10)), 0)
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask),
+                     position_ids=torch.tensor(positions), use_cache=False).aux_loss.item()
+    _, stats = forward(ours, cfg, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask),
+                       return_routing=True)
+    assert float(stats.tokens) == mask.sum()
+    np.testing.assert_allclose(float(load_balancing_loss(stats)), want, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------ routing replay and the aux loss
+def test_replayed_routes_equal_a_model_whose_router_is_overridden(params):
+    tokens, mask = _tokens(3, 9, seed=2), jnp.array([[0] * 3 + [1] * 6, [1] * 9, [1] * 7 + [0] * 2])
+    routes = random_routes(MOE, 3, 9, seed=3)
+    got = forward(params, MOE, tokens, None, mask, routes_btlk=routes, replay=True)
+    want = overridden_router_forward(params, MOE, tokens, mask, routes)[0]
+    real = np.asarray(mask) == 1
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=1e-5, rtol=0)
+    own = forward(params, MOE, tokens, None, mask)
+    assert np.abs(np.asarray(own) - np.asarray(got))[real].max() > 1e-2  # the routes changed the logits
+    # the router still learns: its gradient through the replayed gates is the overridden model's
+    loss = lambda f: lambda p: jnp.sum(jnp.where(mask[..., None] == 1, f(p), 0.0) ** 2)  # noqa: E731
+    g = jax.grad(loss(lambda p: forward(p, MOE, tokens, None, mask, routes_btlk=routes, replay=True)))(params)
+    g_ref = jax.grad(loss(lambda p: overridden_router_forward(p, MOE, tokens, mask, routes)[0]))(params)
+    router, router_ref = np.asarray(g["layers"]["moe"]["router"]), np.asarray(g_ref["layers"]["moe"]["router"])
+    assert np.abs(router).max() > 1e-3
+    np.testing.assert_allclose(router, router_ref, atol=2e-5 * np.abs(router_ref).max(), rtol=0)
+
+
+def test_the_mismatch_names_tokens_whose_recorded_routes_differ_from_their_own(params):
+    tokens, mask = _tokens(2, 8, seed=4), jnp.array([[0] * 2 + [1] * 6, [1] * 8])
+    _, gate_logits = overridden_router_forward(params, MOE, tokens, mask)
+    own = jax.lax.top_k(jax.nn.softmax(gate_logits, axis=-1), MOE.num_experts_per_tok)[1]  # [layers, b, t, k]
+    routes = np.asarray(jnp.moveaxis(own, 0, 2)).astype(np.int16)
+    routes[0, 5, 1] = [(routes[0, 5, 1, 0] + 1 + j) % MOE.num_experts for j in range(2)]  # a changed set
+    routes[1, 3, 0] = routes[1, 3, 0, ::-1]  # the same set in another order: no mismatch
+    routes[1, 6] = -1  # no record
+    for replay in (False, True):
+        _, stats = forward(params, MOE, tokens, None, mask, routes_btlk=jnp.asarray(routes), replay=replay,
+                           return_routing=True)
+        expected = np.zeros((2, 8), bool)
+        expected[0, 5] = True
+        np.testing.assert_array_equal(np.asarray(stats.own_mismatch_bt), expected)
+        np.testing.assert_array_equal(np.asarray(stats.mismatch_bt), expected & (not replay))
+
+
+def test_load_balancing_loss_is_transformers_formula_on_the_real_tokens(params):
+    tokens, mask = _tokens(3, 9, seed=5), jnp.array([[0] * 3 + [1] * 6, [1] * 9, [1] * 7 + [0] * 2])
+    _, stats = forward(params, MOE, tokens, None, mask, return_routing=True)
+    _, gate_logits = overridden_router_forward(params, MOE, tokens, mask)
+    want = hf_load_balancing_loss_numpy(gate_logits, mask, MOE.num_experts_per_tok)
+    np.testing.assert_allclose(float(load_balancing_loss(stats)), want, rtol=1e-6)
+    assert float(stats.tokens) == int(mask.sum())
+    np.testing.assert_array_equal(np.asarray(stats.counts_le).sum(-1), int(mask.sum()) * MOE.num_experts_per_tok)
+    # gradients reach the router through the probabilities only (the counts are a top-k)
+    g = jax.grad(lambda p: load_balancing_loss(forward(p, MOE, tokens, None, mask, return_routing=True)[1]))(params)
+    assert float(jnp.abs(g["layers"]["moe"]["router"]).max()) > 0
+    assert float(jnp.abs(g["layers"]["moe"]["w_gate"][-1]).max()) == 0  # the last layer's experts feed no router
+
+
+@pytest.mark.parametrize("layout,m", [(Layout(pp=2), 2), (Layout(tp=2, pp=2), 4)])
+def test_pipelined_routing_equals_one_device(params, devices, layout, m):
+    tokens, mask = _tokens(4, 9, seed=6), jnp.array([[0] * 3 + [1] * 6, [1] * 9, [1] * 9, [0] + [1] * 8])
+    routes = random_routes(MOE, 4, 9, seed=7)
+
+    def run(p, fn):
+        def loss(p):
+            logits, stats = fn(p, routes_btlk=routes, replay=True, return_routing=True)
+            return jnp.mean(logits ** 2) + load_balancing_loss(stats), (logits, stats)
+        return jax.value_and_grad(loss, has_aux=True)(p)
+
+    (_, (logits, stats)), grads = run(params, lambda p, **kw: forward(p, MOE, tokens, None, mask, **kw))
+    mesh = make_mesh(devices[:layout.size], layout)
+    sharded = shard_params(jax.tree.map(np.asarray, params), MOE, layout, mesh)
+    piped = lambda p, **kw: pipeline_forward(p, MOE, tokens, None, mask, mesh=mesh, microbatches=m, **kw)  # noqa: E731
+    with activation_sharding(mesh, "train"):
+        (_, (logits2, stats2)), grads2 = jax.jit(lambda p: run(p, piped))(sharded)
+    np.testing.assert_allclose(np.asarray(logits2), np.asarray(logits), atol=1e-5, rtol=0)
+    for name in ("counts_le", "probs_le", "tokens"):
+        np.testing.assert_allclose(np.asarray(getattr(stats2, name)), np.asarray(getattr(stats, name)), atol=1e-5)
+    for name in ("mismatch_bt", "own_mismatch_bt"):
+        np.testing.assert_array_equal(np.asarray(getattr(stats2, name)), np.asarray(getattr(stats, name)))
+    assert np.asarray(stats.own_mismatch_bt).any()
+    for a, b in zip(jax.tree.leaves(grads2), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
