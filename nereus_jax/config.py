@@ -388,6 +388,14 @@ class AlgorithmConfig(_Node):
                 "min(r, correction_clip), icepop by r inside [correction_low, correction_clip] and masks the rest")
     correction_clip: float | None = _field(None, "tis: the weight cap; icepop: the upper bound; null: tis 2, icepop 5")
     correction_low: float = _field(0.5, "icepop: the lower bound (also the band of mismatch_outside_fraction)")
+    router_aux_coef: float = _field(
+        0.0, "mixture-of-experts models: the load-balancing loss (transformers' load_balancing_loss_func, per "
+             "training micro-batch) added to the actor loss times this (Qwen3-MoE checkpoints train with 0.001); "
+             "0 = off. Logged as router_aux_loss")
+    routing_replay: bool = _field(
+        False, "mixture-of-experts models: actor-infer and actor-train route every token to the experts the engine "
+               "chose for it (recorded at generation) instead of their own top-k; the gate weights stay the trained "
+               "router's softmax at those experts. router_mismatch_fraction is logged either way")
 
     def __post_init__(self) -> None:
         for name in ("gamma", "lam"):
@@ -395,7 +403,7 @@ class AlgorithmConfig(_Node):
             require(0 <= value <= 1, f"algorithm.{name} must be in [0, 1], got {value}")
         _check_positive("algorithm", self, "clip_ratio", "correction_low")
         _check_at_least("algorithm", self, 0, "value_clip", "kl_coef", "dynamic_sampling_max_rounds",
-                        "overlong_penalty")
+                        "overlong_penalty", "router_aux_coef")
         for name in ("clip_ratio_low", "clip_ratio_high", "overlong_buffer"):
             if getattr(self, name) is not None:
                 _check_at_least("algorithm", self, 0, name)
@@ -630,6 +638,12 @@ class Config(_Node):
         _check_context_fits(self.rollout, self.model)
         _check_group_sampling(self.algorithm, self.rollout)
         _check_mini_batches(self.trainer, self.rollout, self.algorithm)
+        _check_routing(self)
+
+    def records_routes(self) -> bool:
+        """Whether actor-gen's engines record every token's routes (mixture-of-experts models with one response
+        per prompt): for ``router_mismatch_fraction`` and ``algorithm.routing_replay``."""
+        return bool(self.model.num_experts) and self.task.env is None
 
 
 # --------------------------------------------------------------------------------------------- validation
@@ -731,6 +745,24 @@ def _check_group_sampling(algorithm: AlgorithmConfig, rollout: RolloutConfig) ->
         f"algorithm.dynamic_sampling=true needs rollout.samples_per_prompt >= 2 (got {rollout.samples_per_prompt}): "
         "it keeps the prompts whose samples' rewards differ",
     )
+
+
+def _check_routing(cfg: Config) -> None:
+    """The mixture-of-experts training options need experts, and what they run on must carry routes."""
+    a = cfg.algorithm
+    used = [k for k, on in (("router_aux_coef", a.router_aux_coef > 0), ("routing_replay", a.routing_replay)) if on]
+    if not used:
+        return
+    keys = " and ".join(f"algorithm.{k}" for k in used)
+    require(bool(cfg.model.num_experts), f"{keys} act on a mixture-of-experts model's router, but model.family="
+            f"{cfg.model.family} has model.num_experts=0: unset them or use a Qwen3-MoE model")
+    require(cfg.trainer.pipeline_schedule == "gpipe",
+            f"{keys} with trainer.pipeline_schedule=1f1b: the 1F1B schedule does not carry router statistics or "
+            "recorded routes between pipeline stages yet; set trainer.pipeline_schedule=gpipe (it applies only to "
+            "a training stage with pp > 1, which then runs GPipe, as the cost model prices it)")
+    require(not a.routing_replay or cfg.task.env is None,
+            f"algorithm.routing_replay with task.env={cfg.task.env!r}: multi-turn trajectories do not record their "
+            "routes yet; unset algorithm.routing_replay or task.env")
 
 
 def _check_mini_batches(trainer: TrainerConfig, rollout: RolloutConfig, algorithm: AlgorithmConfig) -> None:

@@ -1,6 +1,10 @@
 """A Qwen3-MoE job end to end on the tiny addition task: GRPO steps train every expert and the router, moves
 between random plans keep every bit and the job trains on, a checkpoint resumes into another layout bit-exact,
-and the export is a Qwen3MoeForCausalLM checkpoint that loads back bit for bit."""
+and the export is a Qwen3MoeForCausalLM checkpoint that loads back bit for bit.
+
+Routing replay with bfloat16 generation (float32 training): without replay actor-infer routes some response
+tokens to other experts than the engine did (router_mismatch_fraction > 0); with it, none, while its own router
+would have disagreed on exactly as many (the same rollouts); the load-balancing loss is logged."""
 
 import json
 import random
@@ -89,3 +93,31 @@ def test_a_checkpoint_resumes_into_another_layout_and_exports_a_qwen3_moe_checkp
     params = j.actor_host_params()
     for name, x in params["layers"]["moe"].items():
         np.testing.assert_array_equal(back["layers"]["moe"][name], x)
+
+
+@pytest.fixture(scope="module")
+def bf16_steps():
+    """One step of two jobs that differ only in routing replay: bf16 generation, float32 training."""
+    out = {}
+    for replay in (False, True):
+        cfg = _cfg("model.compute_dtype=bfloat16", "trainer.pipeline_schedule=gpipe",
+                   f"algorithm.routing_replay={str(replay).lower()}", "algorithm.router_aux_coef=0.001")
+        j = Job(cfg, make_task(cfg.task), CharTokenizer())
+        try:
+            out[replay] = j.step(0).metrics
+        finally:
+            j.close()
+    return out
+
+
+def test_bf16_generation_mismatches_training_routes_unless_they_are_replayed(bf16_steps):
+    plain, replayed = bf16_steps[False], bf16_steps[True]
+    assert plain["router_compared_tokens"] == replayed["router_compared_tokens"] > 100
+    assert plain["router_mismatch_fraction"] > 0
+    assert plain["router_own_mismatch_fraction"] == plain["router_mismatch_fraction"]
+    assert replayed["router_mismatch_fraction"] == 0
+    assert replayed["router_own_mismatch_fraction"] == plain["router_own_mismatch_fraction"]
+    # transformers' loss is top_k (2) for a perfectly balanced router and up to num_experts (4); a fresh router's
+    # probabilities are nearly uniform (weights of std 0.02), so its loss sits near 2 whatever tokens go where
+    for m in (plain, replayed):
+        assert abs(m["router_aux_loss"] - 2.0) < 0.05
