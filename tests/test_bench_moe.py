@@ -1,6 +1,7 @@
 """tools/bench_moe.py runs (--quick) and reports what it promises: its JSON keys, a dense layer of the same
-active FLOPs (width top_k x moe_width), positive throughputs, and moe_mlp equal to the masked-dense reference
-(every expert on every token, weighted by the scattered top-k routing weights) within float noise. No timing
+active FLOPs (width top_k x moe_width), positive throughputs, the grouped matmul nereus_jax runs on this backend,
+and it (and the ragged_dot and blocked alternatives) equal to the masked-dense reference (every expert on every
+token, weighted by the scattered top-k routing weights) within float noise, forward and gradients. No timing
 assertions: the ratios are figures, not pass/fail on a shared CPU."""
 
 import json
@@ -36,4 +37,9 @@ def test_bench_moe_quick():
     assert result["max_abs_grad_diff_vs_masked_dense"] <= 1e-5
     assert result["max_abs_diff_blocked_vs_masked_dense"] <= 1e-5
     assert result["ragged_dot_lowering"] in ("native", "dense_fallback")
+    # nereus_jax's grouped matmul on this backend: XLA:CPU's ragged_dot is a dense fallback, so blocks
+    assert result["moe_impl"] == ("blocks" if result["backend"] == "cpu" else "ragged_dot")
+    assert result["ragged_train_tokens_per_s"] > 0 and result["max_abs_grad_diff_ragged_vs_masked_dense"] <= 1e-5
+    assert result["moe_weight_bytes"] == result["experts"] // result["top_k"] * result["dense_weight_bytes"] + 4 * \
+        result["hidden"] * result["experts"]  # every expert's weights plus the router's
     assert any("Layout.ep" in note and "MAPE" in note for note in result["notes"])

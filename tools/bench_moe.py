@@ -1,6 +1,6 @@
-"""Speed and peak memory of one dropless mixture-of-experts layer (``layers.moe_mlp``: sort + ``lax.ragged_dot``)
-against a dense SwiGLU layer (``layers.swiglu``) of the same active FLOPs, forward and forward + backward, in the
-same process.
+"""Speed and peak memory of one dropless mixture-of-experts layer (``layers.moe_mlp``: the pairs sorted by expert,
+then the grouped matmul nereus_jax uses on this backend, ``layers.grouped_impl()``) against a dense SwiGLU layer
+(``layers.swiglu``) of the same active FLOPs, forward and forward + backward, in the same process.
 
     python tools/bench_moe.py                  # 1,024 tokens, hidden 1,024, 32 experts, top-4, width 512 (~1.5 min)
     python tools/bench_moe.py --tokens 4096    # a realistic micro-batch per device (4x the time on CPU)
@@ -24,14 +24,18 @@ forward ratio is reported beside it. The MoE layer is checked against the masked
 run on every token, each weighted by the router's top-k weights scattered into a [tokens, experts] matrix):
 ``max_abs_diff_vs_masked_dense`` (output) and ``max_abs_grad_diff_vs_masked_dense`` (every gradient).
 
-Off CPU (GPU, TPU) ``lax.ragged_dot`` lowers to XLA's ragged-dot instruction. On CPU it lowers to JAX's dense
-fallback (``_ragged_dot_general_impl``: each group's rows masked into an [experts, rows, ...] operand contracted
-over all experts), which executes ``experts`` x the active FLOPs; ``ragged_dot_lowering`` says which one ran and
-``moe_xla_fwd_flops_per_token`` is XLA's own count of what the compiled forward executes. Two alternatives are
-timed beside it (``--no-alternatives`` skips them), neither used by nereus_jax: ``onehot`` (the masked-dense
-reference itself: experts / top_k x the active FLOPs, no sort) and ``blocked`` (sort the token-expert pairs by
-expert, pad each expert's group to a multiple of ``--block`` rows, one batched matmul over the blocks with each
-block's expert weights gathered: about the active FLOPs plus the padding, no ragged_dot).
+The grouped matmul (``moe_impl``): off CPU (GPU, TPU) ``lax.ragged_dot``, which lowers to XLA's ragged-dot
+instruction there. On CPU it lowers to JAX's dense fallback (each group's rows masked into an [experts, rows, ...]
+operand contracted over all experts: ``experts`` x the active FLOPs), so nereus_jax runs ``blocks`` there
+(``layers.blocked_swiglu``: each expert's group cut into ``block_rows``-row blocks, one SwiGLU per block in a scan
+with a hand-written backward; the active FLOPs plus at most a block of padding per expert, and every expert's
+weights read once per block). ``ragged_dot_lowering`` says how ``lax.ragged_dot`` lowers here. Alternatives timed
+beside it (``--no-alternatives`` skips them): ``ragged`` (``impl="ragged_dot"`` on this backend), ``onehot`` (the
+masked-dense reference itself: experts / top_k x the active FLOPs, no sort) and ``blocked`` (not in nereus_jax:
+sort, pad each expert's group to a multiple of ``--block`` rows, one batched matmul over the blocks with each
+block's expert weights gathered). ``moe_weight_read_seconds_floor`` is the MoE layer's weights (every expert's:
+each is routed some token) over the measured copy bandwidth: a floor on a forward that reads them once, which on
+a CPU of low bandwidth can exceed the dense layer's whole forward (its weights are experts / top_k x smaller).
 
 Prints one JSON object on its last line.
 """
@@ -51,7 +55,7 @@ import numpy as np  # noqa: E402
 from machine_limits import copy_bytes_per_s, matmul_flops_per_s, median_seconds, peak_bytes  # noqa: E402
 
 from nereus_jax.config import resolve_model  # noqa: E402
-from nereus_jax.models.layers import moe_mlp, route, swiglu  # noqa: E402
+from nereus_jax.models.layers import default_block_rows, experts_mlp, grouped_impl, route, swiglu  # noqa: E402
 
 GOAL_RATIO_MIN = 0.7
 INIT_SCALE = 0.02
@@ -67,6 +71,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--moe-width", type=int, default=512, help="each expert's intermediate size")
     p.add_argument("--no-norm-topk", dest="norm_topk", action="store_false", help="keep the raw top-k weights")
     p.add_argument("--block", type=int, default=128, help="rows per block of the 'blocked' alternative")
+    p.add_argument("--block-rows", type=int, default=None,
+                   help="rows per block of the 'blocks' grouped matmul (default: layers.default_block_rows)")
     p.add_argument("--alternatives", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the onehot and blocked alternatives")
     p.add_argument("--repeats", type=int, default=2)
@@ -171,20 +177,28 @@ def run(args: argparse.Namespace) -> dict:
     jax.config.update("jax_default_matmul_precision", "highest")  # exact float32 matmuls on every backend
     inp = _inputs(args)
     x, mw, dw = inp["x"], inp["moe"], inp["dense"]
-    layers = {"moe": lambda x, *ws: moe_mlp(x, *ws, k, norm), "onehot": lambda x, *ws: masked_dense(x, *ws, k, norm),
+    impl = grouped_impl()
+    block_rows = args.block_rows or default_block_rows(n * k, e)
+
+    def moe(impl):
+        def layer(x, router, *ws):
+            return experts_mlp(x, route(x, router, k, norm), *ws, impl=impl, block_rows=block_rows)
+        return layer
+
+    layers = {"moe": moe(impl), "ragged": moe("ragged_dot"), "onehot": lambda x, *ws: masked_dense(x, *ws, k, norm),
               "blocked": lambda x, *ws: blocked_moe(x, *ws, k, norm, args.block)}
 
-    names = ("moe", "onehot", "blocked") if args.alternatives else ("moe", "onehot")
+    names = ("moe", "onehot", "ragged", "blocked") if args.alternatives else ("moe", "onehot", "ragged")
     progs = {name: _programs(layers[name], x, mw) for name in names}
     progs["dense"] = _programs(swiglu, x, dw)
     # correctness on this shape: moe_mlp (and the blocked alternative) vs the masked-dense reference
     want_y, want_g = progs["onehot"]["fwd"](x, *mw), progs["onehot"]["train"](x, *mw)
     diffs = {name: (_max_diff(progs[name]["fwd"](x, *mw), want_y), _max_diff(progs[name]["train"](x, *mw), want_g))
              for name in names if name != "onehot"}
-    timed = ("moe", "dense", "onehot", "blocked") if args.alternatives else ("moe", "dense")
+    timed = ("moe", "dense", "onehot", "ragged", "blocked") if args.alternatives else ("moe", "dense")
     out = {name: _measure(progs[name], x, dw if name == "dense" else mw, args.repeats) for name in timed}
     alt = {name: out.pop(name) for name in timed[2:]}
-    native = "chlo.ragged_dot" in progs["moe"]["text"]
+    native = "chlo.ragged_dot" in progs["ragged"]["text"]
     counts = np.bincount(np.asarray(route(x, mw[0], k, norm)[1]).reshape(-1), minlength=e)
     flops, gbps = matmul_flops_per_s(), copy_bytes_per_s()
 
@@ -221,7 +235,12 @@ def run(args: argparse.Namespace) -> dict:
         "routing_max_over_mean": float(counts.max() / counts.mean()), "routing_min_over_mean":
             float(counts.min() / counts.mean()), "tokens_per_expert_mean": float(counts.mean()),
         "max_abs_diff_vs_masked_dense": diffs["moe"][0], "max_abs_grad_diff_vs_masked_dense": diffs["moe"][1],
-        "ragged_dot_lowering": "native" if native else "dense_fallback",
+        "ragged_dot_lowering": "native" if native else "dense_fallback", "moe_impl": impl,
+        "block_rows": block_rows if impl == "blocks" else None,
+        "moe_weight_bytes": sum(int(w.size) * 4 for w in mw), "dense_weight_bytes": sum(int(w.size) * 4 for w in dw),
+        "moe_weight_read_seconds_floor": sum(int(w.size) * 4 for w in mw) / gbps,
+        "max_abs_diff_ragged_vs_masked_dense": diffs["ragged"][0],
+        "max_abs_grad_diff_ragged_vs_masked_dense": diffs["ragged"][1],
     }
     for name, r in alt.items():
         result.update({f"{name}_fwd_tokens_per_s": tps[name][0], f"{name}_train_tokens_per_s": tps[name][1],
@@ -239,13 +258,15 @@ def run(args: argparse.Namespace) -> dict:
         "device, no all-to-all",
         "goal: train_ratio = moe_train_tokens_per_s / dense_train_tokens_per_s >= goal_ratio_min; the dense "
         "layer has width top_k * moe_width, the same active matmul FLOPs per token (the router's are extra)",
+        f"moe_impl {impl}: the grouped matmul nereus_jax runs on this backend (layers.grouped_impl)",
         ("ragged_dot_lowering native: XLA's ragged-dot instruction" if native else
          "ragged_dot_lowering dense_fallback: on this backend lax.ragged_dot is JAX's dense fallback (every group "
          "masked into an [experts, rows, ...] operand and contracted over all experts), executing experts x the "
-         "active FLOPs (moe_xla_fwd_flops_per_token); the ratio measures that fallback, not a grouped matmul"),
-        "alternatives (not in nereus_jax): onehot = the masked-dense reference (experts / top_k x the active "
-        "FLOPs); blocked = sort, pad each expert's group to blocked_block rows, one batched matmul over blocks "
-        "with gathered expert weights",
+         "active FLOPs (ragged_xla_fwd_flops_per_token), which is why nereus_jax runs 'blocks' here"),
+        "alternatives: ragged = impl ragged_dot on this backend; onehot = the masked-dense reference (experts / "
+        "top_k x the active FLOPs); blocked (not in nereus_jax) = sort, pad each expert's group to blocked_block "
+        "rows, one batched matmul over blocks with gathered expert weights",
+        "moe_weight_read_seconds_floor: every expert's weights over copy_bytes_per_s, a floor on one forward",
         "routing: a random router (normal x init_scale) on standard-normal inputs; routing_max_over_mean is the "
         "busiest expert's token-expert pairs over the mean",
     ]
