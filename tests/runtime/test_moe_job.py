@@ -97,21 +97,23 @@ def test_a_checkpoint_resumes_into_another_layout_and_exports_a_qwen3_moe_checkp
 
 @pytest.fixture(scope="module")
 def bf16_steps():
-    """One step of two jobs that differ only in routing replay: bf16 generation, float32 training."""
+    """One step of jobs that differ only in routing replay (and, replayed, actor-train's pp: 1 or 2, GPipe):
+    bf16 generation, float32 training."""
     out = {}
-    for replay in (False, True):
-        cfg = _cfg("model.compute_dtype=bfloat16", "trainer.pipeline_schedule=gpipe",
-                   f"algorithm.routing_replay={str(replay).lower()}", "algorithm.router_aux_coef=0.001")
+    for name, extra in (("plain", []), ("replayed", ["algorithm.routing_replay=true"]),
+                        ("replayed_pp2", ["algorithm.routing_replay=true", "plan.stages.actor-train.pp=2"])):
+        cfg = _cfg("model.compute_dtype=bfloat16", "trainer.pipeline_schedule=gpipe", "algorithm.router_aux_coef=0.001",
+                   *extra)
         j = Job(cfg, make_task(cfg.task), CharTokenizer())
         try:
-            out[replay] = j.step(0).metrics
+            out[name] = j.step(0).metrics
         finally:
             j.close()
     return out
 
 
 def test_bf16_generation_mismatches_training_routes_unless_they_are_replayed(bf16_steps):
-    plain, replayed = bf16_steps[False], bf16_steps[True]
+    plain, replayed = bf16_steps["plain"], bf16_steps["replayed"]
     assert plain["router_compared_tokens"] == replayed["router_compared_tokens"] > 100
     assert plain["router_mismatch_fraction"] > 0
     assert plain["router_own_mismatch_fraction"] == plain["router_mismatch_fraction"]
@@ -121,3 +123,11 @@ def test_bf16_generation_mismatches_training_routes_unless_they_are_replayed(bf1
     # probabilities are nearly uniform (weights of std 0.02), so its loss sits near 2 whatever tokens go where
     for m in (plain, replayed):
         assert abs(m["router_aux_loss"] - 2.0) < 0.05
+
+
+def test_a_pipelined_actor_train_scores_and_replays_routes_as_one_stage_does(bf16_steps):
+    one, two = bf16_steps["replayed"], bf16_steps["replayed_pp2"]
+    for key in ("router_mismatch_fraction", "router_own_mismatch_fraction", "router_compared_tokens"):
+        assert two[key] == one[key], key
+    np.testing.assert_allclose(two["router_aux_loss"], one["router_aux_loss"], rtol=1e-5)
+    np.testing.assert_allclose(two["loss"], one["loss"], rtol=1e-5, atol=1e-7)
