@@ -391,7 +391,7 @@ class AlgorithmConfig(_Node):
     router_aux_coef: float = _field(
         0.0, "mixture-of-experts models: the load-balancing loss (transformers' load_balancing_loss_func, per "
              "training micro-batch) added to the actor loss times this (Qwen3-MoE checkpoints train with 0.001); "
-             "0 = off. Logged as router_aux_loss")
+             "0 = off; needs trainer.pipeline_schedule=gpipe. Logged as router_aux_loss")
     routing_replay: bool = _field(
         False, "mixture-of-experts models: actor-infer and actor-train route every token to the experts the engine "
                "chose for it (recorded at generation) instead of their own top-k; the gate weights stay the trained "
@@ -756,9 +756,9 @@ def _check_routing(cfg: Config) -> None:
     keys = " and ".join(f"algorithm.{k}" for k in used)
     require(bool(cfg.model.num_experts), f"{keys} act on a mixture-of-experts model's router, but model.family="
             f"{cfg.model.family} has model.num_experts=0: unset them or use a Qwen3-MoE model")
-    require(cfg.trainer.pipeline_schedule == "gpipe",
-            f"{keys} with trainer.pipeline_schedule=1f1b: the 1F1B schedule does not carry router statistics or "
-            "recorded routes between pipeline stages yet; set trainer.pipeline_schedule=gpipe (it applies only to "
+    require(a.router_aux_coef == 0 or cfg.trainer.pipeline_schedule == "gpipe",
+            "algorithm.router_aux_coef > 0 with trainer.pipeline_schedule=1f1b: the 1F1B schedule does not carry "
+            "router statistics between pipeline stages yet; set trainer.pipeline_schedule=gpipe (it applies only to "
             "a training stage with pp > 1, which then runs GPipe, as the cost model prices it)")
     require(not a.routing_replay or cfg.task.env is None,
             f"algorithm.routing_replay with task.env={cfg.task.env!r}: multi-turn trajectories do not record their "

@@ -330,7 +330,7 @@ def pipelined_value_and_grad(make_loss: MakeLoss, mesh, microbatches, kind: str 
     return fn
 
 
-_PACKED_ROWS = ("packed_tokens", "packed_positions", "segment_ids")
+_PACKED_ROWS = ("packed_tokens", "packed_positions", "segment_ids", "packed_routes")
 
 
 def pipeline_split(mb: dict, m: int) -> dict:
@@ -350,8 +350,8 @@ def pipeline_split(mb: dict, m: int) -> dict:
 
     out = {}
     for k, v in mb.items():
-        if k in _PACKED_ROWS:
-            out[k] = jnp.moveaxis(v.reshape(v.shape[0], -1, m, width), 2, 0)
+        if k in _PACKED_ROWS:  # [dp, rows, L, ...] -> [m, dp, rows / m, L, ...]
+            out[k] = jnp.moveaxis(v.reshape(v.shape[0], -1, m, *v.shape[2:]), 2, 0)
         elif k in ("unpack_index", "unpack_last"):
             out[k] = offsets(v)
         elif k == "response_mask":

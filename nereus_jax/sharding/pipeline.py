@@ -409,12 +409,14 @@ MakeLoss = Callable[[ForwardFn], Callable[[dict, dict], tuple[jax.Array, dict]]]
 
 
 class _ModelCall(NamedTuple):
-    """One model call's inputs as the pipeline runs them ([rows, length] each; [m, rows, length] per micro-batch)."""
+    """One model call's inputs as the pipeline runs them ([rows, length] each; [m, rows, length] per micro-batch),
+    and its replayed routes ([rows, length, layers, k]; None: the routers' own choice)."""
 
     tokens: jax.Array
     positions: jax.Array
     mask: jax.Array
     segments: jax.Array
+    routes: jax.Array | None = None
 
 
 def _model_call(tokens_bt, positions_bt=None, attention_mask_bt=None, segment_ids_bt=None) -> _ModelCall:
@@ -445,10 +447,13 @@ class _Probe:
         return self.call
 
     def __call__(self, params, cfg, tokens_bt, positions_bt=None, attention_mask_bt=None, *, return_hidden=False,
-                 segment_ids_bt=None):
+                 segment_ids_bt=None, routes_btlk=None, replay=False, return_routing=False):
         if self.call is not None:
             raise PipelineError("the loss called its forward function twice; 1F1B pipelines one model call per loss")
-        self.call = _model_call(tokens_bt, positions_bt, attention_mask_bt, segment_ids_bt)
+        if return_routing or (routes_btlk is not None and not replay):
+            raise PipelineError("1F1B does not return router statistics (a load-balancing loss needs them): "
+                                "train with trainer.pipeline_schedule=gpipe")
+        self.call = _model_call(tokens_bt, positions_bt, attention_mask_bt, segment_ids_bt)._replace(routes=routes_btlk)
         self.cfg, self.return_hidden = cfg, return_hidden
         hidden = jax.ShapeDtypeStruct((*tokens_bt.shape, cfg.hidden_size), params["final_norm"]["scale"].dtype)
         out = jax.eval_shape(lambda p, x: output_head(p, cfg, x, return_hidden=return_hidden), params, hidden)
@@ -507,7 +512,8 @@ def _run_1f1b(make_loss, probe, layers, head, x_m, calls, mbs, *, mesh, axis, ki
 
         def stage(layers, x, i):
             c = _at(calls, i)
-            return apply_layers(layers, cfg, x, c.positions, causal_mask(x.shape[1], c.mask, c.segments))
+            replay = {} if c.routes is None else {"routes_lbtk": jnp.moveaxis(c.routes, 2, 0), "replay": True}
+            return apply_layers(layers, cfg, x, c.positions, causal_mask(x.shape[1], c.mask, c.segments), **replay)
 
         def head_loss(y, i):
             def loss(head, y):
@@ -556,7 +562,9 @@ def _run_1f1b(make_loss, probe, layers, head, x_m, calls, mbs, *, mesh, axis, ki
 
     layer_specs, rows = _layer_specs(layers, axis), PartitionSpec(None, *manual[1:])
     per_row = lambda tree: jax.tree.map(lambda a: rows if a.ndim > 1 else PartitionSpec(), tree)  # noqa: E731
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(layer_specs, PartitionSpec(), rows, rows, per_row(mbs)),
+    routes = PartitionSpec(None, manual[1] if len(manual) > 1 else None, None, axis)  # a stage reads its layers'
+    call_specs = _ModelCall(rows, rows, rows, rows, None if calls.routes is None else routes)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(layer_specs, PartitionSpec(), rows, call_specs, per_row(mbs)),
                        out_specs=(layer_specs, PartitionSpec(), rows, PartitionSpec(*manual[1:]),
                                   PartitionSpec(*manual[1:]), PartitionSpec(axis)), axis_names=set(manual))
     return fn(layers, head, x_m, calls, mbs)

@@ -5,9 +5,11 @@
   loss, the metric and the gradient (SGD with no clipping, so the update is the gradient);
 - ``algorithm.routing_replay``: the update is the update of a model whose router is overridden to choose the
   recorded routes, over dp replicas too, and not the update without them;
-- packed scoring replays and compares the routes as padded scoring does.
+- packed scoring replays and compares the routes as padded scoring does;
+- the 1F1B pipeline schedule replays them as the plain model does (padded and packed, with dp).
 """
 
+import functools
 import sys
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from nereus_jax.config import AlgorithmConfig, ModelConfig
 from nereus_jax.models import init_params
 from nereus_jax.rl import packing
+from nereus_jax.runtime import losses
 from nereus_jax.runtime.losses import actor_loss, make_train_step, split_micro, split_packed
 from nereus_jax.runtime.stages import infer_program
 from nereus_jax.sharding import Layout, gather_params, make_mesh, shard_params
@@ -127,3 +130,30 @@ def test_packed_scoring_replays_and_compares_routes_as_padded(params):
     for a, b in zip(packed[1:], padded[1:], strict=True):
         np.testing.assert_array_equal(a * real, b * real)
     assert (padded[2] * real).sum() > 0 and (padded[1] * real).sum() == 0  # replayed: own choices differ, used don't
+
+
+@pytest.mark.parametrize("packed,dp,m", [(False, 1, 2), (True, 2, 2)])
+def test_1f1b_replays_the_recorded_routes_as_the_plain_model(params, devices, packed, dp, m):
+    """losses.pipelined_value_and_grad (the job's pp > 1 train step under 1F1B) with routing replay against
+    jax.value_and_grad of the same loss on the plain model: loss, metrics and every gradient."""
+    batch = _batch(seed=6)
+    if packed:
+        layout = packing.pack(batch["tokens"], batch["mask"], prompt_len=P, mini=1, dp=dp, budget_rows=2, quantum=2)
+        per_sequence = {k: v for k, v in batch.items() if k != "denom"}  # split_packed adds the normalisers
+        mb = jax.tree.map(lambda v: v[0, 0], split_packed(per_sequence, layout, 1))
+    else:
+        mb = {k: np.asarray(v) for k, v in batch.items()}
+    make_loss = functools.partial(actor_loss, MOE, AlgorithmConfig(routing_replay=True), P)
+    reference = jax.jit(jax.value_and_grad(make_loss(losses.forward), has_aux=True))
+    (ref_loss, ref_metrics), ref_grads = reference(params, mb)
+    layout = Layout(pp=2)
+    mesh = make_mesh(devices[: layout.size * dp], layout, dp=dp)
+    (loss, metrics), grads = jax.jit(losses.pipelined_value_and_grad(make_loss, mesh, m))(
+        shard_params(params, MOE, layout, mesh), mb)
+    close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)  # noqa: E731
+    close(loss, ref_loss)
+    jax.tree.map(close, metrics, ref_metrics)
+    jax.tree.map(close, gather_params(grads, MOE), ref_grads)
+    plain = jax.jit(jax.value_and_grad(functools.partial(actor_loss, MOE, AlgorithmConfig(), P)(losses.forward),
+                                       has_aux=True))(params, mb)
+    assert abs(float(plain[0][0]) - float(ref_loss)) > 1e-6  # the routes change the loss
