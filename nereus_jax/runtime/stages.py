@@ -141,8 +141,7 @@ class StageState:
                 programs[self.key("train", ms, mesh, accum, _signature((leaves, micro)))] = \
                     fn.lower(leaves, micro).compile()
             else:
-                fn = infer_program(spec.model, self.P, rest[0], stage_forward(mesh, spec.kind),
-                                   vocab_chunk=self.cfg.trainer.vocab_chunk)
+                fn = self.infer_program(ms, rest[0], mesh)
                 params = spec.unflatten(leaves)["params"]
                 key = self.key("infer", ms, mesh, accum, rest[0], _signature((params, micro)))
                 programs[key] = fn.lower(params, micro).compile()
@@ -237,6 +236,13 @@ class StageState:
         held = device_bytes_in_use([self.devices[i] for i in key[3]])
         self.peak_bytes = max(self.peak_bytes, max(held.values(), default=0) + self._extra_bytes[key])
         return program(*args)
+
+    def infer_program(self, ms: ModelStage, what: str, mesh):
+        """The scoring program of ``ms`` on ``mesh`` (:func:`infer_program`; actor-infer replays the recorded
+        routes with ``algorithm.routing_replay``)."""
+        return infer_program(self.specs[ms].model, self.P, what, stage_forward(mesh, self.specs[ms].kind),
+                             vocab_chunk=self.cfg.trainer.vocab_chunk,
+                             replay=ms == ACTOR_TRAIN and self.cfg.algorithm.routing_replay)
 
     def train_program(self, ms: ModelStage, spec: StateSpec, mesh):
         """One training step of ``ms`` on ``mesh``: mini_batches x ppo_epochs optimizer updates (donates the state)."""
@@ -337,15 +343,22 @@ def stage_value_and_grad(mesh, kind: str, make_loss: losses.MakeLoss, schedule: 
     return jax.value_and_grad(make_loss(stage_forward(mesh, kind)), has_aux=True)
 
 
-def infer_program(cfg, prompt_len: int, what: str, forward_fn=forward, *, vocab_chunk: int = DEFAULT_VOCAB_CHUNK):
+def infer_program(cfg, prompt_len: int, what: str, forward_fn=forward, *, vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
+                  replay: bool = False):
     """A scoring stage over its micro-batches (padded or packed): log-probs or values [accum, b, R], or
-    scores [accum, b]; log-probs over ``vocab_chunk``-wide vocabulary chunks."""
+    scores [accum, b]; log-probs over ``vocab_chunk``-wide vocabulary chunks. Log-probs of micro-batches that
+    carry recorded routes (``routes``, a mixture-of-experts actor) are routed by them with ``replay`` and come
+    with each response token's routing mismatches, ``(logprobs, mismatch, own mismatch)`` [accum, b, R] each
+    (:func:`~nereus_jax.runtime.losses.route_mismatch`)."""
     def one(params, mb):
         if what == "scores":
             return losses.stage_scores(params, cfg, mb, forward_fn)
         if what == "values":
             return losses.stage_values(params, cfg, mb, prompt_len, forward_fn)
-        return losses.response_stats(params, cfg, mb, prompt_len, forward_fn, vocab_chunk=vocab_chunk)[0]
+        routed = "routes" in mb or "packed_routes" in mb
+        out = losses.response_stats(params, cfg, mb, prompt_len, forward_fn, vocab_chunk=vocab_chunk,
+                                    replay=replay, routing=routed)
+        return (out[0], *losses.route_mismatch(out[2])) if routed else out[0]
 
     def program(params, micro):
         return jax.lax.map(lambda mb: one(params, mb), micro)

@@ -23,6 +23,7 @@ _TENSOR_PARALLEL = {
     "batch": "dp",
     "length": None,
     "lora_rank": None,
+    "experts": None,  # experts replicated over tp (each split on its mlp axis); expert parallelism: not yet
 }
 
 RULES: MappingProxyType = MappingProxyType({

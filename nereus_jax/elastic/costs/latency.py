@@ -85,7 +85,7 @@ def call_sizes(cfg: ModelConfig, kind: str, tp: int, pp: int, dp: int, micro_bat
     micro-batch of tokens (padded or packed length), a gen decode step's live rows; the MLP width per tp
     shard. ``micro_batch`` may be an array (then rows is one)."""
     wl = workload
-    width = cfg.intermediate_size / tp
+    width = counts.mlp_width(cfg) / tp
     if kind == "gen":
         return np.minimum(micro_batch, wl.generated_sequences / dp), width, \
             wl.prompt_length.mean + wl.response_length.mean / 2
