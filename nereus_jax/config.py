@@ -102,7 +102,7 @@ class ModelConfig(_Node):
     critic_hf_path: str | None = _field(
         None, "local *ForSequenceClassification checkpoint the critic starts from (null: the actor's trunk "
               "with a zero value head)")
-    family: Literal["llama", "qwen2", "qwen3"] = "llama"
+    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] = "llama"
     vocab_size: int = 128
     hidden_size: int = 64
     num_layers: int = 2
@@ -110,6 +110,10 @@ class ModelConfig(_Node):
     num_kv_heads: int = 2
     head_dim: int | None = _field(None, "null -> hidden_size // num_heads (derived once, at construction)")
     intermediate_size: int = 256
+    num_experts: int = _field(0, "experts per mixture-of-experts layer (0: a dense MLP; Qwen3-MoE)")
+    num_experts_per_tok: int = _field(2, "experts each token is routed to (top-k of the router)")
+    moe_intermediate_size: int | None = _field(None, "each expert's MLP width (null: intermediate_size)")
+    norm_topk_prob: bool = _field(True, "renormalise the top-k routing weights to sum to 1 (Qwen3-MoE)")
     rope_theta: float = 10000.0
     rope_scaling: RopeScalingConfig | None = None
     rms_norm_eps: float = 1e-5
@@ -159,8 +163,19 @@ class ModelConfig(_Node):
             )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         _check_positive("model", self, "head_dim")
-        if self.family == "qwen3":
-            require(self.qk_norm, "model.family=qwen3 has per-head q/k RMSNorm: set model.qk_norm=true")
+        if self.family in ("qwen3", "qwen3_moe"):
+            require(self.qk_norm, f"model.family={self.family} has per-head q/k RMSNorm: set model.qk_norm=true")
+        require(self.num_experts >= 0, f"model.num_experts must be >= 0 (0: a dense MLP), got {self.num_experts}")
+        require((self.family == "qwen3_moe") == (self.num_experts > 0),
+                f"model.family={self.family} with model.num_experts={self.num_experts}: mixture-of-experts layers "
+                "are Qwen3-MoE's (family qwen3_moe with num_experts > 0; any other family has num_experts 0)")
+        if self.num_experts:
+            require(1 <= self.num_experts_per_tok <= self.num_experts,
+                    f"model.num_experts_per_tok={self.num_experts_per_tok} must be in [1, model.num_experts="
+                    f"{self.num_experts}]")
+            if self.moe_intermediate_size is None:
+                object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
+            _check_positive("model", self, "moe_intermediate_size")
         require(self.lora_rank >= 0, f"model.lora_rank must be >= 0 (0: no adapters), got {self.lora_rank}")
         object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
         if self.lora_rank:
@@ -169,6 +184,11 @@ class ModelConfig(_Node):
                     f"model.lora_targets={list(self.lora_targets)}: unknown {unknown or 'empty list'}; choose among "
                     f"{list(LORA_TARGETS)}")
             require(self.lora_alpha > 0, f"model.lora_alpha must be > 0, got {self.lora_alpha}")
+            mlp = [t for t in self.lora_targets if t in ("gate_proj", "up_proj", "down_proj")]
+            require(not (self.num_experts and mlp),
+                    f"model.lora_targets {mlp} adapt MLP projections, which a mixture-of-experts model has per "
+                    "expert: adapters on experts are not supported; set model.lora_targets=[q_proj,k_proj,v_proj,"
+                    "o_proj]")
             require(self.lora_dropout == 0.0,
                     f"model.lora_dropout={self.lora_dropout}: adapter dropout is not supported yet; set "
                     "model.lora_dropout=0 (RL post-training usually runs without it)")
@@ -226,6 +246,9 @@ class PlanConfig(_Node):
 
     colocate: bool = _field(True, "all model-stages share all devices (true) or get split device sets")
     park_idle: bool = _field(False, "offload idle model-stages' state to host memory between their uses")
+    shard_optimizer: bool = _field(
+        True, "training stages with dp > 1 keep 1/dp of the optimizer state on each replica (ZeRO-1); the "
+        "parameters stay whole on every replica")
     default: StageLayoutConfig = field(default_factory=StageLayoutConfig)
     stages: dict[str, StageLayoutConfig] = field(
         default_factory=dict, metadata={"help": "per-stage layouts overriding plan.default"}
@@ -369,6 +392,14 @@ class AlgorithmConfig(_Node):
                 "min(r, correction_clip), icepop by r inside [correction_low, correction_clip] and masks the rest")
     correction_clip: float | None = _field(None, "tis: the weight cap; icepop: the upper bound; null: tis 2, icepop 5")
     correction_low: float = _field(0.5, "icepop: the lower bound (also the band of mismatch_outside_fraction)")
+    router_aux_coef: float = _field(
+        0.0, "mixture-of-experts models: the load-balancing loss (transformers' load_balancing_loss_func, per "
+             "training micro-batch) added to the actor loss times this (Qwen3-MoE checkpoints train with 0.001); "
+             "0 = off; needs trainer.pipeline_schedule=gpipe. Logged as router_aux_loss")
+    routing_replay: bool = _field(
+        False, "mixture-of-experts models: actor-infer and actor-train route every token to the experts the engine "
+               "chose for it (recorded at generation) instead of their own top-k; the gate weights stay the trained "
+               "router's softmax at those experts. router_mismatch_fraction is logged either way")
 
     def __post_init__(self) -> None:
         for name in ("gamma", "lam"):
@@ -376,7 +407,7 @@ class AlgorithmConfig(_Node):
             require(0 <= value <= 1, f"algorithm.{name} must be in [0, 1], got {value}")
         _check_positive("algorithm", self, "clip_ratio", "correction_low")
         _check_at_least("algorithm", self, 0, "value_clip", "kl_coef", "dynamic_sampling_max_rounds",
-                        "overlong_penalty")
+                        "overlong_penalty", "router_aux_coef")
         for name in ("clip_ratio_low", "clip_ratio_high", "overlong_buffer"):
             if getattr(self, name) is not None:
                 _check_at_least("algorithm", self, 0, name)
@@ -611,6 +642,12 @@ class Config(_Node):
         _check_context_fits(self.rollout, self.model)
         _check_group_sampling(self.algorithm, self.rollout)
         _check_mini_batches(self.trainer, self.rollout, self.algorithm)
+        _check_routing(self)
+
+    def records_routes(self) -> bool:
+        """Whether actor-gen's engines record every token's routes (mixture-of-experts models with one response
+        per prompt): for ``router_mismatch_fraction`` and ``algorithm.routing_replay``."""
+        return bool(self.model.num_experts) and self.task.env is None
 
 
 # --------------------------------------------------------------------------------------------- validation
@@ -712,6 +749,24 @@ def _check_group_sampling(algorithm: AlgorithmConfig, rollout: RolloutConfig) ->
         f"algorithm.dynamic_sampling=true needs rollout.samples_per_prompt >= 2 (got {rollout.samples_per_prompt}): "
         "it keeps the prompts whose samples' rewards differ",
     )
+
+
+def _check_routing(cfg: Config) -> None:
+    """The mixture-of-experts training options need experts, and what they run on must carry routes."""
+    a = cfg.algorithm
+    used = [k for k, on in (("router_aux_coef", a.router_aux_coef > 0), ("routing_replay", a.routing_replay)) if on]
+    if not used:
+        return
+    keys = " and ".join(f"algorithm.{k}" for k in used)
+    require(bool(cfg.model.num_experts), f"{keys} act on a mixture-of-experts model's router, but model.family="
+            f"{cfg.model.family} has model.num_experts=0: unset them or use a Qwen3-MoE model")
+    require(a.router_aux_coef == 0 or cfg.trainer.pipeline_schedule == "gpipe",
+            "algorithm.router_aux_coef > 0 with trainer.pipeline_schedule=1f1b: the 1F1B schedule does not carry "
+            "router statistics between pipeline stages yet; set trainer.pipeline_schedule=gpipe (it applies only to "
+            "a training stage with pp > 1, which then runs GPipe, as the cost model prices it)")
+    require(not a.routing_replay or cfg.task.env is None,
+            f"algorithm.routing_replay with task.env={cfg.task.env!r}: multi-turn trajectories do not record their "
+            "routes yet; unset algorithm.routing_replay or task.env")
 
 
 def _check_mini_batches(trainer: TrainerConfig, rollout: RolloutConfig, algorithm: AlgorithmConfig) -> None:

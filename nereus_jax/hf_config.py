@@ -3,7 +3,7 @@
 The config tree reads a checkpoint's architecture from here when ``model.hf_path`` is given, so a
 checkpoint needs no preset; ``nereus_jax.models.hf`` uses the same functions to import and export weights.
 Supported: ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` and their
-``*ForSequenceClassification`` heads, RoPE ``default`` or ``llama3``; anything else raises
+``*ForSequenceClassification`` heads, ``Qwen3MoeForCausalLM``, RoPE ``default`` or ``llama3``; anything else raises
 :class:`HFImportError` naming the key and what is supported.
 
     keys = model_keys_from_hf(read_hf_config("/models/Qwen3-0.6B"))   # {"family": "qwen3", ...}
@@ -26,19 +26,21 @@ ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", "lm"),
     "Qwen2ForCausalLM": ("qwen2", "lm"),
     "Qwen3ForCausalLM": ("qwen3", "lm"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "lm"),
     "LlamaForSequenceClassification": ("llama", "value"),
     "Qwen2ForSequenceClassification": ("qwen2", "value"),
     "Qwen3ForSequenceClassification": ("qwen3", "value"),
 }
-FAMILY_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+FAMILY_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}
 HEAD_SUFFIX = {"lm": "ForCausalLM", "value": "ForSequenceClassification"}
 # transformers' defaults when config.json omits them
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}
-_DEFAULT_EPS = {"llama": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6}
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "qwen3_moe": 32768}
+_DEFAULT_EPS = {"llama": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6, "qwen3_moe": 1e-6}
 # the model keys a checkpoint's config.json decides (the rest: dtypes, remat, paths, name)
 ARCHITECTURE_KEYS = ("family", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                      "intermediate_size", "rope_theta", "rope_scaling", "rms_norm_eps", "qkv_bias", "qk_norm",
-                     "tie_embeddings", "max_position_embeddings")
+                     "tie_embeddings", "max_position_embeddings", "num_experts", "num_experts_per_tok",
+                     "moe_intermediate_size", "norm_topk_prob")
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
@@ -95,10 +97,28 @@ def model_keys_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
         "rope_scaling": _rope_scaling(hf),
         "rms_norm_eps": float(hf.get("rms_norm_eps", _DEFAULT_EPS[family])),
         "qkv_bias": family == "qwen2" or bool(hf.get("attention_bias", False)),
-        "qk_norm": family == "qwen3",
+        "qk_norm": family in ("qwen3", "qwen3_moe"),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "max_position_embeddings": int(hf.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[family])),
+        **_moe_keys(hf, family),
     }
+
+
+def _moe_keys(hf: Mapping[str, Any], family: str) -> dict[str, Any]:
+    """Qwen3-MoE's router and experts (``num_experts``, or transformers 5's ``num_local_experts``); every layer
+    must be a mixture-of-experts layer."""
+    if family != "qwen3_moe":  # a dense MLP: ModelConfig's defaults
+        return {"num_experts": 0, "num_experts_per_tok": 2, "moe_intermediate_size": None, "norm_topk_prob": True}
+    if int(hf.get("decoder_sparse_step", 1)) != 1 or hf.get("mlp_only_layers"):
+        raise HFImportError(f"config.json decoder_sparse_step={hf.get('decoder_sparse_step')!r} / mlp_only_layers="
+                            f"{hf.get('mlp_only_layers')!r} is not supported; supported: every layer a "
+                            "mixture-of-experts layer (decoder_sparse_step 1, no mlp_only_layers)")
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if experts is None:
+        raise HFImportError("config.json lacks required key 'num_experts' (or 'num_local_experts')")
+    return {"num_experts": int(experts), "num_experts_per_tok": _required(hf, "num_experts_per_tok"),
+            "moe_intermediate_size": _required(hf, "moe_intermediate_size"),
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", False))}
 
 
 def hf_config_from_model(cfg: Any, *, head: str = "lm", num_labels: int = 1,
@@ -214,6 +234,11 @@ def _family_keys(cfg: Any) -> dict[str, Any]:
         return {"attention_bias": cfg.qkv_bias, "mlp_bias": False}
     keys = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.num_layers,
             "layer_types": ["full_attention"] * cfg.num_layers}
+    if cfg.family == "qwen3_moe":
+        keys.update(attention_bias=cfg.qkv_bias, num_experts=cfg.num_experts,
+                    num_experts_per_tok=cfg.num_experts_per_tok, moe_intermediate_size=cfg.moe_intermediate_size,
+                    norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[],
+                    router_aux_loss_coef=0.001, output_router_logits=False)
     if cfg.family == "qwen3":
         keys["attention_bias"] = cfg.qkv_bias
     return keys

@@ -66,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="responses per prompt (default: 8 for grpo/rloo, 1 otherwise)")
     p.add_argument("--lora-rank", type=int, default=0,
                    help="plan for LoRA adapters of this rank on every projection (0: full fine-tuning)")
+    p.add_argument("--shard-optimizer", action=argparse.BooleanOptionalAction, default=True,
+                   help="training stages with dp > 1 keep 1/dp of the optimizer state per replica (ZeRO-1), as a "
+                        "job does by default (plan.shard_optimizer)")
     p.add_argument("--headroom", type=float, default=0.1, help="fraction of device memory kept free")
     p.add_argument("--runners-up", type=int, default=3, help="how many runners-up to show")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -163,7 +166,7 @@ def _problem(args: argparse.Namespace):
     if spec.needs_group and samples < 2:
         raise PlanArgumentError(f"--algorithm {args.algorithm} compares a prompt's samples: --samples-per-prompt >= 2")
     workload = Workload.fixed(args.batch, args.prompt_length, args.response_length, samples,
-                              greedy_baseline=spec.needs_greedy_baseline)
+                              greedy_baseline=spec.needs_greedy_baseline, shard_optimizer=args.shard_optimizer)
     return cfg, workload, Planner(cost_model, headroom=args.headroom, runners_up=args.runners_up)
 
 

@@ -409,3 +409,32 @@ def test_config_module_does_not_import_jax():
         "assert 'jax' not in sys.modules, 'config.py imported jax'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+MOE_MODEL = ["model.family=qwen3_moe", "model.qk_norm=true", "model.num_experts=4"]
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["algorithm.router_aux_coef=0.01"], r"algorithm\.router_aux_coef act on a mixture-of-experts model's "
+                                             r"router, but model\.family=llama has model\.num_experts=0"),
+        (["algorithm.routing_replay=true"], r"algorithm\.routing_replay act on a mixture-of-experts"),
+        ([*MOE_MODEL, "algorithm.routing_replay=true", "algorithm.router_aux_coef=0.01"],
+         r"algorithm\.router_aux_coef > 0 with trainer\.pipeline_schedule=1f1b: .* set "
+         r"trainer\.pipeline_schedule=gpipe"),
+        ([*MOE_MODEL, "algorithm.routing_replay=true", "trainer.pipeline_schedule=gpipe", "task.env=calculator"],
+         r"algorithm\.routing_replay with task\.env='calculator': multi-turn trajectories do not record"),
+        ([*MOE_MODEL, "algorithm.router_aux_coef=-1"], r"algorithm\.router_aux_coef must be >= 0"),
+    ],
+)
+def test_mixture_of_experts_training_options_are_refused_where_they_cannot_act(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_a_moe_job_records_routes_unless_it_is_multi_turn():
+    cfg = load_config(None, [*MOE_MODEL, "algorithm.routing_replay=true"])  # 1F1B replays routes too
+    assert cfg.records_routes() and cfg.algorithm.routing_replay
+    assert not load_config(None, [*MOE_MODEL, "task.env=calculator"]).records_routes()
+    assert not load_config(None, []).records_routes()

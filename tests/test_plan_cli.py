@@ -87,7 +87,7 @@ def test_calibration_from_a_run_replaces_the_priors(tmp_path, capsys):
     assert calibrated["hardware"] == "a100"
     assert calibrated["step_latency_s"] > 1.5 * prior["step_latency_s"]
     reference = Planner(CostModel("a100", eff, half)).plan(resolve_model("llama3.2-1b"), "grpo",
-                                                           Workload.fixed(64, 512, 1024, 8), 16)
+                                                           Workload.fixed(64, 512, 1024, 8, shard_optimizer=True), 16)
     assert calibrated["step_latency_s"] == reference.step_latency_s
     assert calibrated["plan"] == reference.to_json()["plan"]
     # the file itself, with the same --hardware: the same plan; the table names the calibration

@@ -27,7 +27,7 @@ from nereus_jax.model_stage import ModelStage
 from nereus_jax.sharding import Layout, bytes_per_device, device_index, make_mesh, to_numpy
 
 from .plan import DEVICE
-from .spec import StateSpec
+from .spec import StateSpec, move_bits
 
 
 @dataclasses.dataclass(eq=False)
@@ -40,6 +40,7 @@ class EMU:
     leaves: list[jax.Array]
     spec: StateSpec
     memory: str = DEVICE
+    shard: int = 0  # with an optimizer split over the replicas (StateSpec.for_dp): which block this one holds
 
     @classmethod
     def create(cls, stage: ModelStage, spec: StateSpec, layout: Layout, devices: Sequence[jax.Device],
@@ -98,7 +99,8 @@ class EMU:
         return leaves_checksum(leaves, self.mesh, self.spec.leaves, self.spec.repeat(self.layout))
 
     def __repr__(self) -> str:
-        return f"EMU({self.stage} {self.layout} {self.memory} on {list(self.device_ids)})"
+        part = f" optimizer block {self.shard}/{self.spec.shards}" if self.spec.shards > 1 else ""
+        return f"EMU({self.stage} {self.layout} {self.memory}{part} on {list(self.device_ids)})"
 
     def __getattr__(self, name: str) -> Any:
         """Only for attributes not set: a unit from :func:`split_replicas` builds its ``leaves`` (views of the
@@ -223,7 +225,9 @@ class _Split:
 
 
 def assemble_replicas(units: Sequence[EMU]) -> tuple[list[jax.Array], Mesh]:
-    """The replicas' buffers as one state on the mesh (dp, pp, tp), replicated over dp, without copying."""
+    """The replicas' buffers as one state on the mesh (dp, pp, tp), without copying: replicated over dp, but
+    for an optimizer split over the replicas (``StateSpec.for_dp``), whose leaves are whole here, split over dp
+    (the units must then come in block order)."""
     first = units[0]
     split = first.__dict__.get("_split")
     if split is not None and len(split.units) == len(units) and all(
@@ -232,14 +236,19 @@ def assemble_replicas(units: Sequence[EMU]) -> tuple[list[jax.Array], Mesh]:
     for u in units:
         if (u.stage, u.layout, u.spec, u.memory) != (first.stage, first.layout, first.spec, first.memory):
             raise ValueError(f"cannot assemble {u} with {first}: replicas must share stage, layout and memory")
+    spec = first.spec
+    if spec.shards > 1 and [u.shard for u in units] != list(range(spec.shards)):
+        raise ValueError(f"cannot assemble {list(units)}: a state whose optimizer is split over {spec.shards} "
+                         f"replicas needs all of them, in block order (got blocks {[u.shard for u in units]})")
     devices = [d for u in units for d in u.devices]
     mesh = make_mesh(devices, first.layout, dp=len(units))
     leaves = []
-    for i, sharding in enumerate(first.spec.shardings(mesh, first.memory)):
+    whole = spec.global_abstract(first.layout)
+    for i, sharding in enumerate(spec.shardings(mesh, first.memory)):
         shards: dict[jax.Device, jax.Array] = {}
         for u in units:
             shards.update(shards_by_device(u.leaves[i]))
-        leaves.append(view(shards, first.leaves[i].shape, sharding, devices, first.leaves[i].dtype))
+        leaves.append(view(shards, whole[i].shape, sharding, devices, whole[i].dtype))
     return leaves, mesh
 
 
@@ -250,18 +259,74 @@ def split_replicas(leaves: Sequence[jax.Array], mesh: Mesh, stage: ModelStage, s
     layout = Layout(tp=mesh.shape["tp"], pp=mesh.shape["pp"])
     leaves = list(leaves)
     by_device: list[dict] = []
+    shapes = [a.shape for a in spec.abstract(layout)]  # one replica's (a block of a split optimizer leaf)
+    if spec.shards not in (1, len(mesh.devices)):
+        raise ValueError(f"a state whose optimizer is split over {spec.shards} replicas cannot split into "
+                         f"{len(mesh.devices)}")
 
     def views(devices: tuple[jax.Device, ...]) -> list[jax.Array]:
         if not by_device:
             by_device.extend(shards_by_device(x) for x in leaves)
         sub = spec.shardings(make_mesh(devices, layout), memory)
-        return [view(s, x.shape, sh, devices, x.dtype) for s, x, sh in zip(by_device, leaves, sub, strict=True)]
+        return [view(s, shape, sh, devices, x.dtype)
+                for s, x, shape, sh in zip(by_device, leaves, shapes, sub, strict=True)]
 
     split = _Split(leaves, mesh, [])
-    for row in mesh.devices:
+    for i, row in enumerate(mesh.devices):
         devices = tuple(row.reshape(-1))
         unit = EMU.__new__(EMU)
         unit.__dict__.update(stage=stage, layout=layout, devices=devices, spec=spec, memory=memory,
-                             _lazy=functools.partial(views, devices), _split=split)
+                             shard=i if spec.shards > 1 else 0, _lazy=functools.partial(views, devices), _split=split)
         split.units.append(unit)
     return list(split.units)
+
+
+# ------------------------------------------------------------------------------- a split optimizer
+def regroup_optimizer(units: Sequence[EMU], spec: StateSpec) -> list[EMU]:
+    """The same replicas with the optimizer state held as ``spec`` says: whole on every replica (gather:
+    an all-gather over dp), or split into blocks over them (scatter: each keeps its own block, no
+    communication). ``units``: all replicas of one model-stage, on device, in replica (block) order; ``spec``:
+    their spec's ``whole`` form or its ``for_dp(len(units))``. The parameters are not copied: the new units
+    hold the same buffers, and only the old optimizer leaves may be deleted afterwards."""
+    first = units[0]
+    assert first.memory == DEVICE, "regroup the optimizer of units in device memory"
+    leaves, mesh = assemble_replicas(units)
+    n = spec.n_params
+    opt = leaves[n:]
+    moved = _regroup(tuple(x.sharding for x in opt), tuple(spec.shardings(mesh)[n:]))(opt)
+    return split_replicas(leaves[:n] + list(moved), mesh, first.stage, spec)
+
+
+@functools.lru_cache(maxsize=256)
+def _regroup(sources: tuple, targets: tuple) -> Any:
+    """Each leaf moved from ``sources`` to ``targets`` by copies and collectives only, keeping every bit
+    (``spec.move_bits``)."""
+    def move(leaves):
+        return [move_bits(x, None, 1, 1, a, b) for x, a, b in zip(leaves, sources, targets, strict=True)]
+
+    return jax.jit(move, out_shardings=list(targets))
+
+
+def stage_checksum(units: Sequence[EMU]) -> np.ndarray:
+    """:meth:`EMU.checksum` of a model-stage's state: one replica's, or, where the optimizer is split over the
+    replicas, that of all of them together (the same value the whole state has on one replica)."""
+    first = units[0]
+    if first.spec.shards == 1:
+        return first.checksum()
+    on_device = [u if u.memory == DEVICE else dataclasses.replace(
+        u, leaves=jax.device_put(u.leaves, u.spec.shardings(u.mesh, DEVICE)), memory=DEVICE) for u in units]
+    leaves, mesh = assemble_replicas(on_device)
+    return leaves_checksum(leaves, mesh, first.spec.global_leaves, first.spec.repeat(first.layout))
+
+
+def stage_to_host(units: Sequence[EMU]) -> dict[str, Any]:
+    """:meth:`EMU.to_host` of a model-stage's whole state (the optimizer gathered where it is split over the
+    replicas): canonical numpy, bit for bit."""
+    first = units[0]
+    if first.spec.shards == 1:
+        return first.to_host()
+    on_device = [u if u.memory == DEVICE else dataclasses.replace(
+        u, leaves=jax.device_put(u.leaves, u.spec.shardings(u.mesh, DEVICE)), memory=DEVICE) for u in units]
+    leaves, _ = assemble_replicas(on_device)
+    spec = first.spec
+    return spec.unflatten(spec.whole.collapse([to_numpy(x) for x in leaves], spec.repeat(first.layout)))

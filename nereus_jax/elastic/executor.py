@@ -43,13 +43,13 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from nereus_jax.model_stage import ModelStage
 from nereus_jax.sharding import device_index, make_mesh
 
-from .emu import EMU, leaves_checksum, shards_by_device, view
+from .emu import EMU, leaves_checksum, regroup_optimizer, shards_by_device, stage_checksum, view
 from .factor import common_layout, factor_mesh_devices, sub_replicas
 from .graph import TransitionGraph
 from .ledger import CapExceeded, Ledger
 from .measured import cross_check, local_usage, measure
 from .plan import DEVICE, ExecutionPlan, StagePlan
-from .primitives import DERIVE, DESTROY, MERGE, RELAYOUT, SPLIT, Step, Unit
+from .primitives import DERIVE, DESTROY, MERGE, REGROUPS, RELAYOUT, SPLIT, Step, Unit
 
 DONATING = (SPLIT, MERGE, RELAYOUT)  # may donate their inputs to XLA (when another copy of the state exists)
 
@@ -231,7 +231,7 @@ class _Run:
         for x in emu.leaves:
             if x.is_deleted():  # donated and consumed
                 continue
-            if made is None and step.sid in self.donated:
+            if made is None and (step.sid in self.donated or step.op in REGROUPS):  # regroups share parameters
                 made = {(s.device, s.data.unsafe_buffer_pointer()) for u in outputs.values() for y in u.leaves
                         for s in y.addressable_shards}
             for shard in x.addressable_shards:
@@ -292,7 +292,15 @@ class _Run:
             return self._split(self.live[step.inputs[0]], outs, step.modes, donate)
         if step.op == MERGE:
             return self._merge([self.live[u] for u in step.inputs], outs[0], step.modes, donate)
+        if step.op in REGROUPS:
+            return self._regroup([self.live[u] for u in step.inputs], outs)
         return self._copy(self.live[step.inputs[0]], outs[0])
+
+    def _regroup(self, units: list[EMU], targets: list[Unit]) -> dict[int, EMU]:
+        """Gather / Scatter: every replica's optimizer state whole, or split into their blocks."""
+        assert [u.device_ids for u in units] == [t.devices for t in targets]
+        out = regroup_optimizer(units, targets[0].spec)
+        return {t.uid: u for t, u in zip(targets, out, strict=True)}
 
     def _copy(self, src: EMU, t: Unit) -> dict[int, EMU]:
         """Extend / Offload / Onload: the same layout on other devices or in another memory kind."""
@@ -307,7 +315,7 @@ class _Run:
                 by_device = shards_by_device(x)
                 moved = jax.device_put([by_device[d] for d in src.devices], targets)
                 leaves.append(jax.make_array_from_single_device_arrays(x.shape, sharding, moved))
-        return {t.uid: EMU(t.stage, t.layout, devices, leaves, t.spec, t.memory)}
+        return {t.uid: EMU(t.stage, t.layout, devices, leaves, t.spec, t.memory, src.shard)}
 
     def _devs(self, ids: Sequence[int]) -> tuple[jax.Device, ...]:
         return tuple(self.devices[i] for i in ids)
@@ -348,7 +356,8 @@ class _Run:
         busy = set(step.inputs).union(*(s.frees for s, _, _ in self.inflight))
         if self.ex.checksums:
             busy = busy.union(*(outputs for _, outputs, _ in self.inflight))
-        return any(e.stage == step.stage and uid not in busy for uid, e in self.live.items())
+        # a block of an optimizer split over replicas is no copy of the state on its own
+        return any(e.stage == step.stage and e.spec.shards == 1 and uid not in busy for uid, e in self.live.items())
 
     def _merge(self, parts: list[EMU], t: Unit, modes, donate: bool) -> dict[int, EMU]:
         small, spec = parts[0].layout, t.spec
@@ -386,21 +395,31 @@ class _Run:
                 cast = _cast(tuple(leaf.dtype for leaf in spec.leaves))(leaves)
                 ref[ms] = leaves_checksum(cast, src.mesh, src.spec.leaves[: spec.n_params], src.spec.repeat(src.layout))
             else:
-                ref[ms] = self.live[g.initial[ms][0]].checksum()
+                ref[ms] = stage_checksum([self.live[uid] for uid in g.initial[ms]])
         return ref
 
     def _check(self, units) -> None:
-        """Raises ChecksumMismatch unless every unit holds its model-stage's reference state bit for bit."""
+        """Raises ChecksumMismatch unless every unit holds its model-stage's reference state bit for bit (the
+        blocks of an optimizer split over replicas: all of them together)."""
+        units = list(units)
+        blocks = [e for e in units if e.spec.shards > 1]
         for emu in units:
-            if not np.array_equal(emu.checksum(), self.reference[emu.stage]):
+            if emu.spec.shards == 1 and not np.array_equal(emu.checksum(), self.reference[emu.stage]):
                 raise ChecksumMismatch(f"{emu} does not match {emu.stage}'s source state")
-            self.checked.add(id(emu))
+        if blocks:
+            group = sorted(blocks, key=lambda e: e.shard)
+            if [e.shard for e in group] == list(range(group[0].spec.shards)) and \
+                    not np.array_equal(stage_checksum(group), self.reference[group[0].stage]):
+                raise ChecksumMismatch(f"{group} do not hold {group[0].stage}'s source state together")
+        self.checked.update(id(e) for e in units)
 
     def _verify_checksums(self) -> None:
         """The final units not checked on the way (kept old units of a changed model-stage)."""
         for ms, uids in self.graph.final.items():
             if ms in self.reference:
-                self._check(u for u in (self.live[uid] for uid in uids) if id(u) not in self.checked)
+                units = [self.live[uid] for uid in uids]
+                if any(id(u) not in self.checked for u in units):
+                    self._check(units)
 
     # ---------------------------------------------------------------------------------- recovery
     def survivors(self) -> tuple[dict[ModelStage, list[EMU]], ExecutionPlan]:
@@ -415,21 +434,33 @@ class _Run:
         for ms, emus in by_stage.items():
             groups: dict[tuple, list[EMU]] = {}
             for e in emus:
-                groups.setdefault((e.layout, e.memory), []).append(e)
+                groups.setdefault((e.layout, e.memory, e.spec.shards), []).append(e)
+            # blocks of an optimizer split over replicas are a copy only all together (one of each block)
+            groups = {k: es for k, es in groups.items() if k[2] == 1 or _all_blocks(es)}
             target, source = self.graph.new_plan[ms].layout, self.graph.old_plan[ms].layout
             best = max(groups.values(), key=lambda es: (es[0].memory == DEVICE, es[0].layout == target,
                                                          es[0].layout == source, len(es)))
             chosen, used = [], set()
-            for e in best:
-                if not used & set(e.device_ids):
+            for e in sorted(best, key=lambda e: e.shard) if best[0].spec.shards > 1 else best:
+                if not used & set(e.device_ids) and (e.spec.shards == 1 or e.shard == len(chosen)):
                     chosen.append(e)
                     used |= set(e.device_ids)
+            if best[0].spec.shards == 1 and best[0].spec.for_dp(len(chosen)) is not best[0].spec \
+                    and best[0].memory == DEVICE:
+                chosen = regroup_optimizer(chosen, best[0].spec.for_dp(len(chosen)))  # the form a plan of dp expects
             keep[ms] = chosen
             plan[ms] = StagePlan(chosen[0].layout, tuple(e.device_ids for e in chosen), chosen[0].memory)
         self.live = {}
         self.ledger = Ledger(self.graph.caps, self.graph.host_cap,
                              initial=measure(x for es in keep.values() for e in es for x in e.leaves))
         return keep, ExecutionPlan(plan)
+
+
+def _all_blocks(units: Sequence[EMU]) -> bool:
+    """Whether ``units`` hold every block of an optimizer split over replicas, on disjoint devices."""
+    by_block = {e.shard: e for e in units}
+    devices = [d for e in by_block.values() for d in e.device_ids]
+    return sorted(by_block) == list(range(units[0].spec.shards)) and len(devices) == len(set(devices))
 
 
 @functools.lru_cache(maxsize=64)

@@ -26,7 +26,7 @@ from nereus_jax.model_stage import ModelStage
 
 from .ledger import Ledger, describe_key, fmt_bytes, key
 from .plan import DEVICE, ExecutionPlan
-from .primitives import COPIES, DESTROY, OFFLOAD, ONLOAD, Builder, Step, Unit
+from .primitives import COPIES, DESTROY, OFFLOAD, ONLOAD, Builder, Step, Unit, for_dp
 from .recipe import compile_stage
 from .schedule import Infeasible, Scheduler, replay_peak
 
@@ -74,7 +74,7 @@ class TransitionGraph:
             raise TransitionError(f"plans must hold the same model-stages: only old {sorted(map(str, gone))}, "
                                   f"only new {sorted(map(str, new))}")
         b = Builder()
-        initial = {ms: [b.unit(ms, sp.layout, r, sp.memory, units[ms]) for r in sp.replicas]
+        initial = {ms: [b.unit(ms, sp.layout, r, sp.memory, for_dp(units[ms], sp.dp)) for r in sp.replicas]
                    for ms, sp in old_plan.items()}
         final = {}
         for ms, sp in new_plan.items():
@@ -97,7 +97,7 @@ class TransitionGraph:
     @classmethod
     def _weight_sync(cls, plan, src, dst, units, caps, host_cap, bandwidth, latency, keep_old=False):
         b = Builder()
-        initial = {ms: [b.unit(ms, sp.layout, r, sp.memory, units[ms]) for r in sp.replicas]
+        initial = {ms: [b.unit(ms, sp.layout, r, sp.memory, for_dp(units[ms], sp.dp)) for r in sp.replicas]
                    for ms, sp in plan.items() if ms == src or (ms == dst and not keep_old)}
         _check_layouts(units[dst], dst, plan[dst].layout)
         new_dst = compile_stage(b, dst, initial[src], plan[dst], units[dst], derive=True,
@@ -185,7 +185,7 @@ def plan_usage(plan: ExecutionPlan, units: Mapping[ModelStage, Any]) -> dict[int
     """Bytes per ledger key that ``plan``'s state occupies (device memory: the device id; host: ~id)."""
     out: dict[int, int] = {}
     for ms, sp in plan.items():
-        n = units[ms].bytes_per_device(sp.layout)
+        n = for_dp(units[ms], sp.dp).bytes_per_device(sp.layout)
         for d in sp.devices:
             k = key(d, sp.memory)
             out[k] = out.get(k, 0) + n

@@ -23,6 +23,11 @@ from .plan import DEVICE, HOST
 SPLIT, MERGE, EXTEND, DESTROY = "split", "merge", "extend", "destroy"
 OFFLOAD, ONLOAD, DERIVE = "offload", "onload", "derive"
 RELAYOUT = "relayout"  # Split and Merge fused: old layout -> new layout on the same device list
+# A model-stage whose optimizer state is split over its replicas (ZeRO-1): all replicas' blocks gathered into
+# whole state on every replica, and whole state split back into one block per replica. Both read and make
+# every replica of the stage at once; the parameters are not copied (the new units hold the same buffers).
+GATHER, SCATTER = "gather", "scatter"
+REGROUPS = (GATHER, SCATTER)
 COPIES = (EXTEND, OFFLOAD, ONLOAD)
 
 
@@ -142,6 +147,10 @@ class Builder:
         for uid in s.frees:
             u = units[uid]
             _add_bytes(release, u.owned() if u.handed else u.devices, u.memory, u.nbytes)
+        if s.op in REGROUPS:  # the parameters stay where they are: only the optimizer state is made and freed
+            shared = _param_bytes(units[s.outputs[0]])
+            acquire = {k: n - shared for k, n in acquire.items()}
+            release = {k: n - shared for k, n in release.items()}
         s.acquire, s.release = acquire, release
         s.net = sum(acquire.values()) - sum(release.values())
 
@@ -161,6 +170,18 @@ class Builder:
                 src = self.units[u.shares_from]
                 if src.freed_by is not None:
                     self.steps[u.freed_by].deps.add(src.freed_by)
+
+
+def _param_bytes(u: Unit) -> int:
+    """The parameters' bytes per device of a unit's state (specs without the split: all of it counts)."""
+    per_device = getattr(u.spec, "param_bytes_per_device", None)
+    return per_device(u.layout) if per_device is not None else 0
+
+
+def for_dp(spec: Any, dp: int) -> Any:
+    """``spec`` as one of ``dp`` replicas holds it (``StateSpec.for_dp``: an optimizer split over them)."""
+    split = getattr(spec, "for_dp", None)
+    return spec if split is None else split(dp)
 
 
 def _add_bytes(table: dict[int, int], devices, memory: str, n: int) -> None:

@@ -20,6 +20,7 @@ and never freed, and every relayout starts with a Derive (cast to the target's d
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,14 +29,61 @@ from nereus_jax.model_stage import ModelStage
 
 from .factor import STRIDED, common_layout, mode_options, sub_replicas
 from .plan import DEVICE, HOST, ExecutionPlan, StagePlan
-from .primitives import DERIVE, MERGE, OFFLOAD, ONLOAD, RELAYOUT, SPLIT, Builder, Unit
+from .primitives import DERIVE, GATHER, MERGE, OFFLOAD, ONLOAD, RELAYOUT, SCATTER, SPLIT, Builder, Unit, for_dp
 
 IDENTITY = None  # "no split": the unit itself is its only piece
 
 
 def compile_stage(b: Builder, ms: ModelStage, old: Sequence[Unit], new: StagePlan, spec: Any, *,
                   derive: bool = False, stale: Sequence[Unit] = ()) -> list[Unit]:
-    """Adds the steps that turn ``old`` units into ``new``'s replicas; returns the final units."""
+    """Adds the steps that turn ``old`` units into ``new``'s replicas; returns the final units. ``spec``: the
+    stage's state with the whole optimizer on every replica; where it splits the optimizer over the replicas
+    (``for_dp``), the old units hold blocks of it and so will the new ones."""
+    if not derive and (for_dp(spec, len(old)) is not spec or for_dp(spec, new.dp) is not spec):
+        return _regrouped(b, ms, old, new, spec)
+    return _compile_whole(b, ms, old, new, spec, derive=derive, stale=stale)
+
+
+def _regrouped(b: Builder, ms: ModelStage, old: Sequence[Unit], new: StagePlan, spec: Any) -> list[Unit]:
+    """A model-stage whose optimizer state is split over its replicas before or after: the blocks are gathered
+    into whole state on the old replicas (Gather), that moves as any state does, and the new replicas split it
+    into their blocks (Scatter). A change of memory kind alone moves each replica's block as it is."""
+    if old[0].layout == new.layout and tuple(u.devices for u in old) == new.replicas:
+        finals = _same_layout(b, ms, old, new, old[0].spec)
+        b.finish_stage(list(old), finals)
+        return finals
+    units, made = list(old), []
+    if for_dp(spec, len(old)) is not spec:
+        units = [_onload(b, u, made) for u in units]
+        whole = [b.unit(ms, u.layout, u.devices, DEVICE, spec) for u in units]
+        b.add(GATHER, ms, inputs=units, outputs=whole, frees=units)
+        units = whole
+    finals = _compile_whole(b, ms, units, dataclasses.replace(new, memory=DEVICE), spec)
+    split = for_dp(spec, new.dp)
+    if split is not spec:
+        blocks = [b.unit(ms, new.layout, u.devices, DEVICE, split) for u in finals]
+        b.add(SCATTER, ms, inputs=finals, outputs=blocks, frees=finals)
+        finals = blocks
+    if new.memory != DEVICE:
+        parked = [b.unit(ms, u.layout, u.devices, new.memory, u.spec) for u in finals]
+        for u, h in zip(finals, parked, strict=True):
+            b.add(OFFLOAD, ms, inputs=(u,), outputs=(h,), frees=(u,))
+        finals = parked
+    b.finish_stage(made, finals)
+    return finals
+
+
+def _onload(b: Builder, u: Unit, made: list[Unit]) -> Unit:
+    if u.memory == DEVICE:
+        return u
+    v = b.unit(u.stage, u.layout, u.devices, DEVICE, u.spec)
+    made.append(v)
+    b.add(ONLOAD, u.stage, inputs=(u,), outputs=(v,), frees=(u,))
+    return v
+
+
+def _compile_whole(b: Builder, ms: ModelStage, old: Sequence[Unit], new: StagePlan, spec: Any, *,
+                   derive: bool = False, stale: Sequence[Unit] = ()) -> list[Unit]:
     lo, ln = old[0].layout, new.layout
     for u in stale:
         b.destroy(u)

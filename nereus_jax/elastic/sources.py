@@ -23,7 +23,7 @@ from nereus_jax.model_stage import ModelStage
 from nereus_jax.models.lora import split_trainable
 from nereus_jax.sharding import Layout, make_mesh
 
-from .emu import EMU
+from .emu import EMU, assemble_replicas, split_replicas
 from .plan import DEVICE
 from .spec import Leaf, StateSpec
 
@@ -131,6 +131,8 @@ def units_from_source(stage: ModelStage, spec: StateSpec, layout: Layout,
     """Every replica of a model-stage. With one process the first replica is read from ``source`` and the
     others copy it device to device (the same shard layout, so one copy per shard); with several processes
     each replica reads its own shards (a process reads only the shards on its own devices)."""
+    if spec.shards > 1:
+        return _units_with_split_optimizer(stage, spec, layout, replicas, source)
     first = unit_from_source(stage, spec, layout, replicas[0], source)
     units = [first]
     for devices in replicas[1:]:
@@ -141,6 +143,18 @@ def units_from_source(stage: ModelStage, spec: StateSpec, layout: Layout,
         leaves = jax.device_put(first.leaves, spec.shardings(mesh))
         units.append(EMU(stage, layout, tuple(devices), list(leaves), spec, DEVICE))
     return units
+
+
+def _units_with_split_optimizer(stage: ModelStage, spec: StateSpec, layout: Layout,
+                                replicas: Sequence[Sequence[jax.Device]], source: ParamSource) -> list[EMU]:
+    """Replicas whose optimizer state is split over them (``spec = StateSpec.for_dp(len(replicas))``): the
+    parameters as :func:`units_from_source` lays them out, the optimizer state initialised on the replicas'
+    SPMD mesh straight into its blocks (no device ever holds the whole of it)."""
+    params_only = StateSpec(spec.model, spec.kind, head=spec.head, num_labels=spec.num_labels, dtype=spec.dtype)
+    units = units_from_source(stage, params_only, layout, replicas, source)
+    leaves, mesh = assemble_replicas(units)
+    opt = _init_optimizer(spec, spec.shardings(mesh))(leaves)
+    return split_replicas(list(leaves) + list(opt), mesh, stage, spec)
 
 
 def _init_optimizer(spec: StateSpec, shardings: Sequence[Any]):

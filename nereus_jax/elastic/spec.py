@@ -28,6 +28,7 @@ from nereus_jax.config import ModelConfig
 from nereus_jax.models import abstract_params, param_axes
 from nereus_jax.models.lora import split_trainable
 from nereus_jax.sharding import Layout, check_layout, kv_repeat, logical_to_spec, make_mesh, stored_shapes
+from nereus_jax.sharding.rules import OPTIMIZER_DP_AXES
 
 from .plan import DEVICE, ExecutionPlan
 
@@ -38,8 +39,9 @@ class Leaf:
 
     shape: tuple[int, ...]
     dtype: np.dtype
-    spec: PartitionSpec  # over mesh axes "pp"/"tp"
+    spec: PartitionSpec  # over mesh axes "pp"/"tp" (and "dp": a sharded optimizer's leaf in the whole state)
     kv_axis: int | None  # the axis a layout with tp > num_kv_heads stores repeated
+    axes: tuple[str | None, ...] | None = None  # logical axis names (a parameter's, or the one it mirrors)
 
     def stored_shape(self, rep: int) -> tuple[int, ...]:
         if self.kv_axis is None or rep == 1:
@@ -53,10 +55,13 @@ class StateSpec:
     """The state of one replica of a model-stage (params, plus optimizer state when ``optimizer``)."""
 
     def __init__(self, model: ModelConfig, kind: str, *, head: str = "lm", num_labels: int = 1,
-                 dtype: Any = None, optimizer: optax.GradientTransformation | None = None):
+                 dtype: Any = None, optimizer: optax.GradientTransformation | None = None,
+                 shard_optimizer: bool = False):
         self.model, self.kind, self.head, self.num_labels = model, kind, head, num_labels
         self.dtype = np.dtype(dtype or model.param_dtype)
         self.optimizer = optimizer
+        self.shard_optimizer = shard_optimizer and optimizer is not None
+        self.shards = 1  # replicas the optimizer state is split over (see for_dp)
         params = abstract_params(model, head=head, num_labels=num_labels)
         params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, self.dtype), params)
         axes = param_axes(model, head=head, num_labels=num_labels)
@@ -65,14 +70,17 @@ class StateSpec:
         repeated = stored_shapes(model, Layout(tp=2 * model.num_kv_heads), head=head, num_labels=num_labels)
         p_leaves, self.params_def = jax.tree.flatten(params)
         kv_axes = [_kv_axis(s.shape, r) for s, r in zip(p_leaves, _shape_leaves(repeated), strict=True)]
-        self.leaves = [Leaf(s.shape, np.dtype(s.dtype), sp, kv)
-                       for s, sp, kv in zip(p_leaves, jax.tree.leaves(specs), kv_axes, strict=True)]
+        names = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
+        self.leaves = [Leaf(s.shape, np.dtype(s.dtype), sp, kv, tuple(a))
+                       for s, sp, kv, a in zip(p_leaves, jax.tree.leaves(specs), kv_axes, names, strict=True)]
         self.n_params = len(self.leaves)
         self.opt_def = None
         if optimizer is not None:
             self._add_optimizer(optimizer, params)
+        self.global_leaves = self.leaves  # the leaves of the state of all replicas together (see for_dp)
         self._bytes: dict[tuple[int, int], int] = {}
         self._converters: dict[tuple, Callable[[list], list]] = {}
+        self._per_dp: dict[int, StateSpec] = {}
 
     def _add_optimizer(self, optimizer: optax.GradientTransformation, params: Any) -> None:
         # the optimizer sees the trainable leaves only (all, or LoRA's adapters and a value head)
@@ -87,7 +95,7 @@ class StateSpec:
                 if tuple(s.shape) != p.shape:
                     raise ValueError(f"optimizer state leaf {s.shape} mirrors a parameter of shape {p.shape}; "
                                      "only optimizers whose state is laid out like the parameters are supported")
-                self.leaves.append(Leaf(p.shape, np.dtype(s.dtype), p.spec, p.kv_axis))
+                self.leaves.append(Leaf(p.shape, np.dtype(s.dtype), p.spec, p.kv_axis, p.axes))
             else:
                 self.leaves.append(Leaf(tuple(s.shape), np.dtype(s.dtype), PartitionSpec(), None))
 
@@ -99,7 +107,47 @@ class StateSpec:
         out.leaves = [self.leaves[i] for i in indices]
         out.n_params, out.opt_def, out.optimizer = len(out.leaves), None, None
         out.params_def = jax.tree.structure(list(range(len(out.leaves))))
-        out._bytes, out._converters = {}, {}
+        out.global_leaves, out.shards, out.shard_optimizer = out.leaves, 1, False
+        out._bytes, out._converters, out._per_dp = {}, {}, {}
+        return out
+
+    def for_dp(self, dp: int) -> StateSpec:
+        """The spec of one of ``dp`` replicas. With ``shard_optimizer`` (ZeRO-1) and dp > 1 each replica holds the
+        whole parameters and 1/dp of the optimizer state: replica i the i-th block of every optimizer leaf along
+        one of its replicated axes (``sharding.rules.OPTIMIZER_DP_AXES``, the first that dp divides; a leaf with
+        none stays whole on every replica). ``leaves`` then describe one replica's arrays and ``global_leaves``
+        the state of all replicas together, whose optimizer leaves are split over the mesh axis "dp". Otherwise
+        this spec itself."""
+        if dp == 1 or not self.shard_optimizer or self.shards != 1:
+            return self
+        out = self._per_dp.get(dp)
+        if out is None:
+            out = self._per_dp[dp] = self._split_optimizer(dp)
+        return out
+
+    @property
+    def whole(self) -> StateSpec:
+        """The spec whose replicas each hold the whole optimizer state (this one unless it is split)."""
+        return self.__dict__.get("_whole", self)
+
+    def _split_optimizer(self, dp: int) -> StateSpec:
+        out = object.__new__(StateSpec)
+        out.__dict__.update(self.__dict__)
+        leaves, whole = list(self.leaves[: self.n_params]), list(self.leaves[: self.n_params])
+        for leaf in self.leaves[self.n_params:]:
+            axis = optimizer_dp_axis(leaf, dp)
+            if axis is None:
+                leaves.append(leaf)
+                whole.append(leaf)
+                continue
+            shape = list(leaf.shape)
+            shape[axis] //= dp
+            entries = list(leaf.spec) + [None] * (len(shape) - len(leaf.spec))
+            entries[axis] = "dp"
+            leaves.append(dataclasses.replace(leaf, shape=tuple(shape)))
+            whole.append(dataclasses.replace(leaf, spec=PartitionSpec(*entries)))
+        out.leaves, out.global_leaves, out.shards, out._whole = leaves, whole, dp, self
+        out._bytes, out._converters, out._per_dp = {}, {}, {}
         return out
 
     # ------------------------------------------------------------------------------------- per layout
@@ -122,12 +170,27 @@ class StateSpec:
         return cached
 
     def abstract(self, layout: Layout) -> list[jax.ShapeDtypeStruct]:
+        """One replica's leaves with ``layout``, as shapes and dtypes."""
         rep = self.repeat(layout)
         return [jax.ShapeDtypeStruct(leaf.stored_shape(rep), leaf.dtype) for leaf in self.leaves]
 
+    def global_abstract(self, layout: Layout) -> list[jax.ShapeDtypeStruct]:
+        """The leaves of all replicas' state together (on the mesh (dp, pp, tp)), as shapes and dtypes: one
+        replica's, but for an optimizer split over dp (:meth:`for_dp`), whose leaves are whole here."""
+        rep = self.repeat(layout)
+        return [jax.ShapeDtypeStruct(leaf.stored_shape(rep), leaf.dtype) for leaf in self.global_leaves]
+
     def shardings(self, mesh: Mesh, memory_kind: str = DEVICE) -> list[NamedSharding]:
-        """NamedShardings of every leaf on ``mesh`` (any mesh with "pp" and "tp" axes; others replicate)."""
-        return _shardings(tuple(leaf.spec for leaf in self.leaves), mesh, memory_kind)
+        """NamedShardings of every leaf on ``mesh``: one replica's (a mesh with "pp" and "tp" axes) or, on a mesh
+        with a "dp" axis, those of all replicas' state together (replicated over dp, but for an optimizer split
+        over dp)."""
+        leaves = self.global_leaves if "dp" in mesh.axis_names else self.leaves
+        return _shardings(tuple(leaf.spec for leaf in leaves), mesh, memory_kind)
+
+    def param_bytes_per_device(self, layout: Layout) -> int:
+        """The parameters' part of :meth:`bytes_per_device`."""
+        rep, sizes = self.repeat(layout), {"tp": layout.tp, "pp": layout.pp}
+        return sum(_shard_bytes(leaf, rep, sizes) for leaf in self.leaves[: self.n_params])
 
     # -------------------------------------------------------------------------------------- trees
     def unflatten(self, leaves: Sequence[Any]) -> dict[str, Any]:
@@ -185,11 +248,24 @@ class StateSpec:
                     x = x.astype(leaf.dtype)
                 pins = (None if sources is None else sources[i], None if shardings is None else shardings[i])
                 kv = s_leaf.kv_axis if rep_in != rep_out else None
-                out.append(_move_bits(x, kv, rep_in, rep_out, *pins))
+                out.append(move_bits(x, kv, rep_in, rep_out, *pins))
             return out
 
         self._converters[(rep_in, rep_out, id(source))] = convert
         return convert
+
+
+def optimizer_dp_axis(leaf: Leaf, dp: int) -> int | None:
+    """The axis of an optimizer leaf that ZeRO-1 splits over ``dp`` replicas: the first of its logical axes in
+    ``OPTIMIZER_DP_AXES`` order that the replica layout leaves whole and ``dp`` divides (None: none does)."""
+    if leaf.axes is None:
+        return None
+    entries = tuple(leaf.spec) + (None,) * (len(leaf.shape) - len(leaf.spec))
+    for name in OPTIMIZER_DP_AXES:
+        for axis, (logical, mesh_axis) in enumerate(zip(leaf.axes, entries, strict=True)):
+            if logical == name and mesh_axis is None and axis != leaf.kv_axis and leaf.shape[axis] % dp == 0:
+                return axis
+    return None
 
 
 def check_derivable(source: StateSpec, target: StateSpec) -> None:
@@ -200,7 +276,7 @@ def check_derivable(source: StateSpec, target: StateSpec) -> None:
         raise ValueError("weight sync needs a params-only target with the source's parameter shapes")
 
 
-def _move_bits(x: jax.Array, kv_axis: int | None, rep_in: int, rep_out: int, source: Any, sharding: Any
+def move_bits(x: jax.Array, kv_axis: int | None, rep_in: int, rep_out: int, source: Any, sharding: Any
                ) -> jax.Array:
     """``x`` (laid out as ``source``) with its kv repeat changed (``kv_axis`` not None) and moved to
     ``sharding``. A float narrower than 32 bits moves as an unsigned integer; pinning those bits to

@@ -25,13 +25,33 @@ class StateBytes(Protocol):
 @dataclasses.dataclass(frozen=True)
 class ByteSpec:
     """A replica's state as byte counts only (simulations): ``sharded_bytes`` split evenly over the
-    replica's tp * pp devices, ``replicated_bytes`` held by every device."""
+    replica's tp * pp devices, ``replicated_bytes`` held by every device. ``optimizer_bytes``: the part of
+    ``sharded_bytes`` that is optimizer state split over the stage's replicas (plan.shard_optimizer; 0: none
+    is), of which each of ``optimizer_shards`` replicas holds its share (:meth:`for_dp`)."""
 
     sharded_bytes: int
     replicated_bytes: int = 0
+    optimizer_bytes: int = 0
+    optimizer_shards: int = 1
 
     def bytes_per_device(self, layout: Layout) -> int:
-        return self.replicated_bytes + -(-self.sharded_bytes // layout.size)
+        opt = self.optimizer_bytes if self.optimizer_shards > 1 else 0
+        held = self.sharded_bytes - opt + -(-opt // self.optimizer_shards)
+        return self.replicated_bytes + -(-held // layout.size)
+
+    def param_bytes_per_device(self, layout: Layout) -> int:
+        """The part of :meth:`bytes_per_device` a regroup of the optimizer leaves in place."""
+        return self.replicated_bytes + -(-(self.sharded_bytes - self.optimizer_bytes) // layout.size)
+
+    def for_dp(self, dp: int) -> ByteSpec:
+        """One of ``dp`` replicas' state (see ``StateSpec.for_dp``)."""
+        if dp == 1 or not self.optimizer_bytes or self.optimizer_shards != 1:
+            return self
+        return dataclasses.replace(self, optimizer_shards=dp)
+
+    @property
+    def whole(self) -> ByteSpec:
+        return dataclasses.replace(self, optimizer_shards=1)
 
     def check(self, layout: Layout) -> None:
         return None

@@ -71,6 +71,8 @@ class Workload:
     (trainer.pipeline_schedule): how a training stage with pp > 1 runs, 1F1B or GPipe, which sets its
     activation memory and work per micro-batch. ``vocab_chunk`` (trainer.vocab_chunk): the output head's
     vocabulary chunk in scoring and training (0: whole logits), which sets its working set and its work.
+    ``shard_optimizer`` (plan.shard_optimizer): a training stage's dp replicas each keep 1/dp of its optimizer
+    state (ZeRO-1), which sets its resident bytes and adds an all-gather of the updated parameters.
     """
 
     prompts_per_step: int
@@ -83,6 +85,7 @@ class Workload:
     epochs: int = 1
     pipeline_schedule: str = "1f1b"
     vocab_chunk: int = DEFAULT_VOCAB_CHUNK
+    shard_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
@@ -145,10 +148,12 @@ class Workload:
     @classmethod
     def fixed(cls, prompts: int, prompt_length: int, response_length: int, samples_per_prompt: int = 1,
               greedy_baseline: bool = False, packed: bool = False, mini_batches: int = 1,
-              epochs: int = 1, pipeline_schedule: str = "1f1b", vocab_chunk: int = DEFAULT_VOCAB_CHUNK) -> Workload:
+              epochs: int = 1, pipeline_schedule: str = "1f1b", vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
+              shard_optimizer: bool = False) -> Workload:
         """Every prompt and every response of one length."""
         return cls(prompts, LengthStats.fixed(prompt_length), LengthStats.fixed(response_length),
-                   samples_per_prompt, greedy_baseline, packed, mini_batches, epochs, pipeline_schedule, vocab_chunk)
+                   samples_per_prompt, greedy_baseline, packed, mini_batches, epochs, pipeline_schedule, vocab_chunk,
+                   shard_optimizer)
 
     @classmethod
     def from_lengths(cls, prompt_lengths: Sequence[int], response_lengths: Sequence[int],
@@ -170,4 +175,4 @@ class Workload:
                          config.rollout.max_response_length, config.rollout.samples_per_prompt, greedy,
                          packed=config.trainer.packing, mini_batches=config.trainer.mini_batches,
                          epochs=config.trainer.ppo_epochs, pipeline_schedule=config.trainer.pipeline_schedule,
-                         vocab_chunk=config.trainer.vocab_chunk)
+                         vocab_chunk=config.trainer.vocab_chunk, shard_optimizer=config.plan.shard_optimizer)

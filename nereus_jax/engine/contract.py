@@ -28,6 +28,10 @@ class ResultTokens(NamedTuple):
     valid: jax.Array  # bool: the slot was live, so the token is real
     lengths: jax.Array  # int32: tokens the slot has generated, this one included
     done: jax.Array  # bool: this token ended the slot (stop token or token limit)
+    # engines that record routes (mixture-of-experts models): the router's top-k per layer of the tokens the
+    # call ran through the model, int32. generate: [slots, layers, k] of the token each slot was fed (the one
+    # drawn before this one); prefill: [rows, t, layers, k] of the prompt's tokens (past true_length: padding)
+    routes: jax.Array | None = None
 
 
 class Prefix(NamedTuple):

@@ -66,6 +66,9 @@ class Conversations:
     def __init__(self, gen: Generator, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
                  prompt_ids: Sequence[int] | None = None, max_new_tokens_per_prompt: Sequence[int] | None = None,
                  park: bool = True, max_saved_bytes: int | None = None):
+        if gen.engine.record_routes:
+            raise EngineError("conversations do not record routes yet (a turn's routes would overwrite the last's): "
+                              "build the engine without record_routes")
         if park and gen.engine.paged:
             raise EngineError("park=True keeps caches in their slots: it needs a contiguous KV cache (an engine "
                               "built without page_size)")

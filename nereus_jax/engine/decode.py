@@ -19,7 +19,8 @@ import numpy as np
 
 from nereus_jax.config import ModelConfig
 from nereus_jax.engine import paged
-from nereus_jax.models.layers import apply_rope, attention, constrain, project_heads, rms_norm, rope_inv_freq, swiglu
+from nereus_jax.models.decoder import mlp
+from nereus_jax.models.layers import apply_rope, attention, constrain, project_heads, rms_norm, rope_inv_freq
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # as nereus_jax.models.layers
 LayerCaches = tuple[tuple[jax.Array, jax.Array], ...]  # per layer (k, v) [batch, kv_heads, length, head_dim]
@@ -40,26 +41,47 @@ def empty_caches(cfg: ModelConfig, batch: int, length: int, kv_heads: int, dtype
 
 
 def run(params: dict, cfg: ModelConfig, tokens_bt: jax.Array, start_b: jax.Array, caches: LayerCaches,
-        only_b: jax.Array | None = None) -> tuple[jax.Array, LayerCaches]:
+        only_b: jax.Array | None = None, *, record_routes: bool = False):
     """Runs row b's tokens at positions ``start_b[b] + 0..t-1``: writes their keys and values into the
     caches there and attends to cache entries at or before each token's position. Returns the final
     (normed) hidden states [b, t, embed] and the updated caches. The caller keeps positions in range.
 
     With ``only_b`` (an index into t per row) the result is that token's hidden state alone, [b, 1,
     embed]: the last layer then computes keys and values for every token but the rest only for that one
-    (a prefill needs nothing else; it saves most of a layer)."""
+    (a prefill needs nothing else; it saves most of a layer).
+
+    ``record_routes`` (mixture-of-experts models) also returns every token's routes, the router's top-k per
+    layer ``[b, t, layers, k]`` int32 (the last layer then runs on every token, ``only_b`` or not)."""
     positions_bt = start_b[:, None] + jnp.arange(tokens_bt.shape[1], dtype=jnp.int32)[None, :]
     length = caches[0][0].shape[2]
     mask_bts = jnp.arange(length, dtype=jnp.int32)[None, None, :] <= positions_bt[:, :, None]
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     x = constrain(jnp.take(params["embed"]["embedding"], tokens_bt, axis=0), ("batch", "length", "embed"))
-    out = []
+    out, routes = [], []
     last = len(params["layers"]) - 1
     for i, (lp, (k_cache, v_cache)) in enumerate(zip(params["layers"], caches, strict=True)):
-        x, k_cache, v_cache = _layer(x, lp, cfg, positions_bt, start_b, inv_freq, mask_bts, k_cache, v_cache,
-                                     only_b if i == last else None)
+        x, k_cache, v_cache, routed = _layer(x, lp, cfg, positions_bt, start_b, inv_freq, mask_bts, k_cache,
+                                             v_cache, only_b if i == last and not record_routes else None)
         out.append((k_cache, v_cache))
-    return rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps), tuple(out)
+        routes.append(routed)
+    if record_routes and only_b is not None:
+        x = _pick(x, only_b)
+    hidden = rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps)
+    if not record_routes:
+        return hidden, tuple(out)
+    return hidden, tuple(out), stack_routes(routes)
+
+
+def stack_routes(routed: list) -> jax.Array:
+    """The layers' own top-k choices as ``[b, t, layers, k]`` int32 (a dense model has none to record)."""
+    if routed[0] is None:
+        raise ValueError("recording routes needs a mixture-of-experts model (model.num_experts > 0)")
+    return jnp.stack([r.own for r in routed], axis=2)
+
+
+def _pick(y: jax.Array, only_b: jax.Array) -> jax.Array:
+    """Row b's entry ``only_b[b]`` along axis 1, keeping the axis."""
+    return jnp.take_along_axis(y, only_b.reshape((-1, 1) + (1,) * (y.ndim - 2)), axis=1)
 
 
 def logits(params: dict, x_bd: jax.Array) -> jax.Array:
@@ -78,24 +100,25 @@ def _layer(x, lp, cfg, positions_bt, start_b, inv_freq, mask_bts, k_cache, v_cac
     k_cache = _write_rows(k_cache, k, start_b)
     v_cache = _write_rows(v_cache, v, start_b)
     if only_b is not None:  # from here on, only the selected token of each row
-        pick = lambda y: jnp.take_along_axis(y, only_b.reshape((-1, 1) + (1,) * (y.ndim - 2)), axis=1)  # noqa: E731
-        x, h, positions_bt, mask_bts = pick(x), pick(h), pick(positions_bt), pick(mask_bts)
+        x, h, positions_bt, mask_bts = (_pick(y, only_b) for y in (x, h, positions_bt, mask_bts))
     q = _queries(h, a, cfg, positions_bt, inv_freq)
     out = attention(q, k_cache, v_cache, mask_bts) if q.shape[1] > 1 else _attend_one(q, k_cache, v_cache, mask_bts)
-    return _finish(x, out, lp, cfg), k_cache, v_cache
+    x, routed = _finish(x, out, lp, cfg)
+    return x, k_cache, v_cache, routed
 
 
 def run_paged(params: dict, cfg: ModelConfig, tokens_b: jax.Array, positions_b: jax.Array, pools: LayerCaches,
-              write_page_b: jax.Array, items: paged.Items) -> tuple[jax.Array, LayerCaches]:
+              write_page_b: jax.Array, items: paged.Items, *, record_routes: bool = False):
     """One decode step over paged caches: slot b's token at ``positions_b[b]`` stores its keys and values
     in page ``write_page_b[b]`` (a page id past the pool: not stored) and attends to the pages ``items``
     lists (:func:`nereus_jax.engine.paged.work_items`). Returns the final hidden states [b, 1, embed] and
-    the pools. The projections are :func:`run`'s; only where keys live and how they are read differ."""
+    the pools (and with ``record_routes`` the routes ``[b, 1, layers, k]``, as :func:`run`). The projections
+    are :func:`run`'s; only where keys live and how they are read differ."""
     positions_bt = positions_b[:, None]
     offset_b = positions_b % pools[0][0].shape[2]
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     x = constrain(jnp.take(params["embed"]["embedding"], tokens_b[:, None], axis=0), ("batch", "length", "embed"))
-    out = []
+    out, routes = [], []
     for lp, (k_pool, v_pool) in zip(params["layers"], pools, strict=True):
         a = lp["attn"]
         h = rms_norm(x, lp["attn_norm"]["scale"], cfg.rms_norm_eps)
@@ -103,9 +126,11 @@ def run_paged(params: dict, cfg: ModelConfig, tokens_b: jax.Array, positions_b: 
         k_pool = paged.write(k_pool, k[:, 0], write_page_b, offset_b)
         v_pool = paged.write(v_pool, v[:, 0], write_page_b, offset_b)
         q = _queries(h, a, cfg, positions_bt, inv_freq)
-        x = _finish(x, paged.attend(q[:, 0], k_pool, v_pool, items)[:, None], lp, cfg)
+        x, routed = _finish(x, paged.attend(q[:, 0], k_pool, v_pool, items)[:, None], lp, cfg)
         out.append((k_pool, v_pool))
-    return rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps), tuple(out)
+        routes.append(routed)
+    hidden = rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps)
+    return (hidden, tuple(out), stack_routes(routes)) if record_routes else (hidden, tuple(out))
 
 
 def _keys_values(h, a, cfg, positions_bt, inv_freq):
@@ -121,12 +146,11 @@ def _queries(h, a, cfg, positions_bt, inv_freq):
 
 
 def _finish(x, out_bthe, lp, cfg):
-    """The attention output projection and residual, then the MLP block."""
+    """The attention output projection and residual, then the MLP block; returns (x, its routing or None)."""
     x = constrain(x + jnp.einsum("bthe,hed->btd", out_bthe, lp["attn"]["wo"]), ("batch", "length", "embed"))
-    m = lp["mlp"]
     h = rms_norm(x, lp["mlp_norm"]["scale"], cfg.rms_norm_eps)
-    x = x + swiglu(h, m["w_gate"], m["w_up"], m["w_down"])
-    return constrain(x, ("batch", "length", "embed"))
+    y, routed = mlp(h, lp, cfg)
+    return constrain(x + y, ("batch", "length", "embed")), routed
 
 
 def _attend_one(q_b1he: jax.Array, k_bkse: jax.Array, v_bkse: jax.Array, mask_b1s: jax.Array) -> jax.Array:

@@ -68,6 +68,10 @@ class Rollouts:
     stats: dict[str, Any]  # decode_steps, decode_calls (k > 1), prefill_calls, prefill_tokens (real prompt
     # tokens prefilled), insert_calls, tokens, seconds,
     # thread_cpu_s (the calling thread's CPU seconds), ...
+    # engines that record routes (routing replay): the router's top-k per layer, int16, -1 where none ran
+    routes: np.ndarray | None = None  # [rows, max_new_tokens, layers, k] of each response token (its last: -1)
+    prompt_routes: np.ndarray | None = None  # [rows, max_prompt_length, layers, k] of the prompt tokens it
+    # prefilled, right-aligned (left-padded with -1, as a batch left-pads its prompts)
 
     @property
     def num_rows(self) -> int:
@@ -220,6 +224,10 @@ class _Run:
         self.order = np.zeros(e.max_concurrent_decodes, np.int64)  # admission number of each slot's row
         self.admitted = 0
         self.parked: list[tuple[int, int, Any]] = []  # (admission number, row, host copy) oldest first
+        cfg = self.engine.cfg
+        self.routes = (np.full((rows, width, cfg.num_layers, cfg.num_experts_per_tok), -1, np.int16)
+                       if self.engine.record_routes else None)
+        self.prompt_routes: list[np.ndarray | None] = [None] * len(prompts)
 
     def loop(self, on_step) -> None:
         while True:
@@ -233,7 +241,7 @@ class _Run:
                 self._decode_chunk(pages)
             else:
                 self.gen._state, result = self.engine.generate(self.gen._params, self.gen._state, **pages)
-                self._record(*jax.device_get((result.tokens, result.logprobs, result.valid, result.done)))
+                self._record(*jax.device_get(_fields(result)))
                 self.stats["decode_steps"] += 1
             if on_step is not None:
                 on_step(self.gen, self.stats["decode_steps"])
@@ -276,7 +284,7 @@ class _Run:
     def _decode_chunk(self, pages: dict) -> None:
         """One ``generate_steps`` call: its k steps recorded in order until no slot is live."""
         self.gen._state, result = self.engine.generate_steps(self.gen._params, self.gen._state, **pages)
-        chunk = jax.device_get((result.tokens, result.logprobs, result.valid, result.done))
+        chunk = jax.device_get(_fields(result))
         for step in zip(*chunk, strict=True):
             if not np.any(self.slot_row >= 0):
                 assert not np.any(step[2]), "the device ran a step after every slot had finished"
@@ -294,8 +302,9 @@ class _Run:
                  "mean_live": self.stats["slot_steps"] / max(1, steps)}
         if self.pool is not None:
             stats.update(peak_pages=self.pool.peak_used, kv_pages=self.pool.total)
+        routes = None if self.routes is None else (self.routes, self._padded_prompt_routes()[np.arange(rows) // n])
         return Rollouts(self.tokens, self.logprobs, self.lengths, tuple(self.finish), self.versions,
-                        np.arange(rows) // n, np.arange(rows) % n, stats)
+                        np.arange(rows) // n, np.arange(rows) % n, stats, *(routes or ()))
 
     def _swap_params(self) -> None:
         gen = self.gen
@@ -387,7 +396,8 @@ class _Run:
                                                 requests=requests, num_samples=int(self.samples[prompt]))
             start += size
             self.stats["prefill_chunks"] += 1
-        self._ready(prefix, first, [prompt])
+            self._prompt_routes(first, [prompt], [size], append=True)
+        self._ready(prefix, first, [prompt], routes=False)
 
     def _requests(self, prompts: list[int]):
         s = self.sampling
@@ -395,8 +405,11 @@ class _Run:
                              temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, limit=self.limits[prompts],
                              stop_tokens=self.stops.tolist())
 
-    def _ready(self, prefix, first, take: list[int]) -> None:
-        """The first tokens of a prefill's prompts ``take`` (its first rows) wait for slots."""
+    def _ready(self, prefix, first, take: list[int], routes: bool = True) -> None:
+        """The first tokens of a prefill's prompts ``take`` (its first rows) wait for slots (and their prompts'
+        routes are kept, unless ``routes`` is False: a chunked prefill keeps them chunk by chunk)."""
+        if routes:
+            self._prompt_routes(first, take, [self.prompts[i].size for i in take])
         first_tokens, first_logprobs = jax.device_get((first.tokens, first.logprobs))
         self.stats["prefill_tokens"] += sum(self.prompts[p].size for p in take)
         for prow, prompt in enumerate(take):
@@ -405,6 +418,24 @@ class _Run:
                                    first_tokens[prow, j], first_logprobs[prow, j]))
         self.stats["prefill_calls"] += 1
         self.stats["prefill_rows"] += len(take)
+
+    def _prompt_routes(self, first, take: list[int], sizes: list[int], append: bool = False) -> None:
+        """Keeps the routes of the prompt tokens a prefill ran (its rows ``take``, ``sizes`` tokens each)."""
+        if self.routes is None:
+            return
+        routes = np.asarray(jax.device_get(first.routes), self.routes.dtype)
+        for prow, (prompt, size) in enumerate(zip(take, sizes, strict=True)):
+            mine = routes[prow, :size]
+            before = self.prompt_routes[prompt]
+            self.prompt_routes[prompt] = np.concatenate([before, mine]) if append and before is not None else mine
+
+    def _padded_prompt_routes(self) -> np.ndarray:
+        """[prompts, max_prompt_length, layers, k]: each prompt's routes right-aligned, -1 before them."""
+        out = np.full((len(self.prompts), self.engine.max_prompt_length, *self.routes.shape[2:]), -1, np.int16)
+        for i, r in enumerate(self.prompt_routes):
+            if r is not None and len(r):
+                out[i, -len(r):] = r
+        return out
 
     def _append(self, row: int, token, logprob, version: int) -> bool:
         """Records one token of ``row``; True when the row is finished."""
@@ -417,13 +448,15 @@ class _Run:
             return True
         return False
 
-    def _record(self, tokens, logprobs, valid, done) -> None:
+    def _record(self, tokens, logprobs, valid, done, routes=None) -> None:
         live = np.flatnonzero(self.slot_row >= 0)
         assert np.all(valid[live]), "a slot the driver thinks live was inactive on the device"
         self.stats["slot_steps"] += live.size
         version = self.gen.version
         for slot in live:
             row = self.slot_row[slot]
+            if routes is not None:  # the step ran the row's last token so far through the model
+                self.routes[row, self.lengths[row] - 1] = routes[slot]
             finished = self._append(row, tokens[slot], logprobs[slot], version)
             assert finished == bool(done[slot]), f"slot {slot}: host and device disagree on the row's end"
             if finished:
@@ -441,6 +474,12 @@ def _prompt_ids(given: Sequence[int] | None, count: int) -> np.ndarray:
     if ids.shape[0] != count or np.any(ids < 0) or np.any(ids >= 2**31):
         raise EngineError(f"prompt_ids needs one id in [0, 2**31) per prompt ({count} prompts)")
     return ids
+
+
+def _fields(result) -> tuple:
+    """What the driver reads of an engine call's results (the routes too when the engine records them)."""
+    out = (result.tokens, result.logprobs, result.valid, result.done)
+    return out if result.routes is None else (*out, result.routes)
 
 
 def rollouts(engine: JaxEngine, params: Params, prompts: Sequence[Sequence[int]], sampling: SamplingParams,

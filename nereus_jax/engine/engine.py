@@ -22,6 +22,9 @@ workload compiles a fixed set of programs; ``traces`` counts every trace (= comp
 Prompts up to ``max_prompt_length`` (default ``max_prefill_length``) are served: the driver prefills a longer
 one in chunks of ``max_prefill_length`` (``prefill`` after ``existing_prefix``), so no prefill program spans
 more than that many tokens (its attention scores are chunk x context, not prompt x prompt).
+``record_routes=True`` (mixture-of-experts models) makes every result carry the router's top-k per layer of
+the tokens the call ran through the model (``ResultTokens.routes``: a prefill's prompt tokens, a decode step's
+fed tokens), for routing replay in training; a prefill then runs its last layer on every prompt token.
 
 Paged KV memory (opt-in, ``page_size=16`` say; ``nereus_jax.engine.paged``): keys and values live in a pool
 of ``kv_pages`` pages per layer (default: every slot's full ``max_target_length``; ``kv_bytes`` sizes it by a
@@ -82,7 +85,7 @@ class JaxEngine:
                  max_prefill_length: int = 128, max_target_length: int | None = None,
                  max_prefill_batch: int = 8, max_stop_tokens: int = 4, tokenizer: Any = None,
                  decode_steps_per_call: int = 1, page_size: int | None = None, kv_pages: int | None = None,
-                 kv_bytes: int | None = None, max_prompt_length: int | None = None):
+                 kv_bytes: int | None = None, max_prompt_length: int | None = None, record_routes: bool = False):
         # A model with LoRA adapters generates with them merged into its weights (once per load/adopt); the
         # engine itself runs the base architecture.
         self.adapters_cfg = cfg if cfg.lora_rank else None
@@ -111,11 +114,15 @@ class JaxEngine:
         self._tokenizer = tokenizer
         self._stored_shapes: tuple[ModelConfig, dict] | None = None
         self._init_paging(page_size, kv_pages, kv_bytes)
+        if record_routes and not cfg.num_experts:
+            raise EngineError("record_routes needs a mixture-of-experts model (model.num_experts > 0)")
+        self.record_routes = bool(record_routes)
         self._programs = DecodePrograms(
             cfg, self._mesh, self.layout, slots=self._slots, max_target_length=self.max_target_length,
             kv_heads=self.kv_heads, max_stop_tokens=self.max_stop_tokens,
             decode_steps_per_call=self.decode_steps_per_call, page_size=self.page_size, kv_pages=self.kv_pages,
-            pages_per_slot=self.pages_per_slot, traces=self.traces, adapters=self.adapters_cfg)
+            pages_per_slot=self.pages_per_slot, traces=self.traces, adapters=self.adapters_cfg,
+            record_routes=self.record_routes)
 
     def _init_paging(self, page_size: int | None, kv_pages: int | None, kv_bytes: int | None) -> None:
         self.page_size = None if page_size is None else _positive("page_size", page_size)

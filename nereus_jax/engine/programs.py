@@ -27,8 +27,9 @@ class DecodePrograms:
     def __init__(self, cfg: ModelConfig, mesh: Mesh, layout: Layout, *, slots: int, max_target_length: int,
                  kv_heads: int, max_stop_tokens: int, decode_steps_per_call: int, page_size: int | None,
                  kv_pages: int, pages_per_slot: int, traces: collections.Counter,
-                 adapters: ModelConfig | None = None):
+                 adapters: ModelConfig | None = None, record_routes: bool = False):
         self.cfg, self._mesh, self.layout = cfg, mesh, layout
+        self.record_routes = record_routes  # results carry routes (ResultTokens.routes)
         self.adapters = adapters  # the LoRA model's config: unstack merges adapters found in its input
         self._slots, self.max_target_length, self.kv_heads = slots, max_target_length, kv_heads
         self.max_stop_tokens, self.decode_steps_per_call = max_stop_tokens, decode_steps_per_call
@@ -52,7 +53,7 @@ class DecodePrograms:
                                                                   mesh.axis_names))
         state_sh = self.state_shardings()
         prefix_sh = self.prefix_sharding()
-        result_sh = ResultTokens(*[self.replicated] * len(ResultTokens._fields))
+        result_sh = ResultTokens(*[self.replicated] * 5, self.replicated if self.record_routes else None)
         stacked = param_shardings(cfg, self.layout, mesh, kind="gen", head="lm")
         unstacked = {**stacked, "layers": tuple(jax.tree.map(_drop_layer_axis, stacked["layers"])
                                                 for _ in range(cfg.num_layers))}
@@ -132,7 +133,8 @@ class DecodePrograms:
         rows, t = tokens_bt.shape
         grow = lambda c: jnp.concatenate([c, jnp.zeros(c.shape[:2] + (t,) + c.shape[3:], c.dtype)], axis=2)  # noqa: E731
         caches = tuple((grow(k), grow(v)) for k, v in base)
-        hidden, caches = decode.run(params, self.cfg, tokens_bt, start_b, caches, only_b=true_b - 1)
+        hidden, caches, *routes = decode.run(params, self.cfg, tokens_bt, start_b, caches, only_b=true_b - 1,
+                                             record_routes=self.record_routes)
         logits = decode.logits(params, hidden[:, 0])
         per_sample = jax.tree.map(lambda x: jnp.repeat(x, num_samples, axis=0), requests)
         per_sample = per_sample._replace(sample=jnp.tile(jnp.arange(num_samples, dtype=jnp.int32), rows))
@@ -143,7 +145,7 @@ class DecodePrograms:
         tokens, logprobs, done = tokens.reshape(shape), logprobs.reshape(shape), done.reshape(shape)
         prefix = Prefix(caches, start_b + true_b, tokens, logprobs, requests)
         ones = jnp.ones(shape, jnp.int32)
-        return prefix, ResultTokens(tokens, logprobs, ones.astype(bool), ones, done)
+        return prefix, ResultTokens(tokens, logprobs, ones.astype(bool), ones, done, *routes)
 
     def _insert_impl(self, prefix, state, slot, row, sample_index):
         def place(cache, new):
@@ -215,7 +217,8 @@ class DecodePrograms:
         # the windows are read before any cache is written (else XLA copies every cache to write it in place)
         old, cache_in = jax.lax.optimization_barrier((tuple((rows_of(k), rows_of(v)) for k, v in state.caches),
                                                       state.caches))
-        hidden, new = decode.run(params, self.cfg, tokens_bt, start, old, only_b=true_b - 1)
+        hidden, new, *routes = decode.run(params, self.cfg, tokens_bt, start, old, only_b=true_b - 1,
+                                          record_routes=self.record_routes)
         tokens, logprobs = sample_blocks(decode.logits(params, hidden[:, 0]), requests, jnp.zeros((rows,), jnp.int32))
         done = _is_done(tokens, jnp.ones_like(tokens), requests)
         caches = tuple((back(k, nk), back(v, nv)) for (k, v), (nk, nv) in zip(cache_in, new, strict=True))
@@ -224,7 +227,8 @@ class DecodePrograms:
                             put(state.steps, jnp.ones_like(tokens)), put(state.active, ~done),
                             jax.tree.map(put, state.requests, requests))
         ones = jnp.ones((rows, 1), jnp.int32)
-        return state, ResultTokens(tokens[:, None], logprobs[:, None], ones.astype(bool), ones, done[:, None])
+        return state, ResultTokens(tokens[:, None], logprobs[:, None], ones.astype(bool), ones, done[:, None],
+                                   *routes)
 
     def _take_cache_impl(self, state, slot, width):
         """Slot ``slot``'s first ``width`` cache positions, per layer (k, v) [1, kv_heads, width, head_dim]."""
@@ -255,14 +259,15 @@ class DecodePrograms:
         if self.paged:
             return self._paged_generate_impl(params, state, items)
         positions = jnp.minimum(state.lengths, self.max_target_length - 1)
-        hidden, caches = decode.run(params, self.cfg, state.tokens[:, None], positions, state.caches)
+        hidden, caches, *routes = decode.run(params, self.cfg, state.tokens[:, None], positions, state.caches,
+                                             record_routes=self.record_routes)
         tokens, logprobs = sample_blocks(decode.logits(params, hidden[:, 0]), state.requests, state.steps)
         active = state.active
         steps = state.steps + active
         done = active & _is_done(tokens, steps, state.requests)
         new = DecodeState(caches, jnp.where(active, tokens, state.tokens), state.lengths + active, steps,
                           active & ~done, state.requests)
-        return new, ResultTokens(tokens, logprobs, active, steps, done)
+        return new, ResultTokens(tokens, logprobs, active, steps, done, *(r[:, 0] for r in routes))
 
     def _paged_generate_impl(self, params, state, items):
         """A decode step on pages: a slot whose position starts a page takes one (or, with none free, sits
@@ -271,18 +276,22 @@ class DecodePrograms:
         active = state.active
         pages, run, write = paged.grow(state.pages, positions, active, self.page_size)
         work = paged.work_items(pages, positions, run, items, self.page_size)
-        hidden, caches = decode.run_paged(params, self.cfg, state.tokens, positions, state.caches, write, work)
+        hidden, caches, *routes = decode.run_paged(params, self.cfg, state.tokens, positions, state.caches, write,
+                                                   work, record_routes=self.record_routes)
         tokens, logprobs = sample_blocks(decode.logits(params, hidden[:, 0]), state.requests, state.steps)
         steps = state.steps + run
         done = run & _is_done(tokens, steps, state.requests)
         new = DecodeState(caches, jnp.where(run, tokens, state.tokens), state.lengths + run, steps, active & ~done,
                           state.requests, paged.release_if_any(pages, done))
-        return new, ResultTokens(tokens, logprobs, run, steps, done)
+        return new, ResultTokens(tokens, logprobs, run, steps, done, *(r[:, 0] for r in routes))
 
     def _generate_steps_impl(self, params, state, items=None):
         k, s = self.decode_steps_per_call, self._slots
         zeros = lambda dtype: jnp.zeros((k, s), dtype)  # noqa: E731
-        empty = ResultTokens(zeros(jnp.int32), zeros(jnp.float32), zeros(bool), zeros(jnp.int32), zeros(bool))
+        routes = (jnp.zeros((k, s, self.cfg.num_layers, self.cfg.num_experts_per_tok), jnp.int32),) \
+            if self.record_routes else ()
+        empty = ResultTokens(zeros(jnp.int32), zeros(jnp.float32), zeros(bool), zeros(jnp.int32), zeros(bool),
+                             *routes)
 
         def more(carry):
             i, state, _ = carry

@@ -12,6 +12,8 @@ The parameter tree (``nnx.to_pure_dict(nnx.state(model, nnx.Param))``) is::
     layers/attn/q_norm/scale   [layers, head_dim]   (+ k_norm: per-head RMSNorm of q and k, Qwen3's qk_norm)
     layers/mlp_norm/scale      [layers, embed]
     layers/mlp/w_gate, w_up    [layers, embed, mlp];  layers/mlp/w_down [layers, mlp, embed]
+    layers/moe/router          [layers, embed, experts]  (instead of layers/mlp with model.num_experts > 0)
+    layers/moe/w_gate, w_up    [layers, experts, embed, mlp];  layers/moe/w_down [layers, experts, mlp, embed]
     final_norm/scale           [embed]
     lm_head/kernel             [embed, vocab]    (language-model head, absent when embeddings are tied)
     value_head/kernel          [embed, labels]   (value/score head for critic and reward models)
@@ -34,7 +36,19 @@ from flax import nnx
 
 from nereus_jax.config import ModelConfig
 from nereus_jax.models import lora
-from nereus_jax.models.layers import apply_rope, attention, constrain, project_heads, rms_norm, rope_inv_freq, swiglu
+from nereus_jax.models.layers import (
+    Routed,
+    apply_rope,
+    attention,
+    constrain,
+    experts_mlp,
+    project_heads,
+    rms_norm,
+    rope_inv_freq,
+    route,
+    swiglu,
+)
+from nereus_jax.models.routing import RouterStats, layer_stats, with_mismatch
 
 Head = Literal["lm", "value"]
 _INIT_STD = 0.02
@@ -82,13 +96,27 @@ class _Mlp(nnx.Module):
         self.w_down = _param(rngs, (n, f, d), ("layers", "mlp", "embed"), dtype)
 
 
+class _Moe(nnx.Module):
+    """Qwen3-MoE's sparse block: a router over ``num_experts`` SwiGLU experts stacked on an ``experts`` axis."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        n, d, e, f = cfg.num_layers, cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        self.router = _param(rngs, (n, d, e), ("layers", "embed", "experts"), dtype)
+        self.w_gate = _param(rngs, (n, e, d, f), ("layers", "experts", "embed", "mlp"), dtype)
+        self.w_up = _param(rngs, (n, e, d, f), ("layers", "experts", "embed", "mlp"), dtype)
+        self.w_down = _param(rngs, (n, e, f, d), ("layers", "experts", "mlp", "embed"), dtype)
+
+
 class _Layers(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
         shape, axes = (cfg.num_layers, cfg.hidden_size), ("layers", "embed")
         self.attn_norm = _Norm(shape, axes, dtype, rngs)
         self.attn = _Attention(cfg, dtype, rngs)
         self.mlp_norm = _Norm(shape, axes, dtype, rngs)
-        self.mlp = _Mlp(cfg, dtype, rngs)
+        if cfg.num_experts:
+            self.moe = _Moe(cfg, dtype, rngs)
+        else:
+            self.mlp = _Mlp(cfg, dtype, rngs)
         for t in lora.targets(cfg):
             group = getattr(self, t.group)
             weight = getattr(group, t.weight)
@@ -166,19 +194,53 @@ def default_positions(tokens_bt: jax.Array, attention_mask_bt: jax.Array | None)
 
 def forward(params: dict, cfg: ModelConfig, tokens_bt: jax.Array, positions_bt: jax.Array | None = None,
             attention_mask_bt: jax.Array | None = None, *, return_hidden: bool = False,
-            segment_ids_bt: jax.Array | None = None) -> jax.Array:
+            segment_ids_bt: jax.Array | None = None, routes_btlk: jax.Array | None = None, replay: bool = False,
+            return_routing: bool = False) -> jax.Array | tuple[jax.Array, RouterStats]:
     """Full (uncached) forward. Returns logits [b, t, vocab] (float32), or values [b, t, labels] for a
     value-head model, or the final hidden states [b, t, embed] with ``return_hidden``.
 
     ``attention_mask_bt`` (1 = real token) masks padding keys; attention is causal by index. Packed rows
     (:mod:`nereus_jax.rl.packing`) pass ``segment_ids_bt`` (1, 2, ... per sequence, 0 on padding: attention
     stays inside a segment) and their ``positions_bt`` (restarting per segment).
+
+    Mixture-of-experts models: ``routes_btlk`` are recorded routes (the engine's top-k per token and layer, -1
+    where none was recorded); with ``replay`` every recorded token uses them instead of the router's own choice.
+    ``return_routing`` returns ``(output, RouterStats)`` (:mod:`nereus_jax.models.routing`), counted over the
+    real tokens, with the own-vs-recorded mismatch when routes were given.
     """
     if positions_bt is None:
         positions_bt = default_positions(tokens_bt, attention_mask_bt)
     mask_bts = causal_mask(tokens_bt.shape[1], attention_mask_bt, segment_ids_bt)
-    x = apply_layers(params["layers"], cfg, embed_tokens(params, tokens_bt), positions_bt, mask_bts)
-    return output_head(params, cfg, x, return_hidden=return_hidden)
+    routing = routing_inputs(cfg, tokens_bt, attention_mask_bt, segment_ids_bt, routes_btlk, replay, return_routing)
+    out = apply_layers(params["layers"], cfg, embed_tokens(params, tokens_bt), positions_bt, mask_bts, **routing)
+    if not return_routing:
+        return output_head(params, cfg, out, return_hidden=return_hidden)
+    x, stats = out
+    return output_head(params, cfg, x, return_hidden=return_hidden), stats
+
+
+def routing_inputs(cfg: ModelConfig, tokens_bt: jax.Array, attention_mask_bt: jax.Array | None,
+                   segment_ids_bt: jax.Array | None, routes_btlk: jax.Array | None, replay: bool,
+                   return_routing: bool) -> dict:
+    """The routing keywords of :func:`apply_layers` for a model call (empty for a plain call): the recorded
+    routes layer-major, whether to replay them, and (``return_routing``) the tokens the statistics count."""
+    if routes_btlk is None and not return_routing:
+        if replay:
+            raise ValueError("replay=True needs routes_btlk (the recorded routes)")
+        return {}
+    if not cfg.num_experts:
+        raise ValueError(f"routing statistics and replay need a mixture-of-experts model (model.family="
+                         f"{cfg.family} has num_experts=0)")
+    routes = None if routes_btlk is None else jnp.moveaxis(routes_btlk, 2, 0)
+    if not return_routing:
+        return {"routes_lbtk": routes, "replay": replay}
+    if segment_ids_bt is not None:
+        counted = segment_ids_bt > 0
+    elif attention_mask_bt is not None:
+        counted = attention_mask_bt > 0
+    else:
+        counted = jnp.ones(tokens_bt.shape, bool)
+    return {"routes_lbtk": routes, "replay": replay, "token_mask_bt": counted}
 
 
 def embed_tokens(params: dict, tokens_bt: jax.Array) -> jax.Array:
@@ -202,17 +264,29 @@ def causal_mask(t: int, attention_mask_bt: jax.Array | None, segment_ids_bt: jax
 
 
 def apply_layers(layers: dict, cfg: ModelConfig, x_btd: jax.Array, positions_bt: jax.Array,
-                 mask_bts: jax.Array) -> jax.Array:
-    """Runs a stack of layers (any number: a pipeline stage passes its slice of the ``layers`` axis)."""
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+                 mask_bts: jax.Array, *, routes_lbtk: jax.Array | None = None, replay: bool = False,
+                 token_mask_bt: jax.Array | None = None) -> jax.Array | tuple[jax.Array, RouterStats]:
+    """Runs a stack of layers (any number: a pipeline stage passes its slice of the ``layers`` axis).
 
-    def body(x, layer):
-        return _block(x, layer, cfg, positions_bt, inv_freq, mask_bts), None
+    With ``token_mask_bt`` (mixture-of-experts models) returns ``(x, RouterStats)`` of these layers, counted
+    over the tokens it marks; ``routes_lbtk`` (recorded routes, layer-major) are compared with the router's own
+    choice and, with ``replay``, used instead of it."""
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    stats = token_mask_bt is not None
+
+    def body(x, xs):
+        layer, recorded = xs
+        x, routed = _block(x, layer, cfg, positions_bt, inv_freq, mask_bts, recorded if replay else None)
+        return x, layer_stats(routed, token_mask_bt, recorded) if stats else None
 
     if cfg.remat:
         body = jax.checkpoint(body)
-    x, _ = jax.lax.scan(body, x_btd, layers)
-    return x
+    x, per_layer = jax.lax.scan(body, x_btd, (layers, routes_lbtk))
+    if not stats:
+        return x
+    counts, probs, mismatch = per_layer
+    tokens = jnp.sum(token_mask_bt.astype(jnp.float32))
+    return x, with_mismatch(counts, probs, tokens, None if mismatch is None else jnp.any(mismatch, axis=0))
 
 
 def output_head(params: dict, cfg: ModelConfig, x_btd: jax.Array, *, return_hidden: bool = False) -> jax.Array:
@@ -229,9 +303,10 @@ def output_head(params: dict, cfg: ModelConfig, x_btd: jax.Array, *, return_hidd
     return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
 
 
-def _block(x, lp, cfg, positions_bt, inv_freq, mask_bts):
+def _block(x, lp, cfg, positions_bt, inv_freq, mask_bts, forced_btk=None):
+    """One decoder layer; returns (x, the MLP's :class:`Routed` or None for a dense MLP)."""
     if lora.has_adapters(lp):
-        return _lora_block(x, lp, cfg, positions_bt, inv_freq, mask_bts)
+        return _lora_block(x, lp, cfg, positions_bt, inv_freq, mask_bts, forced_btk)
     a = lp["attn"]
     h = rms_norm(x, lp["attn_norm"]["scale"], cfg.rms_norm_eps)
     q_norm, k_norm = (a["q_norm"]["scale"], a["k_norm"]["scale"]) if cfg.qk_norm else (None, None)
@@ -243,20 +318,34 @@ def _block(x, lp, cfg, positions_bt, inv_freq, mask_bts):
     out = attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask_bts)
     x = x + jnp.einsum("bthe,hed->btd", out, a["wo"])
     x = constrain(x, ("batch", "length", "embed"))
-    m = lp["mlp"]
     h = rms_norm(x, lp["mlp_norm"]["scale"], cfg.rms_norm_eps)
-    return x + swiglu(h, m["w_gate"], m["w_up"], m["w_down"])
+    y, routed = mlp(h, lp, cfg, forced_btk)
+    return x + y, routed
 
 
-def _lora_block(x, lp, cfg, positions_bt, inv_freq, mask_bts):
+def mlp(h_btd: jax.Array, lp: dict, cfg: ModelConfig, forced_btk: jax.Array | None = None
+        ) -> tuple[jax.Array, Routed | None]:
+    """One layer's MLP on its normed input: SwiGLU, or Qwen3-MoE's routed experts (``lp["moe"]``, on the
+    ``forced_btk`` routes where given). Returns (output, the routing or None for a dense MLP)."""
+    if "moe" in lp:
+        m = lp["moe"]
+        routed = route(h_btd, m["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob, forced_btk)
+        return experts_mlp(h_btd, routed, m["w_gate"], m["w_up"], m["w_down"]), routed
+    m = lp["mlp"]
+    return swiglu(h_btd, m["w_gate"], m["w_up"], m["w_down"]), None
+
+
+def _lora_block(x, lp, cfg, positions_bt, inv_freq, mask_bts, forced_btk=None):
     """:func:`_block` with each adapted projection plus its low-rank update, unmerged (the adapters' own
     gradients, no merged weight copy per layer)."""
-    a, m = lp["attn"], lp["mlp"]
+    a, m = lp["attn"], lp.get("mlp")
 
     def proj(h, group, weight, n_in, spec):
         y = jnp.einsum(spec, h, group[weight])
         d = lora.delta(h, group, weight, n_in, cfg)
-        return y if d is None else y + d
+        # the adapter's update kept out of the base projection's fusion: XLA:CPU (jax 0.12.1) otherwise fuses it
+        # into the layer scan's matmuls and rounds them differently, so B = 0 would not give the base bit for bit
+        return y if d is None else y + jax.lax.optimization_barrier(d)
 
     def heads(h, name, norm):
         y = proj(h, a, f"w{name}", 1, "btd,dhe->bthe")
@@ -272,7 +361,9 @@ def _lora_block(x, lp, cfg, positions_bt, inv_freq, mask_bts):
     out = attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask_bts)
     x = constrain(x + proj(out, a, "wo", 2, "bthe,hed->btd"), ("batch", "length", "embed"))
     h = rms_norm(x, lp["mlp_norm"]["scale"], cfg.rms_norm_eps)
+    if "moe" in lp:  # experts carry no adapters (config refuses MLP targets with experts)
+        y, routed = mlp(h, lp, cfg, forced_btk)
+        return x + y, routed
     gate, up = proj(h, m, "w_gate", 1, "btd,df->btf"), proj(h, m, "w_up", 1, "btd,df->btf")
     hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-    return x + proj(hidden, m, "w_down", 1, "btf,fd->btd")
-
+    return x + proj(hidden, m, "w_down", 1, "btf,fd->btd"), None

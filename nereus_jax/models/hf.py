@@ -100,10 +100,28 @@ class _Rule:
     def per_layer(self) -> bool:
         return "{i}" in self.hf
 
+    @property
+    def per_expert(self) -> bool:
+        """One HF tensor per layer and expert (``{e}``): ours stacks them as [layers, experts, ...]."""
+        return "{e}" in self.hf
+
     def our_shape(self, cfg: ModelConfig, num_labels: int) -> tuple[int, ...]:
         view = self.view(cfg, num_labels)
         layer = tuple(view[p] for p in self.perm)
+        if self.per_expert:
+            return (cfg.num_layers, cfg.num_experts, *layer)
         return (cfg.num_layers, *layer) if self.per_layer else layer
+
+    def names(self, cfg: ModelConfig, layers=None, experts=None) -> list[tuple[tuple[int, ...], str]]:
+        """(index into our stacked parameter, HF tensor name) of every HF tensor (within ``layers`` /
+        ``experts`` ranges when given)."""
+        if not self.per_layer:
+            return [((), self.hf)]
+        layers = range(cfg.num_layers) if layers is None else layers
+        if not self.per_expert:
+            return [((j,), self.hf.format(i=i)) for j, i in enumerate(layers)]
+        experts = range(cfg.num_experts) if experts is None else experts
+        return [((j, k), self.hf.format(i=i, e=e)) for j, i in enumerate(layers) for k, e in enumerate(experts)]
 
     def to_hf(self, x: np.ndarray, cfg: ModelConfig, num_labels: int) -> np.ndarray:
         """One layer of our parameter as the HF tensor."""
@@ -144,12 +162,7 @@ def _rules(cfg: ModelConfig, head: str) -> list[_Rule]:
               lambda c, n: (c.hidden_size, c.num_heads * c.head_dim), (1, 2, 0),
               lambda c, n: (c.hidden_size, c.num_heads, c.head_dim)),
         _rule(("layers", "mlp_norm", "scale"), layer + "post_attention_layernorm.weight", vector, (0,)),
-        _rule(("layers", "mlp", "w_gate"), layer + "mlp.gate_proj.weight",
-              lambda c, n: (c.intermediate_size, c.hidden_size), (1, 0)),
-        _rule(("layers", "mlp", "w_up"), layer + "mlp.up_proj.weight",
-              lambda c, n: (c.intermediate_size, c.hidden_size), (1, 0)),
-        _rule(("layers", "mlp", "w_down"), layer + "mlp.down_proj.weight",
-              lambda c, n: (c.hidden_size, c.intermediate_size), (1, 0)),
+        *(_moe_rules() if cfg.num_experts else _mlp_rules()),
         _rule(("final_norm", "scale"), "model.norm.weight", vector, (0,)),
     ]
     if cfg.qkv_bias:
@@ -166,9 +179,36 @@ def _rules(cfg: ModelConfig, head: str) -> list[_Rule]:
     return rules
 
 
+def _mlp_rules() -> list[_Rule]:
+    layer = "model.layers.{i}."
+    return [
+        _rule(("layers", "mlp", "w_gate"), layer + "mlp.gate_proj.weight",
+              lambda c, n: (c.intermediate_size, c.hidden_size), (1, 0)),
+        _rule(("layers", "mlp", "w_up"), layer + "mlp.up_proj.weight",
+              lambda c, n: (c.intermediate_size, c.hidden_size), (1, 0)),
+        _rule(("layers", "mlp", "w_down"), layer + "mlp.down_proj.weight",
+              lambda c, n: (c.hidden_size, c.intermediate_size), (1, 0)),
+    ]
+
+
+def _moe_rules() -> list[_Rule]:
+    """Qwen3-MoE: the router (``mlp.gate`` [experts, embed]) and each expert's SwiGLU, one tensor per expert."""
+    expert = "model.layers.{i}.mlp.experts.{e}."
+    return [
+        _rule(("layers", "moe", "router"), "model.layers.{i}.mlp.gate.weight",
+              lambda c, n: (c.num_experts, c.hidden_size), (1, 0)),
+        _rule(("layers", "moe", "w_gate"), expert + "gate_proj.weight",
+              lambda c, n: (c.moe_intermediate_size, c.hidden_size), (1, 0)),
+        _rule(("layers", "moe", "w_up"), expert + "up_proj.weight",
+              lambda c, n: (c.moe_intermediate_size, c.hidden_size), (1, 0)),
+        _rule(("layers", "moe", "w_down"), expert + "down_proj.weight",
+              lambda c, n: (c.hidden_size, c.moe_intermediate_size), (1, 0)),
+    ]
+
+
 def _has_o_bias(cfg: ModelConfig) -> bool:
     """HF Llama's and Qwen3's attention_bias also biases o_proj, which our decoder lacks."""
-    return cfg.qkv_bias and cfg.family in ("llama", "qwen3")
+    return cfg.qkv_bias and cfg.family in ("llama", "qwen3", "qwen3_moe")
 
 
 def _o_bias_name(i: int) -> str:
@@ -328,18 +368,19 @@ class HFCheckpoint:
             raise KeyError(f"{'/'.join(path)} is not a parameter of this checkpoint's model; parameters: "
                            f"{sorted('/'.join(p) for p in self._rules)}")
         box = _box(index, rule.our_shape(self.config, self.num_labels), path)
-        layers = range(*box[0]) if rule.per_layer else [None]
-        inner = box[1:] if rule.per_layer else box
+        lead = 2 if rule.per_expert else 1 if rule.per_layer else 0  # stacked axes: layers (, experts)
+        inner = box[lead:]
         view_box = [inner[rule.perm.index(a)] for a in range(len(rule.perm))]  # our axis k is view axis perm[k]
-        own_dtype = self._tensor(rule.hf.format(i=0)).dtype
+        own_dtype = self._tensor(rule.names(self.config, [0], [0])[0][1]).dtype
         out = _aligned_empty(tuple(b - a for a, b in box), own_dtype if dtype is None else _np_dtype(dtype))
+        layers = range(*box[0]) if rule.per_layer else None
+        experts = range(*box[1]) if rule.per_expert else None
         with _Files() as files:
-            for j, i in enumerate(layers):
-                part = self._read_box(files, self._tensor(rule.hf.format(i=i)),
-                                      rule.view(self.config, self.num_labels), view_box)
-                _copy_transposed(out[j] if rule.per_layer else out, part, rule.perm)
+            for at, name in rule.names(self.config, layers, experts):
+                part = self._read_box(files, self._tensor(name), rule.view(self.config, self.num_labels), view_box)
+                _copy_transposed(out[at], part, rule.perm)
             if rule.ours == ("layers", "attn", "wo") and _has_o_bias(self.config):
-                self._check_zero_o_bias(files, [i for i in layers if i is not None])
+                self._check_zero_o_bias(files, list(layers))
         return out
 
     def _read_box(self, files: _Files, t: _Tensor, view: tuple[int, ...], box: list[tuple[int, int]]) -> np.ndarray:
@@ -396,8 +437,7 @@ class HFCheckpoint:
     def _check_shapes(self) -> None:
         for rule in self._rules.values():
             expected = rule.hf_shape(self.config, self.num_labels)
-            for i in range(self.config.num_layers) if rule.per_layer else [None]:
-                name = rule.hf.format(i=i)
+            for _, name in rule.names(self.config):
                 t = self._tensor(name)
                 if t.shape != expected:
                     raise HFImportError(f"tensor {name!r} in {t.file} has shape {t.shape}, expected {expected} "
@@ -560,9 +600,9 @@ def _export_entries(params: Mapping, cfg: ModelConfig, head: str, num_labels: in
             raise ValueError(f"save_hf: parameter {'/'.join(rule.ours)} has shape {value.shape}, expected {expected}: "
                              "pass a canonical tree (nereus_jax.sharding.gather_params drops a layout's kv copies)")
         nbytes = math.prod(rule.hf_shape(cfg, num_labels)) * dtype.itemsize
-        for i in range(cfg.num_layers) if rule.per_layer else [None]:
-            x = value if i is None else value[i]
-            entries.append(_Entry(rule.hf.format(i=i), nbytes,
+        for at, name in rule.names(cfg):
+            x = value[at]
+            entries.append(_Entry(name, nbytes,
                                   lambda x=x, rule=rule: rule.to_hf(x.astype(dtype, copy=False), cfg, num_labels)))
     return entries + [_Entry(name, size * dtype.itemsize, lambda size=size: np.zeros(size, dtype))
                       for name, size in _zero_tensors(cfg)]

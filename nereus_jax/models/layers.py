@@ -11,6 +11,7 @@ import contextlib
 import contextvars
 import math
 from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -104,3 +105,169 @@ def swiglu(x_btd: jax.Array, w_gate_df: jax.Array, w_up_df: jax.Array, w_down_fd
     up = jnp.einsum("btd,df->btf", x_btd, w_up_df)
     hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
     return jnp.einsum("btf,fd->btd", hidden, w_down_fd)
+
+
+class Routed(NamedTuple):
+    """One mixture-of-experts layer's routing of its tokens."""
+
+    weights: jax.Array  # [b, t, k] in x's dtype: the gate weight of each expert used
+    experts: jax.Array  # [b, t, k] int32: the experts used (the forced ones where routes were forced)
+    own: jax.Array      # [b, t, k] int32: the router's own top-k (equal to ``experts`` without forcing)
+    probs: jax.Array    # [b, t, experts] float32: the router's softmax (what the load-balancing loss reads)
+
+
+def route(x_btd: jax.Array, router_de: jax.Array, k: int, norm_topk: bool,
+          forced_btk: jax.Array | None = None) -> Routed:
+    """Qwen3-MoE's router: softmax over the experts in float32, the top ``k`` (ties to the lower index), their
+    weights renormalised to sum to 1 when ``norm_topk``.
+
+    ``forced_btk`` (routing replay: the experts another run chose, -1 where it recorded none) replaces the
+    top-k of every token whose k entries are all recorded; the gate weights are still this router's softmax at
+    those experts (renormalised alike), so the router keeps its gradient."""
+    logits = jnp.einsum("btd,de->bte", x_btd, router_de).astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    top, own = jax.lax.top_k(probs, k)
+    own = own.astype(jnp.int32)
+    experts, weights = own, top
+    if forced_btk is not None:
+        use = jnp.all(forced_btk >= 0, axis=-1, keepdims=True)
+        experts = jnp.where(use, forced_btk.astype(jnp.int32), own)
+        weights = jnp.take_along_axis(probs, experts, axis=-1)
+    if norm_topk:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return Routed(weights.astype(x_btd.dtype), experts, own, probs)
+
+
+def same_experts(a_btk: jax.Array, b_btk: jax.Array) -> jax.Array:
+    """[b, t] bool: the two top-k lists name the same set of experts (order ignored)."""
+    return jnp.all(jnp.sort(a_btk, axis=-1) == jnp.sort(b_btk.astype(a_btk.dtype), axis=-1), axis=-1)
+
+
+def moe_mlp(x_btd: jax.Array, router_de: jax.Array, w_gate_edf: jax.Array, w_up_edf: jax.Array,
+            w_down_efd: jax.Array, k: int, norm_topk: bool, *, impl: str | None = None) -> jax.Array:
+    """A dropless mixture of SwiGLU experts on the router's own top-k (:func:`route`, :func:`experts_mlp`)."""
+    return experts_mlp(x_btd, route(x_btd, router_de, k, norm_topk), w_gate_edf, w_up_edf, w_down_efd, impl=impl)
+
+
+GROUPED_IMPLS = ("ragged_dot", "blocks")
+
+
+def grouped_impl() -> str:
+    """The grouped-matmul implementation :func:`experts_mlp` uses by default on the default backend: XLA's
+    ragged dot where it has one (GPU, TPU), else ``blocks`` (XLA:CPU lowers ``lax.ragged_dot`` to a dense
+    contraction over every expert, experts / top_k times the routed FLOPs)."""
+    return "ragged_dot" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "blocks"
+
+
+def experts_mlp(x_btd: jax.Array, routed: Routed, w_gate_edf: jax.Array, w_up_edf: jax.Array,
+                w_down_efd: jax.Array, *, impl: str | None = None, block_rows: int | None = None) -> jax.Array:
+    """Every token's routed experts, as grouped matmuls over the token-expert pairs sorted by expert (dropless:
+    no capacity, no dropped tokens), then each token's outputs summed with its routing weights.
+
+    ``impl`` (default :func:`grouped_impl`): ``ragged_dot`` runs each of the SwiGLU's three matmuls as one
+    ``lax.ragged_dot`` over the groups; ``blocks`` cuts each expert's group into ``block_rows``-row blocks and
+    runs the SwiGLU block by block in a scan, each block against its expert's weights (the routed FLOPs plus
+    at most a block of padding per expert; :func:`blocked_swiglu`)."""
+    b, t, d = x_btd.shape
+    k, num_experts = routed.experts.shape[-1], w_gate_edf.shape[0]
+    impl = impl or grouped_impl()
+    if impl not in GROUPED_IMPLS:
+        raise ValueError(f"impl must be one of {GROUPED_IMPLS}, got {impl!r}")
+    flat_e = routed.experts.reshape(-1)                # [b*t*k] the expert of each pair
+    order = jnp.argsort(flat_e, stable=True)            # pairs grouped by expert
+    group_sizes = jnp.bincount(flat_e, length=num_experts).astype(jnp.int32)
+    xs = x_btd.reshape(b * t, d)[order // k]            # each sorted pair's token
+    if impl == "ragged_dot":
+        gate = jax.lax.ragged_dot(xs, w_gate_edf, group_sizes)
+        up = jax.lax.ragged_dot(xs, w_up_edf, group_sizes)
+        ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down_efd, group_sizes)   # [b*t*k, d] sorted
+    else:
+        block = block_rows or default_block_rows(b * t * k, num_experts)
+        ys = blocked_swiglu(xs, group_sizes, w_gate_edf, w_up_edf, w_down_efd, block)
+    pairs = ys[jnp.argsort(order)].reshape(b, t, k, d)  # back in (token, k) order
+    return jnp.einsum("btkd,btk->btd", pairs, routed.weights)
+
+
+def default_block_rows(pairs: int, num_experts: int) -> int:
+    """Rows per block of :func:`blocked_swiglu`: the power of two at or below the mean group, from 8 to 256.
+    At most a block of padding per expert, so at most about as many padded rows as routed ones; each block
+    reads its expert's weights again, so larger blocks pay when groups are large (tools/bench_moe.py
+    --block-rows measured 64 to 256 best on XLA:CPU)."""
+    mean = max(1, pairs // max(1, num_experts))
+    return int(min(256, max(8, 2 ** int(math.log2(mean)))))
+
+
+def blocked_swiglu(xs_nd: jax.Array, group_sizes: jax.Array, w_gate_edf: jax.Array, w_up_edf: jax.Array,
+                   w_down_efd: jax.Array, block: int) -> jax.Array:
+    """The SwiGLU of each row of ``xs_nd`` (rows sorted by expert, ``group_sizes`` [experts] rows each) with its
+    expert's weights: a scan over blocks of ``block`` rows, expert e's group cut into ceil(size / block) blocks
+    (a static bound on their number: (rows + experts (block - 1)) / block; blocks left over are empty). A
+    block's rows past its group's end are computed too (with the wrong expert) and dropped.
+
+    Its gradient is written out (:func:`_blocked_swiglu_bwd`): a scan over the blocks for the input gradient,
+    then the weight gradients as one batched matmul over the blocks summed per expert. Differentiating the
+    forward scan instead adds a whole [experts, ...] zero-padded weight gradient per block."""
+    expert, row, valid = _block_plan(xs_nd.shape[0], group_sizes, w_gate_edf.shape[0], block)
+    return _blocked_swiglu(xs_nd, expert, row, valid, w_gate_edf, w_up_edf, w_down_efd)
+
+
+def _block_plan(n: int, group_sizes: jax.Array, num_experts: int, block: int):
+    """Each block's expert [blocks], its rows [blocks, block] (``n``, a padding row, past the end) and which of
+    them belong to its expert's group [blocks, block], in group order."""
+    blocks = (group_sizes + block - 1) // block                      # [experts]
+    ends = jnp.cumsum(blocks)
+    i = jnp.arange((n + num_experts * (block - 1)) // block)
+    expert = jnp.minimum(jnp.searchsorted(ends, i, side="right"), num_experts - 1).astype(jnp.int32)
+    start = jnp.cumsum(group_sizes) - group_sizes                    # each group's first row
+    first = start[expert] + (i - (ends - blocks)[expert]) * block
+    rows = first[:, None] + jnp.arange(block)[None, :]
+    valid = (i < ends[-1])[:, None] & (rows < (start + group_sizes)[expert][:, None])
+    return expert, jnp.where(valid, rows, n).astype(jnp.int32), valid
+
+
+@jax.custom_vjp
+def _blocked_swiglu(xs_nd, expert, rows, valid, w_gate_edf, w_up_edf, w_down_efd):
+    return _blocked_swiglu_fwd(xs_nd, expert, rows, valid, w_gate_edf, w_up_edf, w_down_efd)[0]
+
+
+def _blocked_swiglu_fwd(xs_nd, expert, rows, valid, w_gate_edf, w_up_edf, w_down_efd):
+    n, d = xs_nd.shape
+    padded = jnp.concatenate([xs_nd, jnp.zeros((1, d), xs_nd.dtype)])
+
+    def one(_, blk):
+        e, r = blk
+        x = padded[r]
+        gate, up = x @ w_gate_edf[e], x @ w_up_edf[e]
+        return None, ((jax.nn.silu(gate) * up) @ w_down_efd[e], gate, up)
+
+    _, (y, gate, up) = jax.lax.scan(one, None, (expert, rows))
+    out = jnp.zeros((n + 1, d), y.dtype).at[rows].add(jnp.where(valid[..., None], y, 0))[:n]
+    return out.astype(xs_nd.dtype), (padded, expert, rows, valid, gate, up, w_gate_edf, w_up_edf, w_down_efd)
+
+
+def _blocked_swiglu_bwd(res, dys_nd):
+    """The input gradient block by block (a scan: each block against its expert's weights), the weight
+    gradients as batched matmuls over the blocks summed per expert (the blocks are in expert order)."""
+    padded, expert, rows, valid, gate, up, w_gate, w_up, w_down = res
+    n, d = dys_nd.shape
+    g = jnp.where(valid[..., None], jnp.concatenate([dys_nd, jnp.zeros((1, d), dys_nd.dtype)])[rows], 0)
+
+    def one(_, blk):
+        e, g, a, u = blk
+        dh = g @ w_down[e].T
+        sig = jax.nn.sigmoid(a)
+        da = dh * u * sig * (1 + a * (1 - sig))      # d silu(a) / da = sig (1 + a (1 - sig))
+        du = dh * a * sig
+        return None, (da @ w_gate[e].T + du @ w_up[e].T, da, du)
+
+    _, (dx, da, du) = jax.lax.scan(one, None, (expert, g, gate, up))
+    dxs = jnp.zeros((n + 1, d), dx.dtype).at[rows].add(dx)[:n]
+    per_expert = lambda x, y: jax.ops.segment_sum(jnp.einsum("nbi,nbj->nij", x, y), expert,  # noqa: E731
+                                                  num_segments=w_gate.shape[0], indices_are_sorted=True)
+    xb = padded[rows]
+    dwg, dwu, dwd = per_expert(xb, da), per_expert(xb, du), per_expert(jax.nn.silu(gate) * up, g)
+    return (dxs.astype(padded.dtype), None, None, None, dwg.astype(w_gate.dtype), dwu.astype(w_up.dtype),
+            dwd.astype(w_down.dtype))
+
+
+_blocked_swiglu.defvjp(_blocked_swiglu_fwd, _blocked_swiglu_bwd)

@@ -30,6 +30,9 @@ class RolloutBatch(NamedTuple):
     policy_version_b: np.ndarray   # int32 [b], parameter version that produced the row
     context_mask_br: np.ndarray | None = None  # int32 [b, R]: every real response token, the environment's too
     env_reward_b: np.ndarray | None = None  # float32 [b]: an environment's rewards, added to the task's
+    # int16 [b, P + R, layers, k]: a mixture-of-experts engine's routes of every token it ran (the router's top-k
+    # per layer; -1 on padding and on each response's last token, which generation never feeds back)
+    routes_btlk: np.ndarray | None = None
 
     @property
     def prompt_len(self) -> int:

@@ -34,8 +34,10 @@ class PackedLayout:
 
     ``order[k]``: the original row of the k-th sequence in group order (mini-batch, micro-batch, replica,
     then position in the group), the order per-sequence fields must be given in. Packed arrays are
-    ``[mini, accum, dp, rows, L]``: ``tokens`` (0 on padding), ``positions`` (restarting per segment) and
-    ``segments`` (1, 2, ... per sequence in its row, 0 on padding). ``index`` ``[N, R]`` (group order): for
+    ``[mini, accum, dp, rows, L]``: ``tokens`` (0 on padding), ``positions`` (restarting per segment),
+    ``segments`` (1, 2, ... per sequence in its row, 0 on padding) and ``source`` (the flat offset
+    ``row * L + column`` in the padded batch of each packed token, -1 on padding: per-token arrays such as
+    recorded routes are packed with it, :func:`pack_tokens`). ``index`` ``[N, R]`` (group order): for
     response token t of a sequence, the flat offset ``row * L + column`` within its replica's rows of the
     output at the column that predicts it (the token before it); 0 where t is past the response. ``last``
     ``[N]``: the same offset of each sequence's last real token (a reward model's score)."""
@@ -46,6 +48,7 @@ class PackedLayout:
     tokens: np.ndarray
     positions: np.ndarray
     segments: np.ndarray
+    source: np.ndarray
     index: np.ndarray
     last: np.ndarray
 
@@ -127,6 +130,7 @@ def _layout(tokens, mask, lengths, starts, prompt_len, groups, bins, shape) -> P
     packed = np.zeros(shape, tokens.dtype)
     positions = np.zeros(shape, np.int32)
     segments = np.zeros(shape, np.int32)
+    source = np.full(shape, -1, np.int64)
     index = np.zeros((len(tokens), response), np.int32)
     last = np.zeros(len(tokens), np.int32)
     t = np.arange(response)
@@ -141,6 +145,7 @@ def _layout(tokens, mask, lengths, starts, prompt_len, groups, bins, shape) -> P
             packed[m, a, d, r, off:off + size] = tokens[seq, s:s + size]
             positions[m, a, d, r, off:off + size] = np.arange(size)
             segments[m, a, d, r, off:off + size] = count[r]
+            source[m, a, d, r, off:off + size] = seq * width + s + np.arange(size)
             # response token t sits at column prompt_len + t of the padded row, off + prompt_len + t - s here
             column = off + prompt_len + t - s - 1
             real = mask[seq, prompt_len:] > 0
@@ -148,4 +153,13 @@ def _layout(tokens, mask, lengths, starts, prompt_len, groups, bins, shape) -> P
             last[k] = r * width + off + size - 1
             k += 1
     order = np.concatenate(groups)
-    return PackedLayout(order, accum, rows, packed, positions, segments, index, last)
+    return PackedLayout(order, accum, rows, packed, positions, segments, source, index, last)
+
+
+def pack_tokens(layout: PackedLayout, x: np.ndarray, fill) -> np.ndarray:
+    """A per-token array ``x`` ``[N, P + R, ...]`` of the padded batch laid out like the packed tokens,
+    ``[mini, accum, dp, rows, L, ...]``, ``fill`` on padding."""
+    flat = np.asarray(x).reshape(-1, *np.shape(x)[2:])
+    out = flat[np.maximum(layout.source, 0)]
+    out[layout.source < 0] = fill
+    return out

@@ -41,7 +41,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nereus_jax.config import Config
-from nereus_jax.elastic.emu import EMU, split_replicas
+from nereus_jax.elastic.emu import EMU, assemble_replicas, split_replicas
 from nereus_jax.elastic.plan import DEVICE, ExecutionPlan, StagePlan
 from nereus_jax.elastic.sources import ZeroSource
 from nereus_jax.model_stage import ACTOR_TRAIN, ModelStage
@@ -92,7 +92,7 @@ class Checkpointer:
         if steps_done in self.manager.all_steps():
             return False  # this step's state is already saved (e.g. the periodic save, then a stop)
         if jax.process_count() == 1:
-            state = {str(ms): canonical_leaves(units[0]) for ms, units in job.units.items()}
+            state = {str(ms): stage_canonical_leaves(units) for ms, units in job.units.items()}
         else:
             state = {str(ms): shared_host_leaves(units) for ms, units in job.units.items()}
         _check_finite(state)
@@ -148,6 +148,25 @@ def canonical_leaves(unit: EMU) -> list[jax.Array]:
     return _repeat_kv(unit.spec, rep, 1, leaves, [NamedSharding(unit.mesh, PartitionSpec())] * len(leaves))
 
 
+def stage_canonical_leaves(units: Sequence[EMU]) -> list[jax.Array]:
+    """A model-stage's state in the layout-independent form (:func:`canonical_leaves` of one replica), on
+    device; where the optimizer is split over the replicas, all of them together (its leaves stay split over
+    dp: no device holds the whole of it)."""
+    first = units[0]
+    if first.spec.shards == 1:
+        return canonical_leaves(first)
+    if first.memory != DEVICE:
+        units = [dataclasses.replace(u, leaves=jax.device_put(u.leaves, u.spec.shardings(u.mesh, DEVICE)),
+                                     memory=DEVICE) for u in units]
+    leaves, mesh = assemble_replicas(units)
+    rep = first.spec.repeat(first.layout)
+    if rep == 1:
+        return leaves
+    out = [NamedSharding(mesh, PartitionSpec(*(a if a == "dp" else None for a in leaf.spec)))
+           for leaf in first.spec.global_leaves]
+    return _repeat_kv(first.spec.whole, rep, 1, leaves, out)
+
+
 def _repeat_kv(spec, rep_in: int, rep_out: int, leaves, out: Sequence) -> list[jax.Array]:
     """``leaves`` with each kv head stored ``rep_out`` times instead of ``rep_in``, laid out as ``out``: the
     spec's converter pinned at both ends, so every bit is kept (-0.0, subnormals, NaN payloads)."""
@@ -164,6 +183,9 @@ def shared_host_leaves(units: Sequence[EMU]) -> list[np.ndarray]:
     from jax.experimental import multihost_utils
 
     local = [u for u in units if len({d.process_index for d in u.devices}) == 1]
+    if units[0].spec.shards > 1:  # the optimizer is split over the replicas: gathered from all of them
+        host = multihost_utils.process_allgather(stage_canonical_leaves(units), tiled=True)
+        return [np.asarray(x) for x in host]
     if not local:  # every replica spans processes: each process holds part of it
         host = multihost_utils.process_allgather(canonical_leaves(units[0]), tiled=True)
         return [np.asarray(x) for x in host]
@@ -494,7 +516,7 @@ def load_controller(adapter, job: Job, meta: Mapping[str, Any]) -> bool:
 
 def _targets(job: Job, ms: ModelStage) -> tuple[list[NamedSharding], Any]:
     """Shardings to read each canonical leaf into (on the stage's (dp, pp, tp) mesh) and the mesh."""
-    sp, spec = job.plan[ms], job.specs[ms]
+    sp, spec = job.plan[ms], job.unit_spec(ms)
     mesh = make_mesh([job.devices[i] for i in sp.devices], sp.layout, dp=sp.dp)
     if spec.repeat(sp.layout) == 1:
         return spec.shardings(mesh), mesh
@@ -515,7 +537,7 @@ def _check_shapes(meta: Mapping[str, Any], abstract: Mapping[str, list]) -> None
 
 
 def _units(job: Job, ms: ModelStage, leaves: list[jax.Array], mesh) -> list[EMU]:
-    sp, spec = job.plan[ms], job.specs[ms]
+    sp, spec = job.plan[ms], job.unit_spec(ms)
     rep = spec.repeat(sp.layout)
     if rep > 1:
         leaves = _repeat_kv(spec, 1, rep, leaves, spec.shardings(mesh))

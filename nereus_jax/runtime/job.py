@@ -43,9 +43,10 @@ import jax
 import numpy as np
 
 from nereus_jax.config import Config
-from nereus_jax.elastic.emu import EMU
+from nereus_jax.elastic.emu import EMU, stage_to_host
 from nereus_jax.elastic.plan import ExecutionPlan
 from nereus_jax.elastic.sources import HostSource, ParamSource
+from nereus_jax.elastic.spec import StateSpec
 from nereus_jax.elastic.weight_sync import WeightSync
 from nereus_jax.engine import Generator
 from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN, ModelStage
@@ -115,7 +116,7 @@ class Job:
 
     plan = _of("stages", "plan", "The execution plan the job runs.")
     units = _of("stages", "units", "Each model-stage's units (EMUs), laid out in ``plan``.")
-    specs = _of("stages", "specs", "Each model-stage's StateSpec.")
+    specs = _of("stages", "specs", "Each model-stage's StateSpec (its whole state on one replica).")
     sync = _of("stages", "sync", "The weight sync actor-train -> actor-gen of ``plan``.")
     reward_model = _of("stages", "reward_model", "reward-infer's source (task.reward_model_path), or None.")
     version = _of("stages", "version", "The policy version: training updates the actor has had.", writable=True)
@@ -269,6 +270,14 @@ class Job:
         """Held-out ``pass_at_1`` (and with ``samples`` > 1 ``pass_at_k``) of the current actor-gen parameters
         (:meth:`Rollout.evaluate`)."""
         return self.rollout.evaluate(problems, samples)
+
+    def unit_spec(self, ms: ModelStage, plan: ExecutionPlan | None = None) -> StateSpec:
+        """What each unit of ``ms`` holds in ``plan`` (default: the current one); see ``StageState.unit_spec``."""
+        return self.stages.unit_spec(ms, plan)
+
+    def stage_host_state(self, ms: ModelStage) -> dict:
+        """``ms``'s whole state as a canonical numpy tree ({"params", "opt"}), however its replicas hold it."""
+        return stage_to_host(self.units[ms])
 
     def actor_host_params(self) -> dict:
         """The actor's training parameters as a canonical numpy tree."""

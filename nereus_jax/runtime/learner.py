@@ -31,7 +31,7 @@ from nereus_jax.rl.registry import AlgorithmSpec
 from nereus_jax.rl.tasks import Problem
 from nereus_jax.runtime.device_memory import device_bytes_in_use
 from nereus_jax.runtime.rollout import Rollout
-from nereus_jax.runtime.stages import JobError, StageState, infer_program, stage_forward
+from nereus_jax.runtime.stages import JobError, StageState
 from nereus_jax.sharding import to_numpy, tree_to_numpy
 
 # dynamic sampling's extra prompts: a part of the data stream steps never reach, whose sampling keys
@@ -71,6 +71,7 @@ class Learner:
         self.nonfinite_since: int | None = None  # the streak's first step (None: the last step was finite)
         self.skipped: dict[ModelStage, int] = {}  # skipped updates per stage in all
         self._step_skips: dict[ModelStage, str] = {}  # this step's stages with an update skipped: the cause
+        self.routing_metrics: dict[str, float] = {}  # the last batch's router_mismatch_fraction (MoE actors)
 
     def learn(self, step: int, problems: Sequence[Problem], batch: RolloutBatch, seconds: dict[str, float],
               sync) -> StepResult:
@@ -110,6 +111,7 @@ class Learner:
         seconds["weight-sync"] = time.perf_counter() - t
         metrics = self.metrics(step, batch, scores, scored, train_metrics, seconds) | reward_metrics
         metrics |= self.rollout.step_metrics(step)  # multi-turn: turns, tool calls and errors, environment tokens
+        metrics |= self.routing_metrics
         metrics["accuracy"] = reward_metrics.get("answer_correct_fraction", metrics["accuracy"])
         return StepResult(metrics | stale | corrected | sampled, batch)
 
@@ -168,7 +170,7 @@ class Learner:
         critic its values (``values``), each [rows, R]."""
         out = {}
         t = time.perf_counter()
-        out["old_logp"] = self._infer(ACTOR_TRAIN, "logprobs", batch)
+        out["old_logp"] = self._infer(ACTOR_TRAIN, "logprobs", batch, routes=batch.routes_btlk is not None)
         seconds["actor-infer"] = time.perf_counter() - t
         t = time.perf_counter()
         out["ref_logp"] = self._infer(REF_INFER, "logprobs", batch)
@@ -179,23 +181,32 @@ class Learner:
             seconds["critic-infer"] = time.perf_counter() - t
         return out
 
-    def _infer(self, ms: ModelStage, what: str, batch: RolloutBatch) -> np.ndarray:
+    def _infer(self, ms: ModelStage, what: str, batch: RolloutBatch, routes: bool = False) -> np.ndarray:
+        """A scoring stage's output on ``batch`` ([rows, R], scores [rows]). ``routes``: actor-infer reads the
+        batch's recorded routes (replaying them with ``algorithm.routing_replay``) and sets
+        ``routing_metrics`` from its routing mismatch."""
         stages, spec = self.stages, self.stages.specs[ms]
         data = {"tokens": batch.tokens(), "mask": batch.attention_mask()}
+        if routes:
+            data["routes"] = batch.routes_btlk
         leaves, mesh, key, micro, layout = stages.stage_inputs(ms, data, ("infer", ms, what))
         order = self._packed(layout)
         params = spec.unflatten(leaves)["params"]
-        build = lambda: infer_program(spec.model, self.P, what, stage_forward(mesh, spec.kind),  # noqa: E731
-                                      vocab_chunk=self.cfg.trainer.vocab_chunk)
-        out = to_numpy(stages.run(key, build, params, micro))
+        out = to_numpy(stages.run(key, lambda: stages.infer_program(ms, what, mesh), params, micro))
         if ms.kind == "infer":
             stages.park(ms)
-        out = out.reshape(self.rows, -1)
-        if order is not None:
-            out = out[np.argsort(order)]
+        out, *mismatch = out if routes else (out,)
+        out = self._rows(out, order)
         if what == "scores":
             return out.reshape(self.rows).astype(np.float32)
+        if routes:
+            self.routing_metrics = _routing_metrics(*(self._rows(m, order) for m in mismatch), batch)
         return out * batch.response_mask_br
+
+    def _rows(self, out: np.ndarray, order: np.ndarray | None) -> np.ndarray:
+        """A program's per-sequence output as [rows, ...] in the batch's row order (packed: unsorted)."""
+        out = out.reshape(self.rows, -1)
+        return out if order is None else out[np.argsort(order)]
 
     def _packed(self, layout) -> np.ndarray | None:
         """A packed program's row order (None: padded, rows as given); records its fill for the metrics."""
@@ -248,7 +259,8 @@ class Learner:
                 "old_logp": scored["old_logp"], "ref_logp": scored["ref_logp"],
                 "advantages": np.asarray(adv.advantages_bt, np.float32)}
         t = time.perf_counter()
-        metrics = self.train_stage(ACTOR_TRAIN, data)
+        replay = {"routes": batch.routes_btlk} if self.cfg.algorithm.routing_replay else {}
+        metrics = self.train_stage(ACTOR_TRAIN, data | replay)
         seconds["actor-train"] = time.perf_counter() - t
         if self.algo.uses_critic:
             data = {**data, "old_values": scored["values"], "returns": np.asarray(adv.returns_bt, np.float32)}
@@ -261,7 +273,7 @@ class Learner:
         """One training program: mini_batches x ppo_epochs updates of the stage on ``data`` ([rows, ...]).
         Logged: each metric's mean over the updates (``*_max`` / ``*_min``: the extreme), and with more than
         one update ``<model>_per_update``, the policy's ratio and clipping statistics update by update."""
-        stages, spec = self.stages, self.stages.specs[ms]
+        stages, spec = self.stages, self.stages.unit_spec(ms)
         leaves, mesh, key, micro, layout = stages.stage_inputs(ms, data, ("train", ms), self.cfg.trainer.mini_batches)
         self._packed(layout)
         new_leaves, metrics = stages.run(key, lambda: stages.train_program(ms, spec, mesh), leaves, micro)
@@ -362,6 +374,18 @@ def _advantage_program(scores, mask, old_logp, ref_logp, values, *, advantage: s
     rewards = alg.token_rewards(scores, mask, kl if kl_in_reward else None, kl_coef)
     out = alg.gae(rewards, values, mask, gamma, lam)
     return alg.Advantages(alg.masked_whiten(out.advantages_bt, mask), out.returns_bt)
+
+
+def _routing_metrics(mismatch_br: np.ndarray, own_br: np.ndarray, batch: RolloutBatch) -> dict[str, float]:
+    """Of the response tokens whose routes the engine recorded (``router_compared_tokens``), the fraction
+    actor-infer routed to another expert set than the engine in some layer (``router_mismatch_fraction``: 0
+    with routing replay), and the fraction whose top-k by actor-infer's own router differs
+    (``router_own_mismatch_fraction``: what replay overrides)."""
+    recorded = np.all(batch.routes_btlk[:, batch.prompt_len:] >= 0, axis=(-2, -1)) & (batch.response_mask_br > 0)
+    compared = max(1, int(recorded.sum()))
+    return {"router_mismatch_fraction": float((mismatch_br * recorded).sum() / compared),
+            "router_own_mismatch_fraction": float((own_br * recorded).sum() / compared),
+            "router_compared_tokens": int(recorded.sum())}
 
 
 @jax.jit

@@ -24,7 +24,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from nereus_jax.config import AlgorithmConfig, ModelConfig
 from nereus_jax.models import forward
 from nereus_jax.models.lora import join, split_trainable
+from nereus_jax.models.routing import NO_ROUTE, RouterStats, load_balancing_loss
 from nereus_jax.models.vocab import DEFAULT_VOCAB_CHUNK, head_logprobs
+from nereus_jax.rl import packing
 from nereus_jax.rl.algorithms import (
     aggregate,
     kl_estimate,
@@ -70,19 +72,50 @@ def sequence_scores(params, cfg: ModelConfig, tokens_bl, mask_bl, forward_fn: Fo
 
 
 def response_stats(params, cfg: ModelConfig, mb: dict, prompt_len: int, forward_fn: ForwardFn = forward, *,
-                   entropy: bool = False, vocab_chunk: int = DEFAULT_VOCAB_CHUNK) -> tuple[jax.Array, jax.Array | None]:
+                   entropy: bool = False, vocab_chunk: int = DEFAULT_VOCAB_CHUNK, replay: bool = False,
+                   routing: bool = False):
     """Each response token's log-prob [b, R] (and entropy [b, R] with ``entropy``) from a micro-batch, padded
     (``tokens`` / ``mask`` [b, P + R]) or packed (:func:`split_packed`), in the padded batch's layout. The
     output head runs over ``vocab_chunk``-wide vocabulary chunks (:func:`~nereus_jax.models.vocab.head_logprobs`;
-    0: the whole logits tensor at once), so no call holds ``tokens x vocab`` logits or their gradient."""
+    0: the whole logits tensor at once), so no call holds ``tokens x vocab`` logits or their gradient.
+
+    Mixture-of-experts models: with ``replay`` the forward routes every token the micro-batch's recorded routes
+    (``routes`` [b, P + R, layers, k], or packed ``packed_routes``) cover to those experts; ``routing`` returns
+    ``(logp, entropy, RouterStats)``, whose mismatches (given routes) are per response token, [b, R]."""
     stats = functools.partial(head_logprobs, params, vocab_chunk=vocab_chunk, entropy=entropy)
+    extra = _routing_kwargs(mb, replay, routing)
     if "packed_tokens" not in mb:
-        hidden = forward_fn(params, cfg, mb["tokens"], None, mb["mask"], return_hidden=True)[:, prompt_len - 1: -1]
-        return stats(hidden, mb["tokens"][:, prompt_len:])
-    hidden = _packed_forward(params, cfg, mb, forward_fn, return_hidden=True)  # [dp, rows * L, embed]
+        out = forward_fn(params, cfg, mb["tokens"], None, mb["mask"], return_hidden=True, **extra)
+        hidden, router = out if routing else (out, None)
+        logp, ent = stats(hidden[:, prompt_len - 1: -1], mb["tokens"][:, prompt_len:])
+        if routing and router.mismatch_bt is not None:  # the response tokens' columns
+            router = router._replace(mismatch_bt=router.mismatch_bt[:, prompt_len:],
+                                     own_mismatch_bt=router.own_mismatch_bt[:, prompt_len:])
+        return (logp, ent, router) if routing else (logp, ent)
+    out = _packed_forward(params, cfg, mb, forward_fn, return_hidden=True, **extra)  # [dp, rows * L, embed]
+    hidden, router = out if routing else (out, None)
     # the output at each column predicts the next column's token (a row's last column is never gathered)
     logp, ent = stats(hidden, jnp.roll(mb["packed_tokens"], -1, axis=-1).reshape(hidden.shape[:2]))
-    return _unpack(logp, mb["unpack_index"]), _unpack(ent, mb["unpack_index"]) if entropy else None
+    logp, ent = _unpack(logp, mb["unpack_index"]), _unpack(ent, mb["unpack_index"]) if entropy else None
+    if not routing:
+        return logp, ent
+    if router.mismatch_bt is not None:  # response token t sits one column after the output predicting it
+        unpack = lambda x: _unpack(x.reshape(hidden.shape[:2]), mb["unpack_index"] + 1)  # noqa: E731
+        router = router._replace(mismatch_bt=unpack(router.mismatch_bt), own_mismatch_bt=unpack(router.own_mismatch_bt))
+    return logp, ent, router
+
+
+def _routing_kwargs(mb: dict, replay: bool, routing: bool) -> dict:
+    """The forward's mixture-of-experts keywords for a micro-batch: its recorded routes, whether to replay
+    them, whether to return the router statistics (none of them for a plain call)."""
+    routes = mb.get("packed_routes", mb.get("routes"))
+    if replay and routes is None:
+        raise ValueError("routing replay needs the micro-batch's recorded routes (mb['routes'])")
+    if routes is None and not routing:
+        return {}
+    if "packed_routes" in mb:  # [dp, rows, L, layers, k] -> the packed forward's [dp * rows, L, layers, k]
+        routes = routes.reshape(-1, *routes.shape[2:])
+    return {"routes_btlk": routes, "replay": replay, "return_routing": routing}
 
 
 def stage_values(params, cfg: ModelConfig, mb: dict, prompt_len: int, forward_fn: ForwardFn = forward) -> jax.Array:
@@ -104,23 +137,28 @@ def split_packed(data: dict, layout, mini: int | None = None) -> dict:
     :class:`~nereus_jax.rl.packing.PackedLayout`) as the micro-batches the stages read: the per-sequence fields
     in the layout's order, split like :func:`split_minibatches` (``mini``) or :func:`split_micro` (None), plus the
     packed arrays ``[mini, accum, dp, rows, L]`` (no ``mini`` axis when None) and the gather offsets."""
-    fields = {k: np.asarray(v)[layout.order] for k, v in data.items() if k not in ("tokens", "mask")}
+    fields = {k: np.asarray(v)[layout.order] for k, v in data.items() if k not in ("tokens", "mask", "routes")}
     fields |= {"unpack_index": layout.index, "unpack_last": layout.last}
     packed = {"packed_tokens": layout.tokens.astype(np.int32), "packed_positions": layout.positions,
               "segment_ids": layout.segments}
+    if "routes" in data:  # recorded routes (routing replay), per token like the tokens
+        packed["packed_routes"] = packing.pack_tokens(layout, data["routes"], NO_ROUTE)
     if mini is None:
         return split_micro(fields, layout.accum) | {k: v[0] for k, v in packed.items()}
     return split_minibatches(fields, mini, layout.accum) | packed
 
 
-def _packed_forward(params, cfg: ModelConfig, mb: dict, forward_fn: ForwardFn, *,
-                    return_hidden: bool = False) -> jax.Array:
-    """The forward over a micro-batch's packed rows ``[dp, rows, L]``, as ``[dp, rows * L, ...]``."""
+def _packed_forward(params, cfg: ModelConfig, mb: dict, forward_fn: ForwardFn, *, return_hidden: bool = False,
+                    **routing):
+    """The forward over a micro-batch's packed rows ``[dp, rows, L]``, as ``[dp, rows * L, ...]`` (with
+    ``return_routing`` in ``routing``: and its RouterStats, the mismatch still [dp * rows, L])."""
     dp, rows, width = mb["packed_tokens"].shape
     flat = lambda x: x.reshape(dp * rows, width)  # noqa: E731
     out = forward_fn(params, cfg, flat(mb["packed_tokens"]), flat(mb["packed_positions"]), None,
-                     return_hidden=return_hidden, segment_ids_bt=flat(mb["segment_ids"]))
-    return out.reshape(dp, rows * width, *out.shape[2:])
+                     return_hidden=return_hidden, segment_ids_bt=flat(mb["segment_ids"]), **routing)
+    out, router = out if routing.get("return_routing") else (out, None)
+    out = out.reshape(dp, rows * width, *out.shape[2:])
+    return (out, router) if routing.get("return_routing") else out
 
 
 def _unpack(x: jax.Array, index: jax.Array) -> jax.Array:
@@ -136,12 +174,18 @@ def actor_loss(cfg: ModelConfig, algo: AlgorithmConfig, prompt_len: int, forward
     ``algorithm.loss_agg``), minus the entropy bonus, plus the KL term when it is not in the reward; the
     entropy and KL terms are aggregated like the policy loss; log-probs and entropy over ``vocab_chunk``-wide
     vocabulary chunks (:func:`response_stats`). ``mb["denom"]`` / ``mb["seq_denom"]``: the
-    (mini-)batch's tokens / sequences (absent: the micro-batch's own)."""
+    (mini-)batch's tokens / sequences (absent: the micro-batch's own).
+
+    Mixture-of-experts models: ``algorithm.routing_replay`` routes the forward by ``mb["routes"]`` (the
+    engine's, recorded at generation), and ``algorithm.router_aux_coef`` adds that times the load-balancing
+    loss (:func:`router_aux_loss`)."""
     s = settings(algo, max_response_length=0)  # the loss reads no length-derived setting
+    aux = algo.router_aux_coef > 0
 
     def loss(params, mb):
-        logp, entropy = response_stats(params, cfg, mb, prompt_len, forward_fn, entropy=bool(algo.entropy_coef),
-                                       vocab_chunk=vocab_chunk)
+        logp, entropy, *router = response_stats(params, cfg, mb, prompt_len, forward_fn,
+                                                entropy=bool(algo.entropy_coef), vocab_chunk=vocab_chunk,
+                                                replay=algo.routing_replay, routing=aux)
         mask, denom, seq_denom = mb["response_mask"], mb.get("denom"), mb.get("seq_denom")
         pl = policy_loss(logp, mb["old_logp"], mb["advantages"], mask, s.clip_low, s.clip_high, agg=s.loss_agg,
                          level=s.ratio_level, denom=denom, seq_denom=seq_denom)
@@ -155,9 +199,28 @@ def actor_loss(cfg: ModelConfig, algo: AlgorithmConfig, prompt_len: int, forward
         if not algo.kl_in_reward:
             kl = agg(kl_estimate(logp, mb["ref_logp"], algo.kl_estimator))
             total, metrics["kl_loss"] = total + algo.kl_coef * kl, kl
+        if aux:
+            lb = router_aux_loss(router[0], mask, denom)
+            total, metrics["router_aux_loss"] = total + algo.router_aux_coef * lb, lb
         return total, metrics
 
     return loss
+
+
+def router_aux_loss(router: RouterStats, response_mask, denom=None) -> jax.Array:
+    """A training micro-batch's load-balancing loss (transformers' ``load_balancing_loss_func`` over its
+    forward's real tokens, :func:`~nereus_jax.models.routing.load_balancing_loss`) times its share of the
+    (mini-)batch's response tokens (``denom``; absent: 1), so the micro-batches' terms sum to their
+    token-weighted mean: one micro-batch's is transformers' value exactly. The loss is a product of two
+    means, so a different split into micro-batches gives a (slightly) different value."""
+    share = 1.0 if denom is None else jnp.sum(response_mask) / denom
+    return load_balancing_loss(router) * share
+
+
+def route_mismatch(router: RouterStats) -> tuple[jax.Array, jax.Array]:
+    """[b, R] float32 each: 1 where a response token was routed to other experts than its recorded routes name
+    (in some layer), and where the router's own top-k differs from them."""
+    return router.mismatch_bt.astype(jnp.float32), router.own_mismatch_bt.astype(jnp.float32)
 
 
 def critic_loss(cfg: ModelConfig, algo: AlgorithmConfig, prompt_len: int, forward_fn: ForwardFn = forward) -> LossFn:
@@ -207,25 +270,34 @@ def canonical_global_norm(grads: dict, cfg: ModelConfig) -> jax.Array:
 
 
 def make_train_step(loss_fn: LossFn | None, optimizer: optax.GradientTransformation, cfg: ModelConfig,
-                    max_grad_norm: float = 1.0, *, value_and_grad: GradFn | None = None):
+                    max_grad_norm: float = 1.0, *, value_and_grad: GradFn | None = None, param_shardings=None):
     """(params, opt_state, micro_batches [accum, rows, ...]) -> (params, opt_state, metrics). ``value_and_grad``
     (default ``jax.value_and_grad(loss_fn, has_aux=True)``) gives each micro-batch's loss, metrics and gradients:
-    :func:`pipelined_value_and_grad` for the 1F1B pipeline."""
+    :func:`pipelined_value_and_grad` for the 1F1B pipeline. ``param_shardings`` (a tree like ``params``): where
+    the parameters the forward reads and the gradients are pinned. With an optimizer state split over dp, the
+    partitioner would otherwise carry that split back from the update into the forward and backward (gathering
+    activations over dp) and sum in another order than replicas with whole copies do: the same update, but not
+    bit for bit."""
     grad_fn = value_and_grad or jax.value_and_grad(loss_fn, has_aux=True)
+    grad_shardings = None if param_shardings is None else split_trainable(param_shardings, cfg)[0]
+    pin = (lambda g: g) if grad_shardings is None else (
+        lambda g: jax.lax.with_sharding_constraint(g, grad_shardings))
 
     def step(params, opt_state, batches):
         # With LoRA only the adapters (and a value head) train: the frozen base's gradients are never
         # accumulated (XLA drops their computation), it has no optimizer state, and it leaves the step as
         # the same buffers, bit for bit. Without LoRA ``trainable`` is the whole tree.
+        if param_shardings is not None:
+            params = jax.lax.with_sharding_constraint(params, param_shardings)
         trainable, frozen = split_trainable(params, cfg)
 
         def micro(acc, mb):
             (loss, metrics), grads = grad_fn(params, mb)
-            return jax.tree.map(jnp.add, acc, split_trainable(grads, cfg)[0]), (loss, metrics)
+            return jax.tree.map(jnp.add, acc, pin(split_trainable(grads, cfg)[0])), (loss, metrics)
 
-        zeros = jax.tree.map(jnp.zeros_like, trainable)
+        zeros = pin(jax.tree.map(jnp.zeros_like, trainable))
         grads, (losses, metrics) = jax.lax.scan(micro, zeros, batches)
-        grads = sync_kv_grads(grads, cfg)
+        grads = pin(sync_kv_grads(grads, cfg))
         norm = canonical_global_norm(grads, cfg)
         scale = jnp.minimum(1.0, max_grad_norm / jnp.maximum(norm, 1e-12))
         grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
@@ -267,7 +339,7 @@ def pipelined_value_and_grad(make_loss: MakeLoss, mesh, microbatches, kind: str 
     return fn
 
 
-_PACKED_ROWS = ("packed_tokens", "packed_positions", "segment_ids")
+_PACKED_ROWS = ("packed_tokens", "packed_positions", "segment_ids", "packed_routes")
 
 
 def pipeline_split(mb: dict, m: int) -> dict:
@@ -287,8 +359,8 @@ def pipeline_split(mb: dict, m: int) -> dict:
 
     out = {}
     for k, v in mb.items():
-        if k in _PACKED_ROWS:
-            out[k] = jnp.moveaxis(v.reshape(v.shape[0], -1, m, width), 2, 0)
+        if k in _PACKED_ROWS:  # [dp, rows, L, ...] -> [m, dp, rows / m, L, ...]
+            out[k] = jnp.moveaxis(v.reshape(v.shape[0], -1, m, *v.shape[2:]), 2, 0)
         elif k in ("unpack_index", "unpack_last"):
             out[k] = offsets(v)
         elif k == "response_mask":
@@ -308,12 +380,14 @@ def _pieces(x, m: int, split: bool = True) -> jax.Array:
 
 
 def make_minibatch_train_step(loss_fn: LossFn | None, optimizer: optax.GradientTransformation, cfg: ModelConfig,
-                              epochs: int = 1, max_grad_norm: float = 1.0, *, value_and_grad: GradFn | None = None):
+                              epochs: int = 1, max_grad_norm: float = 1.0, *, value_and_grad: GradFn | None = None,
+                              param_shardings=None):
     """(params, opt_state, batches [mini, accum, rows, ...]) -> (params, opt_state, metrics [epochs * mini]):
     ``epochs`` passes over the mini-batches in order, one :func:`make_train_step` update each (a non-finite
     one is skipped, the next starts from the kept state). The caller's ``old_logp`` are the generating
     step's, so the first update's ratio is 1 and the later ones' move away from it."""
-    update = make_train_step(loss_fn, optimizer, cfg, max_grad_norm, value_and_grad=value_and_grad)
+    update = make_train_step(loss_fn, optimizer, cfg, max_grad_norm, value_and_grad=value_and_grad,
+                             param_shardings=param_shardings)
 
     def step(params, opt_state, batches):
         def one(carry, mb):

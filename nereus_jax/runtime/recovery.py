@@ -52,6 +52,10 @@ def surviving_state(job: Job, lost: Sequence[int], step: int, before: Mapping[st
     gone = sorted(str(ms) for ms, us in survivors.items() if not us)
     if gone:
         return None, f"devices {sorted(lost)} lost; no replica of {', '.join(gone)} survived"
+    split = sorted(str(ms) for ms, us in survivors.items() if us[0].spec.shards > 1 and len(us) < len(job.units[ms]))
+    if split:  # each replica held its own block of the optimizer state (plan.shard_optimizer)
+        return None, (f"devices {sorted(lost)} lost with a block of the optimizer state of {', '.join(split)}, "
+                      "which each replica holds a block of (plan.shard_optimizer; false keeps whole copies)")
     moved = [str(ms) for ms, us in survivors.items()
              if ms.kind == "train" and (job.updates.get(ms, 0) != before.get(str(ms), 0)
                                         or any(x.is_deleted() for u in us for x in u.leaves))]

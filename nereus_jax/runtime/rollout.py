@@ -79,7 +79,8 @@ class Rollout:
                          page_size=cfg.rollout.page_size, kv_bytes=cfg.rollout.kv_cache_bytes,
                          decode_steps_per_call=cfg.rollout.decode_steps_per_call,
                          max_prefill_batch=min(16, max(1, cfg.trainer.prompts_per_step)),
-                         max_stop_tokens=max(4, len(self.tok.eos_ids) + (self.agent is not None)))
+                         max_stop_tokens=max(4, len(self.tok.eos_ids) + (self.agent is not None)),
+                         record_routes=cfg.records_routes())
 
     # ------------------------------------------------------------------------------ the data stream
     def prompt_ids(self, problem: Problem) -> list[int]:
@@ -170,7 +171,18 @@ class Rollout:
         versions = np.where(out.param_versions < 0, np.iinfo(np.int32).max, out.param_versions).min(1)
         return RolloutBatch(prompt, prompt_mask, response, response_mask, logp.astype(np.float32),
                             np.repeat(positions, n), np.tile(np.arange(n), len(prompts)).astype(np.int32),
-                            versions.astype(np.int32))
+                            versions.astype(np.int32), routes_btlk=self._routes(out))
+
+    def _routes(self, out: Rollouts) -> np.ndarray | None:
+        """The rollouts' recorded routes in the batch's layout, [rows, P + R, layers, k] (-1 where none): the
+        prompts' (already left-padded to P) then the responses' (right-padded to R)."""
+        if out.routes is None:
+            return None
+        assert out.prompt_routes.shape[1] == self.P, (out.prompt_routes.shape, self.P)
+        width = min(self.R, out.routes.shape[1])
+        response = np.full((out.routes.shape[0], self.R, *out.routes.shape[2:]), -1, out.routes.dtype)
+        response[:, :width] = out.routes[:, :width]
+        return np.concatenate([out.prompt_routes, response], axis=1)
 
     def step_metrics(self, step: int) -> dict[str, float]:
         """The rollout metrics of step ``step``'s batch (multi-turn: turns, tool calls, environment tokens),
@@ -203,8 +215,9 @@ class Rollout:
                                            if len(idx)]), kind="stable")  # rows back in the prompts' order
         cat = lambda name: np.concatenate([getattr(o, name) for o in outs])[order]  # noqa: E731
         finish = [f for o in outs for f in (o.finish_reasons or ("",) * o.num_rows)]  # another process's: none
+        routes = (cat("routes"), cat("prompt_routes")) if outs[0].routes is not None else (None, None)
         return Rollouts(cat("tokens"), cat("logprobs"), cat("lengths"), tuple(finish[i] for i in order),
-                        cat("param_versions"), cat("prompt_index"), cat("sample_index"), {})
+                        cat("param_versions"), cat("prompt_index"), cat("sample_index"), {}, *routes)
 
     def on_engines(self, work: Sequence[tuple[int, Any]]) -> list[Rollouts]:
         """``fn(engine)`` for each (engine index, fn), in order. With several processes each process runs
@@ -217,10 +230,12 @@ class Rollout:
         for i, _ in work:
             owner = self.stages.units[ACTOR_GEN][i].devices[0].process_index
             mine = local.get(i)
+            routes = self.cfg.records_routes()
             arrays = share_from(owner, None if mine is None else [mine.tokens, mine.logprobs, mine.lengths,
                                                                   mine.param_versions, mine.prompt_index,
-                                                                  mine.sample_index])
-            outs.append(mine or Rollouts(*arrays[:3], (), *arrays[3:], {}))
+                                                                  mine.sample_index]
+                                + ([mine.routes, mine.prompt_routes] if routes else []))
+            outs.append(mine or Rollouts(*arrays[:3], (), *arrays[3:6], {}, *arrays[6:]))
         return outs
 
     def run_engines(self, work: Sequence[tuple[int, Any]]) -> dict[int, Any]:

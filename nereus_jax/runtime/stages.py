@@ -90,10 +90,15 @@ class StageState:
         for ms in job_stages(self.cfg):
             sp = self.plan[ms]
             replicas = [[self.devices[i] for i in r] for r in sp.replicas]
-            units[ms] = units_from_source(ms, self.specs[ms], sp.layout, replicas, sources[ms])
+            units[ms] = units_from_source(ms, self.unit_spec(ms), sp.layout, replicas, sources[ms])
         self.units = units
         self.sync = WeightSync(self.plan, self.specs[ACTOR_TRAIN], self.specs[ACTOR_GEN],
                                caps=self.cfg.cluster.device_memory_bytes)
+
+    def unit_spec(self, ms: ModelStage, plan: ExecutionPlan | None = None) -> StateSpec:
+        """What each unit of ``ms`` holds in ``plan`` (default: the current one): its StateSpec, with the
+        optimizer split over the replicas where ``plan.shard_optimizer`` does so (``StateSpec.for_dp``)."""
+        return self.specs[ms].for_dp((plan or self.plan)[ms].dp)
 
     # ------------------------------------------------------------------------------ plan changes
     def check_plan(self, plan: ExecutionPlan) -> WeightSync:
@@ -128,16 +133,15 @@ class StageState:
             accum = self.accum(kind, plan[ms].dp)
             mini = self.cfg.trainer.mini_batches if kind == "train" else None
             micro = _abstract_micro(signature, accum, mesh, mini)
-            spec = self.specs[ms]
+            spec = self.unit_spec(ms, plan)
             leaves = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
-                      for a, sh in zip(spec.abstract(plan[ms].layout), spec.shardings(mesh), strict=True)]
+                      for a, sh in zip(spec.global_abstract(plan[ms].layout), spec.shardings(mesh), strict=True)]
             if kind == "train":
                 fn = self.train_program(ms, spec, mesh)
                 programs[self.key("train", ms, mesh, accum, _signature((leaves, micro)))] = \
                     fn.lower(leaves, micro).compile()
             else:
-                fn = infer_program(spec.model, self.P, rest[0], stage_forward(mesh, spec.kind),
-                                   vocab_chunk=self.cfg.trainer.vocab_chunk)
+                fn = self.infer_program(ms, rest[0], mesh)
                 params = spec.unflatten(leaves)["params"]
                 key = self.key("infer", ms, mesh, accum, rest[0], _signature((params, micro)))
                 programs[key] = fn.lower(params, micro).compile()
@@ -233,6 +237,13 @@ class StageState:
         self.peak_bytes = max(self.peak_bytes, max(held.values(), default=0) + self._extra_bytes[key])
         return program(*args)
 
+    def infer_program(self, ms: ModelStage, what: str, mesh):
+        """The scoring program of ``ms`` on ``mesh`` (:func:`infer_program`; actor-infer replays the recorded
+        routes with ``algorithm.routing_replay``)."""
+        return infer_program(self.specs[ms].model, self.P, what, stage_forward(mesh, self.specs[ms].kind),
+                             vocab_chunk=self.cfg.trainer.vocab_chunk,
+                             replay=ms == ACTOR_TRAIN and self.cfg.algorithm.routing_replay)
+
     def train_program(self, ms: ModelStage, spec: StateSpec, mesh):
         """One training step of ``ms`` on ``mesh``: mini_batches x ppo_epochs optimizer updates (donates the state)."""
         a, m = self.cfg.algorithm, self.cfg.model
@@ -241,8 +252,11 @@ class StageState:
         else:
             make_loss = functools.partial(losses.critic_loss, m, a, self.P)
         grad_fn = stage_value_and_grad(mesh, spec.kind, make_loss, self.cfg.trainer.pipeline_schedule)
+        pins = None
+        if spec.shards > 1:  # forward, backward and gradients as without the split (see make_train_step)
+            pins = jax.tree.unflatten(spec.params_def, spec.shardings(mesh)[: spec.n_params])
         step = losses.make_minibatch_train_step(None, spec.optimizer, m, epochs=self.cfg.trainer.ppo_epochs,
-                                               value_and_grad=grad_fn)
+                                               value_and_grad=grad_fn, param_shardings=pins)
 
         def program(leaves, micro):
             state = spec.unflatten(leaves)
@@ -258,12 +272,14 @@ def _put(host: dict, mesh, mini: int | None) -> dict:
 
 def _specs(cfg: Config, critic: bool) -> dict[ModelStage, StateSpec]:
     m = cfg.model
-    specs = {ACTOR_TRAIN: StateSpec(m, "train", optimizer=losses.make_optimizer(cfg.trainer.actor_lr)),
+    zero = cfg.plan.shard_optimizer
+    specs = {ACTOR_TRAIN: StateSpec(m, "train", optimizer=losses.make_optimizer(cfg.trainer.actor_lr),
+                                    shard_optimizer=zero),
              ACTOR_GEN: StateSpec(m, "gen", dtype=m.compute_dtype),
              REF_INFER: StateSpec(base_config(m), "infer", dtype=m.compute_dtype)}  # LoRA: the base, no adapters
     if critic:
         specs[CRITIC_TRAIN] = StateSpec(m, "train", head="value",
-                                        optimizer=losses.make_optimizer(cfg.trainer.critic_lr))
+                                        optimizer=losses.make_optimizer(cfg.trainer.critic_lr), shard_optimizer=zero)
     return specs
 
 
@@ -327,15 +343,22 @@ def stage_value_and_grad(mesh, kind: str, make_loss: losses.MakeLoss, schedule: 
     return jax.value_and_grad(make_loss(stage_forward(mesh, kind)), has_aux=True)
 
 
-def infer_program(cfg, prompt_len: int, what: str, forward_fn=forward, *, vocab_chunk: int = DEFAULT_VOCAB_CHUNK):
+def infer_program(cfg, prompt_len: int, what: str, forward_fn=forward, *, vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
+                  replay: bool = False):
     """A scoring stage over its micro-batches (padded or packed): log-probs or values [accum, b, R], or
-    scores [accum, b]; log-probs over ``vocab_chunk``-wide vocabulary chunks."""
+    scores [accum, b]; log-probs over ``vocab_chunk``-wide vocabulary chunks. Log-probs of micro-batches that
+    carry recorded routes (``routes``, a mixture-of-experts actor) are routed by them with ``replay`` and come
+    with each response token's routing mismatches, ``(logprobs, mismatch, own mismatch)`` [accum, b, R] each
+    (:func:`~nereus_jax.runtime.losses.route_mismatch`)."""
     def one(params, mb):
         if what == "scores":
             return losses.stage_scores(params, cfg, mb, forward_fn)
         if what == "values":
             return losses.stage_values(params, cfg, mb, prompt_len, forward_fn)
-        return losses.response_stats(params, cfg, mb, prompt_len, forward_fn, vocab_chunk=vocab_chunk)[0]
+        routed = "routes" in mb or "packed_routes" in mb
+        out = losses.response_stats(params, cfg, mb, prompt_len, forward_fn, vocab_chunk=vocab_chunk,
+                                    replay=replay, routing=routed)
+        return (out[0], *losses.route_mismatch(out[2])) if routed else out[0]
 
     def program(params, micro):
         return jax.lax.map(lambda mb: one(params, mb), micro)

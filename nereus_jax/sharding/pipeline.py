@@ -70,8 +70,10 @@ from nereus_jax.models.decoder import (
     embed_tokens,
     forward,
     output_head,
+    routing_inputs,
 )
 from nereus_jax.models.layers import activation_constraints
+from nereus_jax.models.routing import with_mismatch
 from nereus_jax.sharding.layout import LayoutError, logical_to_spec
 from nereus_jax.sharding.rules import rules_for
 
@@ -109,20 +111,28 @@ def gpipe_schedule(pp: int, microbatches: int) -> np.ndarray:
 def pipeline_forward(params: dict, cfg: ModelConfig, tokens_bt: jax.Array, positions_bt: jax.Array | None = None,
                      attention_mask_bt: jax.Array | None = None, *, mesh: Mesh, microbatches: int,
                      kind: str = "train", return_hidden: bool = False,
-                     segment_ids_bt: jax.Array | None = None) -> jax.Array:
+                     segment_ids_bt: jax.Array | None = None, routes_btlk: jax.Array | None = None,
+                     replay: bool = False, return_routing: bool = False):
     """:func:`~nereus_jax.models.forward` with the layer stack pipelined over the mesh's pp axis.
 
     Same outputs (logits, values, or hidden states); differentiable, so a loss built on it trains. Packed rows
-    pass ``segment_ids_bt`` (and their positions) as to ``forward``.
+    pass ``segment_ids_bt`` (and their positions) as to ``forward``. Mixture-of-experts routing
+    (``routes_btlk``, ``replay``, ``return_routing``) works as in ``forward``: each stage reads its layers'
+    recorded routes, and the router statistics are summed over the micro-batches (each stage's layers, the
+    mismatch over every stage's), so they equal the unpipelined call's.
     """
     axis = _checked_axis(params, tokens_bt.shape[0], mesh, microbatches, kind)
     if axis is None:
         return forward(params, cfg, tokens_bt, positions_bt, attention_mask_bt, return_hidden=return_hidden,
-                       segment_ids_bt=segment_ids_bt)
+                       segment_ids_bt=segment_ids_bt, routes_btlk=routes_btlk, replay=replay,
+                       return_routing=return_routing)
     call = _model_call(tokens_bt, positions_bt, attention_mask_bt, segment_ids_bt)
-    hidden, _ = _run_uncached(params["layers"], cfg, embed_tokens(params, tokens_bt), call.positions, call.mask,
-                              call.segments, mesh=mesh, axis=axis, m=microbatches, kind=kind)
-    return _head(params, cfg, hidden, mesh, kind, axis, microbatches, return_hidden)
+    routing = routing_inputs(cfg, tokens_bt, attention_mask_bt, segment_ids_bt, routes_btlk, replay, return_routing)
+    hidden, _, stats = _run_uncached(params["layers"], cfg, embed_tokens(params, tokens_bt), call.positions,
+                                     call.mask, call.segments, mesh=mesh, axis=axis, m=microbatches, kind=kind,
+                                     routing=routing)
+    out = _head(params, cfg, hidden, mesh, kind, axis, microbatches, return_hidden)
+    return (out, stats) if return_routing else out
 
 
 def pipeline_forward_fn(mesh: Mesh, microbatches: int | Callable[[int, int], int],
@@ -260,22 +270,53 @@ def _stage_constraints(mesh: Mesh, kind: str, *manual_axes: str):
     return activation_constraints(fn)
 
 
-def _run_uncached(layers, cfg, x_btd, positions_bt, mask_bt, segments_bt, *, mesh, axis, m, kind):
+def _run_uncached(layers, cfg, x_btd, positions_bt, mask_bt, segments_bt, *, mesh, axis, m, kind, routing=None):
+    """The GPipe forward of the layer stack: (outputs [B, ...], the executed schedule, and with ``routing``
+    (:func:`~nereus_jax.models.decoder.routing_inputs`) the call's RouterStats, else None)."""
     t, hand_off = x_btd.shape[1], _HandOff(mesh, kind, axis, x_btd.shape[0] // m)
+    routing = routing or {}
+    stats = "token_mask_bt" in routing
+    routes = routing.get("routes_lbtk")
+    routes_m = None if routes is None else jnp.moveaxis(_split(jnp.moveaxis(routes, 0, 1), m), 2, 0)  # [L, m, ...]
 
-    def body(layers, x_m, pos_m, mask_m, seg_m):
+    def body(layers, x_m, pos_m, mask_m, seg_m, routes_m, counted_m):
         def stage(x, ic):
-            return apply_layers(layers, cfg, x, pos_m[ic], causal_mask(t, mask_m[ic], seg_m[ic]))
+            out = apply_layers(layers, cfg, x, pos_m[ic], causal_mask(t, mask_m[ic], seg_m[ic]),
+                               **_stage_routing(routing, routes_m, counted_m, ic))
+            if not stats:
+                return out, None
+            y, st = out
+            mismatch = None if st.mismatch_bt is None else jnp.stack([st.mismatch_bt, st.own_mismatch_bt], -1)
+            return y, (st.counts_le, st.probs_le, mismatch)
 
         with _stage_constraints(mesh, kind, axis):
-            out, record = _gpipe(stage, x_m, axis, mesh.shape[axis])
-        return hand_off.inside(out), record[None]
+            out, record, acc = _gpipe(stage, x_m, axis, mesh.shape[axis])
+        if stats and acc[2] is not None:  # a token mismatches when it does in any stage's layers
+            acc = (*acc[:2], lax.psum(acc[2].astype(jnp.int32), axis) > 0)
+        return hand_off.inside(out), record[None], acc
 
-    specs = (_layer_specs(layers, axis), PartitionSpec(), PartitionSpec(), PartitionSpec(), PartitionSpec())
-    fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(hand_off.spec, PartitionSpec(axis)),
+    counted = routing.get("token_mask_bt")
+    acc_specs = (PartitionSpec(axis), PartitionSpec(axis), None if routes is None else PartitionSpec()) \
+        if stats else None
+    specs = (_layer_specs(layers, axis), PartitionSpec(), PartitionSpec(), PartitionSpec(), PartitionSpec(),
+             None if routes is None else PartitionSpec(axis), None if counted is None else PartitionSpec())
+    fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(hand_off.spec, PartitionSpec(axis), acc_specs),
                        axis_names={axis})
-    out, record = fn(layers, _split(x_btd, m), _split(positions_bt, m), _split(mask_bt, m), _split(segments_bt, m))
-    return hand_off.outside(out), record.T
+    out, record, acc = fn(layers, _split(x_btd, m), _split(positions_bt, m), _split(mask_bt, m),
+                          _split(segments_bt, m), routes_m, None if counted is None else _split(counted, m))
+    if not stats:
+        return hand_off.outside(out), record.T, None
+    tokens = jnp.sum(counted.astype(jnp.float32))
+    return hand_off.outside(out), record.T, with_mismatch(acc[0], acc[1], tokens,
+                                                          None if acc[2] is None else _merge(acc[2]))
+
+
+def _stage_routing(routing: dict, routes_m, counted_m, i) -> dict:
+    """:func:`apply_layers`' routing keywords for micro-batch ``i`` on a stage (its layers' routes)."""
+    if not routing:
+        return {}
+    out = {"routes_lbtk": None if routes_m is None else routes_m[:, i], "replay": routing["replay"]}
+    return out if counted_m is None else out | {"token_mask_bt": counted_m[i]}
 
 
 class _HandOff:
@@ -304,26 +345,39 @@ class _HandOff:
 
 
 def _gpipe(stage_fn, x_mbtd, axis: str, pp: int):
-    """The GPipe forward schedule, inside shard_map (manual over ``axis``). ``stage_fn(x, i) -> y`` runs this
-    stage's layers on micro-batch i (in the bubble on a clipped index; the result is dropped). Returns (the
-    last stage's outputs [m, ...], the micro-batch processed per tick, -1 in the bubble)."""
+    """The GPipe forward schedule, inside shard_map (manual over ``axis``). ``stage_fn(x, i) -> (y, extra)``
+    runs this stage's layers on micro-batch i (in the bubble on a clipped index; the result is dropped);
+    ``extra`` is None or (counts, probability sums, mismatch [rows, t, 2] or None) of its router statistics.
+    Returns (the last stage's outputs [m, ...], the micro-batch processed per tick, -1 in the bubble, and the
+    extras: counts and probability sums summed over the micro-batches, mismatch per micro-batch [m, ...])."""
     m = x_mbtd.shape[0]
     s = lax.axis_index(axis)
+    shapes = jax.eval_shape(stage_fn, _varying(x_mbtd[0], axis), 0)[1]
 
     def tick(carry, t):
-        incoming, out = carry
+        incoming, out, acc = carry
         i = t - s
         valid = (i >= 0) & (i < m)
         ic = jnp.clip(i, 0, m - 1)
-        y = stage_fn(jnp.where(s == 0, x_mbtd[ic], incoming), ic)
+        y, extra = stage_fn(jnp.where(s == 0, x_mbtd[ic], incoming), ic)
         done = valid & (s == pp - 1)
         out = lax.dynamic_update_index_in_dim(out, jnp.where(done, y, out[ic]), ic, 0)
+        if extra is not None:
+            counts, probs, mismatch = extra
+            acc = (acc[0] + jnp.where(valid, counts, 0), acc[1] + jnp.where(valid, probs, 0),
+                   None if mismatch is None else _put(acc[2], mismatch, ic, valid))
         incoming = lax.ppermute(y, axis, [(j, j + 1) for j in range(pp - 1)])
-        return (incoming, out), jnp.where(valid, i, -1)
+        return (incoming, out, acc), jnp.where(valid, i, -1)
 
-    init = (_varying(jnp.zeros_like(x_mbtd[0]), axis), _varying(jnp.zeros_like(x_mbtd), axis))
-    (_, out), record = lax.scan(tick, init, jnp.arange(m + pp - 1))
-    return out, record
+    acc = None
+    if shapes is not None:
+        counts, probs, mismatch = shapes
+        acc = (jnp.zeros(counts.shape, counts.dtype), jnp.zeros(probs.shape, probs.dtype),
+               None if mismatch is None else jnp.zeros((m, *mismatch.shape), mismatch.dtype))
+    init = (_varying(jnp.zeros_like(x_mbtd[0]), axis), _varying(jnp.zeros_like(x_mbtd), axis),
+            jax.tree.map(lambda a: _varying(a, axis), acc))
+    (_, out, acc), record = lax.scan(tick, init, jnp.arange(m + pp - 1))
+    return out, record, acc
 
 
 def _varying(x: jax.Array, axis: str | tuple[str, ...]) -> jax.Array:
@@ -355,12 +409,14 @@ MakeLoss = Callable[[ForwardFn], Callable[[dict, dict], tuple[jax.Array, dict]]]
 
 
 class _ModelCall(NamedTuple):
-    """One model call's inputs as the pipeline runs them ([rows, length] each; [m, rows, length] per micro-batch)."""
+    """One model call's inputs as the pipeline runs them ([rows, length] each; [m, rows, length] per micro-batch),
+    and its replayed routes ([rows, length, layers, k]; None: the routers' own choice)."""
 
     tokens: jax.Array
     positions: jax.Array
     mask: jax.Array
     segments: jax.Array
+    routes: jax.Array | None = None
 
 
 def _model_call(tokens_bt, positions_bt=None, attention_mask_bt=None, segment_ids_bt=None) -> _ModelCall:
@@ -391,10 +447,13 @@ class _Probe:
         return self.call
 
     def __call__(self, params, cfg, tokens_bt, positions_bt=None, attention_mask_bt=None, *, return_hidden=False,
-                 segment_ids_bt=None):
+                 segment_ids_bt=None, routes_btlk=None, replay=False, return_routing=False):
         if self.call is not None:
             raise PipelineError("the loss called its forward function twice; 1F1B pipelines one model call per loss")
-        self.call = _model_call(tokens_bt, positions_bt, attention_mask_bt, segment_ids_bt)
+        if return_routing or (routes_btlk is not None and not replay):
+            raise PipelineError("1F1B does not return router statistics (a load-balancing loss needs them): "
+                                "train with trainer.pipeline_schedule=gpipe")
+        self.call = _model_call(tokens_bt, positions_bt, attention_mask_bt, segment_ids_bt)._replace(routes=routes_btlk)
         self.cfg, self.return_hidden = cfg, return_hidden
         hidden = jax.ShapeDtypeStruct((*tokens_bt.shape, cfg.hidden_size), params["final_norm"]["scale"].dtype)
         out = jax.eval_shape(lambda p, x: output_head(p, cfg, x, return_hidden=return_hidden), params, hidden)
@@ -453,7 +512,8 @@ def _run_1f1b(make_loss, probe, layers, head, x_m, calls, mbs, *, mesh, axis, ki
 
         def stage(layers, x, i):
             c = _at(calls, i)
-            return apply_layers(layers, cfg, x, c.positions, causal_mask(x.shape[1], c.mask, c.segments))
+            replay = {} if c.routes is None else {"routes_lbtk": jnp.moveaxis(c.routes, 2, 0), "replay": True}
+            return apply_layers(layers, cfg, x, c.positions, causal_mask(x.shape[1], c.mask, c.segments), **replay)
 
         def head_loss(y, i):
             def loss(head, y):
@@ -502,7 +562,9 @@ def _run_1f1b(make_loss, probe, layers, head, x_m, calls, mbs, *, mesh, axis, ki
 
     layer_specs, rows = _layer_specs(layers, axis), PartitionSpec(None, *manual[1:])
     per_row = lambda tree: jax.tree.map(lambda a: rows if a.ndim > 1 else PartitionSpec(), tree)  # noqa: E731
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(layer_specs, PartitionSpec(), rows, rows, per_row(mbs)),
+    routes = PartitionSpec(None, manual[1] if len(manual) > 1 else None, None, axis)  # a stage reads its layers'
+    call_specs = _ModelCall(rows, rows, rows, rows, None if calls.routes is None else routes)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(layer_specs, PartitionSpec(), rows, call_specs, per_row(mbs)),
                        out_specs=(layer_specs, PartitionSpec(), rows, PartitionSpec(*manual[1:]),
                                   PartitionSpec(*manual[1:]), PartitionSpec(axis)), axis_names=set(manual))
     return fn(layers, head, x_m, calls, mbs)

@@ -23,6 +23,7 @@ _TENSOR_PARALLEL = {
     "batch": "dp",
     "length": None,
     "lora_rank": None,
+    "experts": None,  # experts replicated over tp (each split on its mlp axis); expert parallelism: not yet
 }
 
 RULES: MappingProxyType = MappingProxyType({
@@ -30,9 +31,14 @@ RULES: MappingProxyType = MappingProxyType({
     "gen": MappingProxyType(dict(_TENSOR_PARALLEL)),
     # Forward-only scoring (actor-infer, ref-infer, critic-infer, reward-infer).
     "infer": MappingProxyType(dict(_TENSOR_PARALLEL)),
-    # Training: same parameter layout; optimizer state is laid out like the parameters (no ZeRO over dp).
+    # Training: same parameter layout; optimizer state is laid out like the parameters, and with
+    # plan.shard_optimizer also split over dp along the first of OPTIMIZER_DP_AXES that dp divides.
     "train": MappingProxyType(dict(_TENSOR_PARALLEL)),
 })
+
+# ZeRO-1: the logical axes an optimizer leaf may be split over dp along, in order of preference. Each is one
+# the rules above leave whole (replicated over tp), so a replica's block is a slice of its tp shard.
+OPTIMIZER_DP_AXES = ("embed", "head_dim", "lora_rank", "labels")
 
 MESH_AXES = ("dp", "pp", "tp")
 

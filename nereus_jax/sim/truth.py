@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nereus_jax.config import ModelConfig
-from nereus_jax.elastic.costs import StageChoice, stage_latency, stage_memory
+from nereus_jax.elastic.costs import StageChoice, counts, stage_latency, stage_memory
 from nereus_jax.elastic.costs.latency import Breakdown
 from nereus_jax.elastic.hardware import EFFICIENCY_CLASSES, Hardware
 from nereus_jax.elastic.workload import Workload
@@ -114,7 +114,7 @@ class GroundTruth:
             length = wl.prompt_length.p95 + wl.response_length.p95
         eff = {
             "gemm": GEMM_PEAK_EFFICIENCY * _saturating(rows, GEMM_HALF_ROWS)
-            * _saturating(cfg.intermediate_size / choice.tp, GEMM_HALF_WIDTH),
+            * _saturating(counts.mlp_width(cfg) / choice.tp, GEMM_HALF_WIDTH),
             "attention": ATTENTION_PEAK_EFFICIENCY * _saturating(length, ATTENTION_HALF_LENGTH),
             "memory": MEMORY_EFFICIENCY,
             "collective_intra": COLLECTIVE_INTRA_EFFICIENCY,

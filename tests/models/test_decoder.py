@@ -194,7 +194,10 @@ def test_qwen3_sharded_forward_matches_one_device(qwen3_params, devices, tp):
 
 @pytest.mark.parametrize("cfg", [pytest.param(TINY, id="llama", marks=pytest.mark.smoke),
                                  pytest.param(dataclasses.replace(TINY, qkv_bias=True), id="qkv_bias"),
-                                 pytest.param(QWEN3, id="qwen3")])
+                                 pytest.param(QWEN3, id="qwen3"),
+                                 pytest.param(dataclasses.replace(QWEN3, family="qwen3_moe", num_experts=4,
+                                                                  num_experts_per_tok=2, moe_intermediate_size=64),
+                                              id="qwen3_moe")])
 def test_engine_decode_path_equals_forward_for_prefill_and_each_step(cfg):
     """The engine's unrolled per-layer path (nereus_jax.engine.decode) against models.forward, per family."""
     raw = _random_norms(init_params(cfg, seed=2), seed=2)

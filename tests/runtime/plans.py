@@ -24,9 +24,10 @@ def random_plan(rng: random.Random, job) -> ExecutionPlan:
 
 
 def host_state(job) -> dict:
-    """Each model-stage's canonical state, copied into memory of its own (no view keeps a buffer alive)."""
-    return {ms: [np.array(x, copy=True) for x in job.specs[ms].flatten(units[0].to_host())]
-            for ms, units in job.units.items()}
+    """Each model-stage's canonical state (an optimizer split over replicas: gathered), copied into memory of
+    its own (no view keeps a buffer alive)."""
+    return {ms: [np.array(x, copy=True) for x in job.specs[ms].flatten(job.stage_host_state(ms))]
+            for ms in job.units}
 
 
 def move_randomly(job, rng: random.Random, moves: int, tries: int = 30) -> None:
@@ -53,3 +54,14 @@ def move_randomly(job, rng: random.Random, moves: int, tries: int = 30) -> None:
                 np.testing.assert_array_equal(x, y, err_msg=str(ms))
         moved += 1
     assert moved == moves, f"{moved} of {moves} random plans had a schedule in {tries} tries"
+
+
+def units_from_host(job, ms, host: dict) -> list:
+    """``ms``'s units in ``job.plan`` holding the canonical state ``host`` ({"params", "opt"}), in the form the
+    plan keeps it (an optimizer split over the replicas: each its block)."""
+    from nereus_jax.elastic.emu import EMU, regroup_optimizer
+
+    sp = job.plan[ms]
+    units = [EMU.create(ms, job.specs[ms], sp.layout, [job.devices[i] for i in r], host) for r in sp.replicas]
+    spec = job.unit_spec(ms)
+    return units if spec is job.specs[ms] else regroup_optimizer(units, spec)

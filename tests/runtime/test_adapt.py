@@ -4,10 +4,10 @@ on the smaller pool computes; an announced leave is compiled ahead, so the move 
 
 import numpy as np
 import pytest
+from plans import units_from_host
 
 from nereus_jax.config import load_config
 from nereus_jax.elastic.controller import UNCERTAINTY_Z, Observation
-from nereus_jax.elastic.emu import EMU
 from nereus_jax.elastic.plan import ExecutionPlan, StagePlan
 from nereus_jax.model_stage import ModelStage
 from nereus_jax.rl.tasks import make_task
@@ -103,10 +103,8 @@ def test_steps_after_the_move_match_a_restart_on_the_smaller_pool(device_leaves)
     before = _job([])
     _run(before, None, 2)  # the state at the boundary: two steps on the full pool
     ref = _job([], plan=job.plan)
-    for ms, units in before.units.items():
-        host = units[0].to_host()
-        ref.units[ms] = [EMU.create(ms, ref.specs[ms], ref.plan[ms].layout, [ref.devices[i] for i in r], host)
-                         for r in ref.plan[ms].replicas]
+    for ms in before.units:
+        ref.units[ms] = units_from_host(ref, ms, before.stage_host_state(ms))
     ref.version = before.version
     ref.adopt(ref.plan, ref.units)
     for got, want in zip(results[2:], _run(ref, None, 2, first=2), strict=True):
@@ -144,7 +142,7 @@ def test_a_predicted_memory_violation_is_an_urgent_trigger_toward_a_plan_that_fi
     between the cap less the headroom and the cap): the controller admits, without the profitability test,
     a plan whose predicted peak per device fits the cap less the headroom, and the move runs at the next
     boundary (it does not wait for a compile to finish in the background)."""
-    job = _job(["cluster.device_memory_bytes=72000000", "controller.memory_headroom=0.0"])
+    job = _job(["cluster.device_memory_bytes=70500000", "controller.memory_headroom=0.0"])
     adapter = Adapter(job, log=lambda _: None)
     try:
         metrics = None
@@ -153,7 +151,7 @@ def test_a_predicted_memory_violation_is_an_urgent_trigger_toward_a_plan_that_fi
             if s < 2:
                 metrics = job.step(s).metrics
         pricer = adapter.pricer
-        assert pricer.peak_bytes(job.plan) > pricer.pricing.trigger_bytes(72e6) == pricer.memory_cap_bytes
+        assert pricer.peak_bytes(job.plan) > pricer.pricing.trigger_bytes(70.5e6) == pricer.memory_cap_bytes
         decision = next(e for e in adapter.events if e["event"] == "decision")
         assert decision["trigger"] == "memory" and decision["urgent"] and decision["admitted"], \
             (decision["reason"], decision["rejected"])

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from nereus_jax.config import load_config
+from nereus_jax.elastic.emu import stage_checksum
 from nereus_jax.elastic.plan import ExecutionPlan
 from nereus_jax.model_stage import ACTOR_TRAIN, CRITIC_TRAIN
 from nereus_jax.rl.tasks import make_task
@@ -40,7 +41,7 @@ def _cfg(*extra):
 
 
 def _train_state(job):
-    return {ms: job.units[ms][0].to_host() for ms in (ACTOR_TRAIN, CRITIC_TRAIN)}
+    return {ms: job.stage_host_state(ms) for ms in (ACTOR_TRAIN, CRITIC_TRAIN)}
 
 
 @pytest.fixture(scope="module")
@@ -150,8 +151,8 @@ def test_layouts_that_repeat_kv_heads_save_and_restore_the_canonical_state(refer
     ckpt.close()
     back, _ = _restore(str(tmp_path / "wide"))
     for ms in plain.units:
-        want = plain.units[ms][0].checksum().tolist()
-        assert wide.units[ms][0].checksum().tolist() == want and back.units[ms][0].checksum().tolist() == want, ms
+        want = stage_checksum(plain.units[ms]).tolist()
+        assert stage_checksum(wide.units[ms]).tolist() == want and stage_checksum(back.units[ms]).tolist() == want, ms
 
 
 # ------------------------------------------------------------------------------------ clear errors

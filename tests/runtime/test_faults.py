@@ -22,6 +22,7 @@ import pytest
 
 from nereus_jax.config import load_config
 from nereus_jax.elastic.costs.calibration_file import read_calibration
+from nereus_jax.elastic.emu import stage_checksum
 from nereus_jax.model_stage import ACTOR_TRAIN, CRITIC_TRAIN
 from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
@@ -62,10 +63,10 @@ def _wait(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
 
 
 # -------------------------------------------------------------------------------------- device loss
-def _lose_during_step(tmp_path, warm, lost, where):
+def _lose_during_step(tmp_path, warm, lost, where, *extra):
     """Steps 0, 1 (checkpointed after each), then ``lost`` devices fail in step 2 at ``where``; recovers
     and runs steps up to 3. Returns (recovery, results of the recovered steps, the job that failed)."""
-    cfg = load_config(None, BASE)
+    cfg = load_config(None, BASE + list(extra))
     job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
     ckpt = Checkpointer(str(tmp_path / "ckpt"), every_steps=1, keep=2)
     for s in range(2):
@@ -99,10 +100,13 @@ def _inject(job, lost, where):
         job.learner.train_stage = train_stage
 
 
+WHOLE = "plan.shard_optimizer=false"  # each training replica holds the whole optimizer state, not a block of it
+
+
 @pytest.fixture(scope="module")
 def from_checkpoint(warm, tmp_path_factory, jax_cache):
     """Devices 0 and 1 hold every actor-gen replica: losing them leaves no copy, so the checkpoint is used."""
-    return _lose_during_step(tmp_path_factory.mktemp("loss"), warm, (0, 1), "reward")
+    return _lose_during_step(tmp_path_factory.mktemp("loss"), warm, (0, 1), "reward", WHOLE)
 
 
 def test_device_loss_without_a_surviving_copy_restores_the_last_checkpoint(from_checkpoint):
@@ -114,10 +118,10 @@ def test_device_loss_without_a_surviving_copy_restores_the_last_checkpoint(from_
 
 
 def test_device_loss_with_a_full_copy_left_replans_from_the_survivors(tmp_path, warm, from_checkpoint):
-    """Losing devices 6 and 7 before any update of step 2 leaves a complete replica of every model-stage;
-    the job continues on 4 surviving devices without a checkpoint, bit for bit as the restored one does
-    (same layouts, same state)."""
-    rec, results, failed = _lose_during_step(tmp_path, warm, (6, 7), "reward")
+    """Losing devices 6 and 7 before any update of step 2 leaves a complete replica of every model-stage
+    (each training replica holds the whole optimizer state: plan.shard_optimizer=false); the job continues on
+    4 surviving devices without a checkpoint, bit for bit as the restored one does (same layouts, same state)."""
+    rec, results, failed = _lose_during_step(tmp_path, warm, (6, 7), "reward", WHOLE)
     assert rec.how == "survivors" and rec.next_step == 2 and rec.checkpoint is None
     assert rec.job is failed  # moved in place by a transition, no new job
     assert rec.job.plan.devices == (0, 1, 2, 3)
@@ -126,12 +130,23 @@ def test_device_loss_with_a_full_copy_left_replans_from_the_survivors(tmp_path, 
         np.testing.assert_array_equal(a.batch.response_br, b.batch.response_br)
         assert {k: a.metrics[k] for k in KEYS} == {k: b.metrics[k] for k in KEYS}
     for ms in (ACTOR_TRAIN, CRITIC_TRAIN):
-        assert rec.job.units[ms][0].checksum().tolist() == from_checkpoint[0].job.units[ms][0].checksum().tolist()
+        assert stage_checksum(rec.job.units[ms]).tolist() == stage_checksum(from_checkpoint[0].job.units[ms]).tolist()
+
+
+def test_device_loss_with_the_optimizer_split_over_replicas_restores_the_checkpoint(tmp_path, warm):
+    """With plan.shard_optimizer (the default) each training replica holds its own block of the optimizer
+    state: losing devices 6 and 7 loses two blocks, so the loss that leaves a complete copy with whole copies
+    restores the checkpoint instead, into replicas that again hold a block each, and the job goes on."""
+    rec, results, _ = _lose_during_step(tmp_path, warm, (6, 7), "reward")
+    assert rec.how == "checkpoint" and rec.next_step == 2 and "optimizer state" in rec.reason, rec.reason
+    assert rec.checkpoint.endswith("/2") and not {6, 7} & set(rec.job.plan.devices)
+    assert rec.job.units[ACTOR_TRAIN][0].spec.shards == rec.job.plan[ACTOR_TRAIN].dp > 1
+    assert [r.metrics["step"] for r in results] == [2, 3] and all(np.isfinite(r.metrics["loss"]) for r in results)
 
 
 def test_device_loss_after_a_partial_update_restores_the_checkpoint(tmp_path, warm, from_checkpoint):
     """actor-train has stepped but critic-train has not: the survivors are not one consistent state."""
-    rec, results, _ = _lose_during_step(tmp_path, warm, (6, 7), "critic")
+    rec, results, _ = _lose_during_step(tmp_path, warm, (6, 7), "critic", WHOLE)
     assert rec.how == "checkpoint" and rec.next_step == 2 and "actor-train" in rec.reason
     _, restored, _ = from_checkpoint
     for a, b in zip(results, restored, strict=True):
@@ -176,6 +191,8 @@ def test_run_job_survives_devices_failing_mid_step(tmp_path, straight, monkeypat
     log = report_mod.RunReport.log
     monkeypatch.setattr(report_mod.RunReport, "log", lambda self, m: (lines.append(m), log(self, m))[-1])
     args = args + [f"cluster.schedule=[{{step: 2, fail: [{fail[0]}, {fail[1]}]}}]", "checkpoint.every_steps=1"]
+    if how == "the surviving units":  # each training replica holds the whole optimizer state, not a block of it
+        args.append("plan.shard_optimizer=false")
     summary = run_job(load_config(None, args), str(tmp_path / "run"))
     got = _logged(tmp_path / "run")
     assert [m["step"] for m in got] == [0, 1, 2, 3]

@@ -55,7 +55,7 @@ def trained(warm):
 
 
 def test_the_base_stays_bit_identical_and_only_adapters_and_the_value_head_train(trained, warm):
-    actor = trained.units[ACTOR_TRAIN][0].to_host()
+    actor = trained.stage_host_state(ACTOR_TRAIN)
     for path, x in _leaves(actor["params"]):
         if lora.is_adapter(path):
             if path[-1].endswith(lora.SUFFIX_B):

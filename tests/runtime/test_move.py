@@ -88,7 +88,7 @@ def _as_trained(job) -> None:
     for ms in job.plan:
         if ms.kind == "train":
             leaves, mesh = assemble_replicas(job.units[ms])
-            job.units[ms] = split_replicas(leaves, mesh, ms, job.specs[ms])
+            job.units[ms] = split_replicas(leaves, mesh, ms, job.unit_spec(ms))
 
 
 def _assert_same_state(a: dict, b: dict) -> None:
@@ -226,9 +226,11 @@ def test_a_device_failing_mid_step_gets_the_plan_a_device_leaving_with_notice_ge
     (notice), one whose job loses them during step 2. Both ask the controller's urgent path for the same
     pool, so both land on the same plan (ranks aligned); the failed one is moved there from its surviving
     units, live. A third loses devices 0 and 1, every actor-gen replica: no live move exists, so it falls
-    back to the checkpoint (none here: the error names the fix)."""
-    noticed_job = _job(["cluster.schedule=[{step: 3, leave: [6, 7], notice: 1}]"])
-    failed_job, no_copy_job = _job(), _job()
+    back to the checkpoint (none here: the error names the fix). Training replicas hold whole optimizer states
+    (plan.shard_optimizer=false): with the state split over them, a lost replica's block forces the checkpoint."""
+    whole = "plan.shard_optimizer=false"
+    noticed_job = _job(["cluster.schedule=[{step: 3, leave: [6, 7], notice: 1}]", whole])
+    failed_job, no_copy_job = _job([whole]), _job([whole])
     metrics = [noticed_job.step(s).metrics for s in range(2)]
     noticed_job.prepare = lambda plan: Prepared(plan, {}, [], 0.0)  # only its decision is compared
     noticed, failed, no_copy = (Adapter(j, log=lambda _: None) for j in (noticed_job, failed_job, no_copy_job))

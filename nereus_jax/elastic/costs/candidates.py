@@ -32,7 +32,13 @@ from nereus_jax.elastic.costs.latency import (
     gen_latency,
     step_terms_latency,
 )
-from nereus_jax.elastic.costs.memory import accumulation_bytes, call_working_bytes, resident_bytes, working_bytes
+from nereus_jax.elastic.costs.memory import (
+    accumulation_bytes,
+    call_working_bytes,
+    optimizer_shards,
+    resident_bytes,
+    working_bytes,
+)
 from nereus_jax.elastic.costs.model import CostModel
 from nereus_jax.elastic.costs.stage import StageChoice
 from nereus_jax.model_stage import STAGE_NAMES, split_stage, stage_head
@@ -205,7 +211,8 @@ def price(cfg: ModelConfig, stage: str, choice: StageChoice, workload, cost_mode
     hw = cost_model.hardware
     lat = cost_model.stage_latency(cfg, stage, choice, workload).total
     raw = (choice.tp, choice.pp, choice.dp, choice.micro_batch, choice.remat)
-    return (lat, choice.devices, resident_bytes(cfg, stage, choice.tp, choice.pp),
+    shards = optimizer_shards(stage, choice.dp, workload)
+    return (lat, choice.devices, resident_bytes(cfg, stage, choice.tp, choice.pp, shards),
             working_bytes(cfg, stage, choice, workload, hw), raw)
 
 
@@ -227,7 +234,11 @@ class Pricer:
         train = split_stage(stage)[1] == "train"
         blocks = []
         for tp, pp in shapes(cfg, stage, hw.devices_per_node, tp_capacity):
-            resident = 0.0 if rider else resident_bytes(cfg, stage, tp, pp)
+            # the least any dp holds (a split optimizer shrinks as dp grows)
+            most = max((dp for dp in divisors(self.workload.rows_for(split_stage(stage)[1]))
+                        if tp * pp * dp <= tp_capacity(tp)), default=1)
+            shards = optimizer_shards(stage, most, self.workload)
+            resident = 0.0 if rider else resident_bytes(cfg, stage, tp, pp, shards)
             least = resident + hw.workspace_bytes  # every call also holds its gradients
             if least + (accumulation_bytes(cfg, stage, tp, pp) if train else 0.0) > usable:
                 continue
@@ -302,7 +313,8 @@ class Pricer:
         lat = lat + one[d]
         if kind == "train":  # calls are per update; each of the step's updates repeats them and the step terms
             lat = lat * wl.updates
-        return (lat, tp * pp * np.array(dps)[d], np.full(len(d), resident_bytes(cfg, stage, tp, pp)), work, raw)
+        resident = np.array([resident_bytes(cfg, stage, tp, pp, optimizer_shards(stage, dp, wl)) for dp in dps])
+        return (lat, tp * pp * np.array(dps)[d], resident[d], work, raw)
 
     def _call_grid(self, cfg, stage, kind, tp, pp, total, dps):
         """(calls x call seconds, dp index, calls, working bytes, choices) of every valid row."""

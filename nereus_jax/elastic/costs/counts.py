@@ -25,8 +25,9 @@ def layout_problem(cfg: ModelConfig, tp: int, pp: int) -> str | None:
     """Why a (tp, pp) layout cannot hold the model (the sharding module's rules), or None if it can."""
     if tp < 1 or pp < 1:
         return f"degrees must be >= 1 (tp={tp}, pp={pp})"
-    for name, size in (("num_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size),
-                       ("vocab_size", cfg.vocab_size)):
+    mlp = ("moe_intermediate_size", cfg.moe_intermediate_size) if cfg.num_experts else \
+        ("intermediate_size", cfg.intermediate_size)
+    for name, size in (("num_heads", cfg.num_heads), mlp, ("vocab_size", cfg.vocab_size)):
         if size % tp:
             return f"tp={tp} does not divide model.{name}={size}"
     kv = cfg.num_kv_heads
@@ -42,9 +43,25 @@ def kv_copies(cfg: ModelConfig, tp: int) -> int:
     return tp // cfg.num_kv_heads if tp > cfg.num_kv_heads else 1
 
 
-def _layer_matmul_params(cfg: ModelConfig, kv_heads: int) -> int:
-    d, h, e, f = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.intermediate_size
-    return 2 * d * h * e + 2 * d * kv_heads * e + 3 * d * f
+def _layer_matmul_params(cfg: ModelConfig, kv_heads: int, active: bool = False) -> int:
+    """Matmul weights of one layer split over tp: attention plus the MLP (with experts: all of them stored, or
+    the ``num_experts_per_tok`` a token runs through when ``active``)."""
+    d, h, e = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+    if cfg.num_experts:
+        mlp = (cfg.num_experts_per_tok if active else cfg.num_experts) * 3 * d * cfg.moe_intermediate_size
+    else:
+        mlp = 3 * d * cfg.intermediate_size
+    return 2 * d * h * e + 2 * d * kv_heads * e + mlp
+
+
+def mlp_width(cfg: ModelConfig) -> int:
+    """The MLP's hidden width (one expert's with experts): the GEMM width its matmuls run at."""
+    return cfg.moe_intermediate_size if cfg.num_experts else cfg.intermediate_size
+
+
+def _router_params(cfg: ModelConfig) -> int:
+    """A mixture-of-experts layer's router [embed, experts], replicated over tp (0 for a dense MLP)."""
+    return cfg.hidden_size * cfg.num_experts
 
 
 def _layer_bias_params(cfg: ModelConfig, kv_heads: int) -> int:
@@ -52,8 +69,9 @@ def _layer_bias_params(cfg: ModelConfig, kv_heads: int) -> int:
 
 
 def _layer_norm_params(cfg: ModelConfig) -> int:
-    """The norms of one layer (replicated over tp): two over embed, plus Qwen3's q/k norms over head_dim."""
-    return 2 * cfg.hidden_size + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    """The norms of one layer (replicated over tp): two over embed, plus Qwen3's q/k norms over head_dim (and
+    the router of a mixture-of-experts layer, also replicated)."""
+    return 2 * cfg.hidden_size + (2 * cfg.head_dim if cfg.qk_norm else 0) + _router_params(cfg)
 
 
 def _head_params(cfg: ModelConfig, head: str, num_labels: int = 1) -> int:
@@ -108,7 +126,8 @@ def trainable_params_per_device(cfg: ModelConfig, tp: int, pp: int, head: str = 
 
 def layer_flops_per_token(cfg: ModelConfig, tp: int) -> float:
     """Forward matmul FLOPs of one decoder layer per token on one device of a tp group."""
-    return 2.0 * _layer_matmul_params(cfg, cfg.num_kv_heads * kv_copies(cfg, tp)) / tp
+    return (2.0 * _layer_matmul_params(cfg, cfg.num_kv_heads * kv_copies(cfg, tp), active=True) / tp
+            + 2.0 * _router_params(cfg))
 
 
 def head_flops_per_token(cfg: ModelConfig, tp: int, head: str = "lm", num_labels: int = 1) -> float:
@@ -137,7 +156,8 @@ def layer_activation_bytes_per_token(cfg: ModelConfig, tp: int, dtype: str) -> f
     matmul and norm, the SwiGLU intermediates), excluding the [t, s] attention scores."""
     kv = cfg.num_kv_heads * kv_copies(cfg, tp)
     d, e = cfg.hidden_size, cfg.head_dim
-    sharded = 2 * cfg.num_heads * e + 2 * kv * e + 4 * cfg.intermediate_size
+    width = cfg.num_experts_per_tok * cfg.moe_intermediate_size if cfg.num_experts else cfg.intermediate_size
+    sharded = 2 * cfg.num_heads * e + 2 * kv * e + 4 * width
     return (6 * d + sharded / tp) * dtype_bytes(dtype)
 
 

@@ -38,6 +38,7 @@ import numpy as np
 
 from nereus_jax.config import ModelConfig
 from nereus_jax.elastic.costs import counts
+from nereus_jax.elastic.costs.memory import optimizer_shards
 from nereus_jax.elastic.costs.stage import StageChoice, head_split, one_f_one_b, pipeline_microbatches
 from nereus_jax.elastic.hardware import EFFICIENCY_CLASSES, Hardware
 from nereus_jax.elastic.workload import Workload
@@ -84,7 +85,7 @@ def call_sizes(cfg: ModelConfig, kind: str, tp: int, pp: int, dp: int, micro_bat
     micro-batch of tokens (padded or packed length), a gen decode step's live rows; the MLP width per tp
     shard. ``micro_batch`` may be an array (then rows is one)."""
     wl = workload
-    width = cfg.intermediate_size / tp
+    width = counts.mlp_width(cfg) / tp
     if kind == "gen":
         return np.minimum(micro_batch, wl.generated_sequences / dp), width, \
             wl.prompt_length.mean + wl.response_length.mean / 2
@@ -302,12 +303,17 @@ def step_terms_latency(cfg: ModelConfig, stage: str, tp: int, pp: int, dp, calls
         params = counts.trainable_params_per_device(cfg, tp, pp, x.head)  # LoRA: the adapters (+ value head)
         pb = counts.dtype_bytes(cfg.param_dtype)
         master = 4 if pb != 4 else 0
-        update = params * (3 * pb + 2 * 8 + 2 * master)  # read p, g, m, v, master; write p, m, v, master
+        # read p, g, m, v, master; write p, m, v, master: on 1/dp of them where the optimizer is split over dp
+        shards = optimizer_shards(stage, dp, workload)
+        update = params * (3 * pb + 2 * 8 + 2 * master) / shards
         acc.add(MEM, update / x.rates[1])
         acc.add(MEM, accumulation_seconds(cfg, stage, tp, pp, dp, hw), max(0.0, calls - 1))
         per_node, nodes = dp_group_links(dp, tp * pp, hw)
         acc.add(COLL_INTRA, allreduce_seconds(params * pb, per_node, "intra", hw))
         acc.add(COLL_INTER, allreduce_seconds(params * pb / per_node, nodes, "inter", hw))
+        if workload.shard_optimizer:  # each replica updated its block: the parameters are all-gathered over dp
+            acc.add(COLL_INTRA, allreduce_seconds(params * pb, per_node, "intra", hw) / 2)
+            acc.add(COLL_INTER, allreduce_seconds(params * pb / per_node, nodes, "inter", hw) / 2)
     elif x.model == "actor":
         _weight_sync(x, acc)
     return acc.result()

@@ -3,8 +3,9 @@ only while it runs.
 
 - resident (parked while other model-stages run on the same devices): the weights, stored in the
   compute dtype for gen/infer (gen twice: the unit's, the engine's per-layer copy); for train the
-  parameters in their stored dtype plus Adam's float32 m and v (and a float32 master copy when
-  parameters are not float32). kv heads count once per stored copy.
+  parameters in their stored dtype plus Adam's float32 m and v, 1/dp of them with
+  ``Workload.shard_optimizer`` (and a float32 master copy when parameters are not float32). kv heads
+  count once per stored copy.
 - working (only while the stage runs): gen: the KV cache of its decode slots at the longest context,
   slot logits, one prefill; infer: one call's hidden states, one layer's activations, attention scores
   when materialised, the output head's float32 working set; train: gradients (twice with accumulation),
@@ -59,8 +60,10 @@ class StageMemory(NamedTuple):
         return self.resident + self.working
 
 
-def state_bytes(cfg: ModelConfig, stage: str, tp: int, pp: int) -> float:
-    """What one device of one of ``stage``'s units holds (the state a transition moves)."""
+def state_bytes(cfg: ModelConfig, stage: str, tp: int, pp: int, optimizer_shards: int = 1) -> float:
+    """What one device of one of ``stage``'s units holds (the state a transition moves). ``optimizer_shards``:
+    replicas a training stage's optimizer state is split over (plan.shard_optimizer: its dp), each holding
+    1/optimizer_shards of Adam's moments."""
     kind, head = split_stage(stage)[1], stage_head(stage)
     params = counts.params_per_device(cfg, tp, pp, head)
     if split_stage(stage)[0] in ("actor", "critic"):  # LoRA adapters; the reference is the base alone
@@ -69,14 +72,21 @@ def state_bytes(cfg: ModelConfig, stage: str, tp: int, pp: int) -> float:
         return params * counts.dtype_bytes(cfg.compute_dtype)
     pb = counts.dtype_bytes(cfg.param_dtype)
     trainable = counts.trainable_params_per_device(cfg, tp, pp, head)  # LoRA: only adapters have Adam state
-    return params * pb + trainable * (8 + (4 if pb != 4 else 0))
+    return params * pb + trainable * (8 / optimizer_shards + (4 if pb != 4 else 0))
 
 
-def resident_bytes(cfg: ModelConfig, stage: str, tp: int, pp: int) -> float:
-    """Bytes one device keeps for ``stage`` between its runs (depends on the layout only): its unit's state,
-    and for gen the engine's own copy of the weights beside it (per-layer arrays in the compute dtype,
-    ``JaxEngine.adopt_params``), held for as long as the engine lives."""
-    unit = state_bytes(cfg, stage, tp, pp)
+def optimizer_shards(stage: str, dp, workload: Workload):
+    """Replicas a stage's optimizer state is split over: dp for a training stage with
+    ``workload.shard_optimizer`` (``dp`` may be an array), else 1."""
+    return dp if workload.shard_optimizer and split_stage(stage)[1] == "train" else 1
+
+
+def resident_bytes(cfg: ModelConfig, stage: str, tp: int, pp: int, optimizer_shards: int = 1) -> float:
+    """Bytes one device keeps for ``stage`` between its runs (depends on the layout, and for a training stage
+    whose optimizer is split over its replicas on their number): its unit's state, and for gen the engine's
+    own copy of the weights beside it (per-layer arrays in the compute dtype, ``JaxEngine.adopt_params``),
+    held for as long as the engine lives."""
+    unit = state_bytes(cfg, stage, tp, pp, optimizer_shards)
     return 2 * unit if split_stage(stage)[1] == "gen" else unit
 
 
@@ -96,7 +106,8 @@ def working_bytes(cfg: ModelConfig, stage: str, choice: StageChoice, workload: W
 
 def stage_memory(cfg: ModelConfig, stage: str, choice: StageChoice, workload: Workload, hw: Hardware) -> StageMemory:
     """Resident and working bytes per device of ``stage`` under ``choice``."""
-    return StageMemory(resident_bytes(cfg, stage, choice.tp, choice.pp),
+    shards = optimizer_shards(stage, choice.dp, workload)
+    return StageMemory(resident_bytes(cfg, stage, choice.tp, choice.pp, shards),
                        working_bytes(cfg, stage, choice, workload, hw))
 
 
