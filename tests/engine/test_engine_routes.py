@@ -2,7 +2,8 @@
 response token it fed back carries the router's top-k per layer, and those are the full forward's own top-k of
 the same sequence (float32: the forward, given the record, finds no token whose own choice differs); the last
 response token (never fed back) and padding carry none. Paged caches, k decode steps per call and chunked
-prefill record the same routes as the plain engine; a dense model cannot record."""
+prefill record the same routes as the plain engine; a continuation prefilled onto a slot (``prefill_slots``)
+records its tokens' routes; a dense model cannot record, and conversations refuse a recording engine."""
 
 import dataclasses
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 from _engine_testlib import TINY, make_engine, make_prompts
 
-from nereus_jax.engine import EngineError, Generator, SamplingParams
+from nereus_jax.engine import Conversations, EngineError, Generator, SamplingParams, make_requests
 from nereus_jax.models import forward, init_params
 
 MOE = dataclasses.replace(TINY, family="qwen3_moe", qk_norm=True, num_experts=8, num_experts_per_tok=2,
@@ -79,3 +80,24 @@ def test_a_dense_model_cannot_record_routes(devices):
         make_engine(devices, record_routes=True)
     out = Generator(e := make_engine(devices), e.load_params(init_params(TINY))).rollouts(make_prompts(1), SAMPLED)
     assert out.routes is None and out.prompt_routes is None
+
+
+def test_prefill_slots_records_its_tokens_routes_and_conversations_refuse_to_record(devices, moe_params):
+    """A continuation prefilled onto a slot's cache carries its tokens' routes, those a prefill of the whole
+    sequence records at their places; conversations (whose turns would overwrite each other's) refuse such an
+    engine, as the config keeps routing replay away from task.env."""
+    e = make_engine(devices, cfg=MOE, record_routes=True)
+    params = e.load_params(moe_params)
+    prompt, extra = make_prompts(2, seed=14, low=5, high=9)
+    prefix, first = e.prefill(params=params, padded_tokens=prompt, true_length=prompt.size)
+    state = e.insert(prefix, e.init_decode_state(), slot=2)
+    onto = np.concatenate([np.asarray(first.tokens)[0, :1], extra]).astype(np.int32)
+    requests = make_requests(1, e.max_stop_tokens, limit=4)
+    _, result = e.prefill_slots(params, state, [2], onto[None], [onto.size], requests)
+    whole = np.concatenate([prompt, onto])
+    _, full = e.prefill(params=params, padded_tokens=whole, true_length=whole.size)
+    routes = np.asarray(result.routes)
+    assert routes.shape[0] == 1 and routes.shape[1] >= onto.size  # [rows, the tokens' bucket, layers, k]
+    np.testing.assert_array_equal(routes[0, :onto.size], np.asarray(full.routes)[0, prompt.size:whole.size])
+    with pytest.raises(EngineError, match="do not record routes"):
+        Conversations(Generator(e, params), [prompt], SAMPLED, park=False)
