@@ -3,8 +3,9 @@ a parked conversation's next turn prefilled onto the cache it left in its slot (
 put back from host memory or prefilled whole. References: greedy turns are the argmax over the whole
 conversation (one uncached forward), and every turn draws what a fresh ``Generator.rollouts`` of the whole
 conversation draws (the re-prefill path), tokens bit for bit, log-probs to float rounding; over several turns,
-tp 1 and 2, with evictions, on a paged engine (re-prefill), and while one conversation's answer is held back
-until every other one is over."""
+tp 1 and 2, with evictions, on a paged engine (re-prefill), while one conversation's answer is held back
+until every other one is over, and with tools of different latencies answering from other threads (turns
+interleaved out of lock-step)."""
 
 import dataclasses
 import threading
@@ -27,12 +28,13 @@ def _turn_id(conversation: int, turn: int) -> int:
     return 100 * turn + conversation
 
 
-def _converse(gen, prompts, sampling, park, hold=None, defer=False, max_saved_bytes=None):
+def _converse(gen, prompts, sampling, park, hold=None, defer=False, max_saved_bytes=None, latency=None):
     """Every conversation answered with ENV's tokens after each turn, then closed; ``hold``: a conversation
     whose first answer waits until every other conversation is closed; ``defer``: each answer waits until
     the next turn of another conversation ends (while one is decoding), so conversations sit parked while
-    others want slots. Returns the turns, the conversations' tokens, the order turns ended in, and the run's
-    statistics."""
+    others want slots; ``latency(c, k)``: seconds the "tool" answering turn k (1-based) of conversation c takes,
+    the answer given from a timer thread as a tool pool gives it. Returns the turns, the conversations' tokens,
+    the order turns ended in, and the run's statistics."""
     convs = Conversations(gen, prompts, sampling, park=park, max_saved_bytes=max_saved_bytes)
     n = sampling.n
     seqs = [list(map(int, prompts[c // n])) for c in range(convs.count)]
@@ -58,6 +60,11 @@ def _converse(gen, prompts, sampling, park, hold=None, defer=False, max_saved_by
         order.append(c)
         seqs[c] += turn.tokens.tolist()
         if c == hold and len(turns[c]) == 1:
+            return
+        if latency is not None:
+            timer = threading.Timer(latency(c, len(turns[c])), answer, args=(c,))
+            timer.daemon = True
+            timer.start()
             return
         if not defer:
             answer(c)
@@ -185,6 +192,30 @@ def test_other_conversations_decode_while_one_waits_for_its_answer(devices, raw_
     reference, ref_seqs = _reprefilled(gen, prompts, GREEDY)
     assert seqs == ref_seqs  # the schedule changes no token
     _assert_same_turns(turns, reference, atol=1e-5)
+
+
+def test_tools_of_different_latencies_interleave_turns_with_the_same_tokens(devices, raw_params):
+    """Each conversation's tool answers after its own latency (conversations 0 and 1 slow, the others fast and
+    varied by turn), from timer threads: the fast conversations run all their turns while the slow ones wait
+    (turns end out of lock-step), 6 conversations share 3 slots (parked ones evicted, copied out and put back),
+    and every turn draws what re-prefilling the whole conversation draws."""
+    engine = make_engine(devices, max_concurrent_decodes=3, **ARGS)
+    prompts = make_prompts(3, seed=6, low=3, high=9)  # x n=2 samples: 6 conversations
+    gen = Generator(engine, engine.load_params(raw_params))
+    reference, ref_seqs = _reprefilled(gen, prompts, SAMPLED)
+    _converse(gen, prompts, SAMPLED, park=True, defer=True)  # compiles the turns' programs before the timing
+    slow = 0.5
+
+    def latency(c, k):
+        return slow if c < 2 else float(np.random.default_rng([c, k]).uniform(0.0, 0.02))
+
+    turns, seqs, order, stats = _converse(gen, prompts, SAMPLED, park=True, latency=latency)
+    assert seqs == ref_seqs  # the schedule changes no token
+    _assert_same_turns(turns, reference, atol=1e-5)
+    assert stats["evicted"] > 0 and stats["continued"] > 0
+    # out of lock-step: a fast conversation ran all its turns before slow conversation 0 ended its third
+    third_of_0 = [i for i, c in enumerate(order) if c == 0][2]
+    assert any(order[:third_of_0].count(c) == len(ENV) + 1 for c in range(2, len(seqs))), order
 
 
 def test_conversations_refuse_what_cannot_work(devices, raw_params):
