@@ -65,6 +65,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # machine_limits, and task.env=bench_multiturn:...
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):  # the job's 8 CPU devices
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
