@@ -23,7 +23,7 @@ KEYS = ("reprefill_tokens_per_s", "latency_tokens_per_s", "latency_throughput_ra
         "goal_latency_throughput_ratio", "turns_mean", "env_tokens_mean",
         "response_tokens_mean", "trajectories_truncated", "prefill_tokens_per_model_token", "model_tokens",
         "prefill_tokens", "rows", "tool_latency_s", "tool_seconds_latency", "machine_matmul_flops_per_s",
-        "machine_copy_bytes_per_s", "simulated", "device")
+        "machine_copy_bytes_per_s", "simulated", "device", "same_tokens_latency")
 TEMPLATE = len("[result: ]")  # the plain format around a tool's output
 
 
@@ -82,6 +82,7 @@ def test_bench_multiturn_quick():
     assert r["prefill_tokens_per_model_token"] > 1
     assert r["tool_seconds_latency"] >= 0.99 * 3 * r["rows"] * r["tool_latency_s"]  # every tool call slept
     assert r["same_tokens"]  # the kept cache and re-prefilling draw the same trajectories
+    assert r["same_tokens_latency"]  # and so do turns whose tools take 0.1 s (another schedule of the turns)
     assert r["kept_prefill_tokens_per_model_token"] < r["prefill_tokens_per_model_token"]
     assert r["goal_speedup"] == 2.0 and r["goal_latency_throughput_ratio"] == 0.8
     assert r["machine_matmul_flops_per_s"] > 0 and r["machine_copy_bytes_per_s"] > 0
