@@ -307,15 +307,20 @@ def _regroup(sources: tuple, targets: tuple) -> Any:
     return jax.jit(move, out_shardings=list(targets))
 
 
+def _assembled_on_device(units: Sequence[EMU]):
+    """The replicas' blocks (brought to device memory where parked) as one whole state on their joint mesh."""
+    on_device = [u if u.memory == DEVICE else dataclasses.replace(
+        u, leaves=jax.device_put(u.leaves, u.spec.shardings(u.mesh, DEVICE)), memory=DEVICE) for u in units]
+    return assemble_replicas(on_device)
+
+
 def stage_checksum(units: Sequence[EMU]) -> np.ndarray:
     """:meth:`EMU.checksum` of a model-stage's state: one replica's, or, where the optimizer is split over the
     replicas, that of all of them together (the same value the whole state has on one replica)."""
     first = units[0]
     if first.spec.shards == 1:
         return first.checksum()
-    on_device = [u if u.memory == DEVICE else dataclasses.replace(
-        u, leaves=jax.device_put(u.leaves, u.spec.shardings(u.mesh, DEVICE)), memory=DEVICE) for u in units]
-    leaves, mesh = assemble_replicas(on_device)
+    leaves, mesh = _assembled_on_device(units)
     return leaves_checksum(leaves, mesh, first.spec.global_leaves, first.spec.repeat(first.layout))
 
 
@@ -325,8 +330,6 @@ def stage_to_host(units: Sequence[EMU]) -> dict[str, Any]:
     first = units[0]
     if first.spec.shards == 1:
         return first.to_host()
-    on_device = [u if u.memory == DEVICE else dataclasses.replace(
-        u, leaves=jax.device_put(u.leaves, u.spec.shardings(u.mesh, DEVICE)), memory=DEVICE) for u in units]
-    leaves, _ = assemble_replicas(on_device)
+    leaves, _ = _assembled_on_device(units)
     spec = first.spec
     return spec.unflatten(spec.whole.collapse([to_numpy(x) for x in leaves], spec.repeat(first.layout)))

@@ -127,22 +127,28 @@ def _hf():
     return torch, transformers
 
 
-def test_hf_parity_qwen3_moe_logits_match_transformers_on_a_padded_batch(tmp_path):
+def _hf_moe_and_padded_batch(tmp_path, seed: int, **extra):
+    """A random transformers Qwen3-MoE saved to and loaded from ``tmp_path``, and a padded 3 x 10 batch:
+    (torch, transformers, model, (cfg, ours), tokens, positions, mask)."""
     torch, transformers = _hf()
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = transformers.Qwen3MoeConfig(
         vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=8, intermediate_size=48, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
         norm_topk_prob=True, rms_norm_eps=1e-6, max_position_embeddings=64, initializer_range=0.2,
-        attn_implementation="eager")
+        attn_implementation="eager", **extra)
     model = transformers.Qwen3MoeForCausalLM(config).eval()
     model.save_pretrained(tmp_path)
-    cfg, ours = load_hf(tmp_path)
     mask = np.ones((3, 10), np.int64)
     mask[1, :4] = 0
     mask[2, 7:] = 0
-    tokens = np.where(mask == 1, np.random.RandomState(0).randint(1, 96, (3, 10)), 0)
+    tokens = np.where(mask == 1, np.random.RandomState(seed).randint(1, 96, (3, 10)), 0)
     positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    return torch, transformers, model, load_hf(tmp_path), tokens, positions, mask
+
+
+def test_hf_parity_qwen3_moe_logits_match_transformers_on_a_padded_batch(tmp_path):
+    torch, transformers, model, (cfg, ours), tokens, positions, mask = _hf_moe_and_padded_batch(tmp_path, 0)
     with torch.no_grad():
         ref = model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask),
                     position_ids=torch.tensor(positions), use_cache=False).logits.numpy()
@@ -159,21 +165,8 @@ def test_hf_parity_qwen3_moe_logits_match_transformers_on_a_padded_batch(tmp_pat
 
 
 def test_hf_parity_qwen3_moe_load_balancing_loss_matches_transformers_aux_loss(tmp_path):
-    torch, transformers = _hf()
-    torch.manual_seed(1)
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, intermediate_size=48, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
-        norm_topk_prob=True, rms_norm_eps=1e-6, max_position_embeddings=64, initializer_range=0.2,
-        attn_implementation="eager", output_router_logits=True)
-    model = transformers.Qwen3MoeForCausalLM(config).eval()
-    model.save_pretrained(tmp_path)
-    cfg, ours = load_hf(tmp_path)
-    mask = np.ones((3, 10), np.int64)
-    mask[1, :4] = 0
-    mask[2, 7:] = 0
-    tokens = np.where(mask == 1, np.random.RandomState(1).randint(1, 96, (3, 10)), 0)
-    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    torch, _, model, (cfg, ours), tokens, positions, mask = _hf_moe_and_padded_batch(
+        tmp_path, 1, output_router_logits=True)
     with torch.no_grad():
         want = model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask),
                      position_ids=torch.tensor(positions), use_cache=False).aux_loss.item()
