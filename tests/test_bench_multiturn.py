@@ -61,6 +61,7 @@ def test_prefill_counts_one_prefill_a_prompt_then_the_trajectory_before_each_lat
     assert bench.prefill_tokens(batch, 2) == 3 + (3 + 4) + (3 + 6) + (3 + 2)
 
 
+@pytest.mark.long  # ~60 s; its same-tokens checks run at engine level in tests/engine/test_engine_turns.py
 def test_bench_multiturn_quick():
     flags = os.environ.get("XLA_FLAGS", "")
     if "--xla_force_host_platform_device_count" not in flags:

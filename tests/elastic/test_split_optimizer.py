@@ -89,6 +89,7 @@ def test_blocks_assemble_only_all_together_in_order(devices, split, states):
         assemble_replicas(units[:2])
 
 
+@pytest.mark.long  # ~30 s; tests/runtime/test_shard_optimizer.py moves a split optimizer between random plans in CI
 @settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(pair=plan_pairs(stages=[ACTOR_TRAIN, ACTOR_GEN], max_stages=2))
 def test_random_plan_pairs_move_a_split_optimizer_bit_for_bit(devices, split, specs, states, pair):

@@ -46,7 +46,8 @@ def _instance(rng: random.Random, gpu: bool):
     return hw, devices, model, algorithm, wl, topo
 
 
-@pytest.mark.parametrize("gpu", [False, True], ids=["cpu-table", "gpu-table"])
+# gpu-table: ~110 s (CI time; run with -m long)
+@pytest.mark.parametrize("gpu", [False, pytest.param(True, marks=pytest.mark.long)], ids=["cpu-table", "gpu-table"])
 def test_the_planners_plan_is_the_jobs_plan_and_fits_its_memory_check_on_the_first_try(gpu):
     """100 random instances per hardware table: every plan the planner returns (best and runners-up) runs
     exactly the calls the job makes (its choices are the job's rule applied to the plan's layouts) and passes

@@ -94,6 +94,7 @@ def _assert_greedy_continuation(job, batch):
     np.testing.assert_array_equal(batch.response_br[mine], greedy[mine])
 
 
+@pytest.mark.long  # ~45 s; the engine-level turns tests compare kept and re-prefilled caches bit for bit in CI
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_kept_cache_across_turns_draws_what_re_prefilling_the_conversation_draws(job, monkeypatch, temperature):
     problems, positions = _problems(job)
@@ -189,6 +190,7 @@ def test_warm_start_demonstrations_show_the_plain_calculator_call_and_mask_its_r
     assert batch["denom"] == batch["response_mask"].sum()
 
 
+@pytest.mark.long  # ~2.5 min: CI time; run with -m long (figures: docs/results.md, Agents)
 @pytest.mark.slow  # ~2.5 min: the warm start (about 1,000 supervised steps) and 30 RL steps
 def test_agent_tiny_learns_and_calls_the_calculator_more(tmp_path):
     import json
@@ -211,6 +213,7 @@ def test_agent_tiny_learns_and_calls_the_calculator_more(tmp_path):
     assert all(r["turns_mean"] <= 3 and r["tool_timeouts"] == 0 for r in rows)
 
 
+@pytest.mark.long  # ~30 s: CI time; run with -m long
 def test_async_one_step_off_runs_trajectories_and_logs_each_steps_own_metrics():
     from nereus_jax.runtime.adapt import Adapter
     from nereus_jax.runtime.run import rl_steps
@@ -230,6 +233,7 @@ def test_async_one_step_off_runs_trajectories_and_logs_each_steps_own_metrics():
         assert r.metrics["env_tokens_mean"] == pytest.approx(env_tokens) and r.metrics["turns_mean"] > 1
 
 
+@pytest.mark.long  # ~40 s: CI time; run with -m long
 @pytest.mark.slow  # ~1 min: a checkpoint's job, a resume
 def test_a_chat_checkpoint_runs_trajectories_in_its_template_checkpoints_and_resumes(tmp_path):
     import json

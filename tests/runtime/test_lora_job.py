@@ -84,6 +84,7 @@ def test_the_reference_is_the_base_without_adapters(trained, warm):
         np.testing.assert_array_equal(x, _at(warm, path).astype(x.dtype), err_msg=str(path))
 
 
+@pytest.mark.long  # ~35 s; the dense job's random moves run in CI
 def test_moves_between_random_lora_plans_keep_every_bit_and_the_job_trains_on(trained):
     move_randomly(trained, random.Random(5), 3)
     result = trained.step(2)  # trains on the last plan

@@ -65,6 +65,7 @@ def test_steps_train_every_expert_and_the_router(job):
         assert np.all(moved.max(axis=axes) > 0), f"{name}: an expert got no update"
 
 
+@pytest.mark.long  # ~55 s; the dense and LoRA jobs' random moves run in CI
 def test_moves_between_random_plans_keep_every_bit_and_the_job_trains_on(job):
     j, _, _ = job
     move_randomly(j, random.Random(3), 2)
@@ -112,6 +113,7 @@ def bf16_steps():
     return out
 
 
+@pytest.mark.long  # ~80 s with its fixture (bf16 replay shown in docs/results.md; the mechanics: test_moe_losses)
 def test_bf16_generation_mismatches_training_routes_unless_they_are_replayed(bf16_steps):
     plain, replayed = bf16_steps["plain"], bf16_steps["replayed"]
     assert plain["router_compared_tokens"] == replayed["router_compared_tokens"] > 100
@@ -125,6 +127,7 @@ def test_bf16_generation_mismatches_training_routes_unless_they_are_replayed(bf1
         assert abs(m["router_aux_loss"] - 2.0) < 0.05
 
 
+@pytest.mark.long  # shares the bf16 fixture above; 1F1B replay: test_moe_losses
 def test_a_pipelined_actor_train_scores_and_replays_routes_as_one_stage_does(bf16_steps):
     one, two = bf16_steps["replayed"], bf16_steps["replayed_pp2"]
     for key in ("router_mismatch_fraction", "router_own_mismatch_fraction", "router_compared_tokens"):

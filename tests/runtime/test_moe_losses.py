@@ -66,7 +66,8 @@ def params():
     return init_params(MOE, seed=0)
 
 
-@pytest.mark.parametrize("accum", [1, 2])
+# accum 2: ~26 s (CI time; run with -m long)
+@pytest.mark.parametrize("accum", [1, pytest.param(2, marks=pytest.mark.long)])
 def test_router_aux_loss_adds_the_coefficient_times_transformers_loss_per_micro_batch(params, devices, accum):
     batch, coef = _batch(), 0.05
     plain = actor_loss(MOE, AlgorithmConfig(), P)
