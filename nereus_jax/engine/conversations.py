@@ -39,7 +39,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from nereus_jax.engine.driver import Generator, _prompt_ids, _Run
+from nereus_jax.engine.driver import Generator, RunState, prompt_id_array
 from nereus_jax.engine.engine import EngineError
 from nereus_jax.engine.sampling import SamplingParams
 
@@ -76,7 +76,7 @@ class Conversations:
         limits = gen._limits(prompts, sampling, None, max_new_tokens_per_prompt)
         saved = gen.engine.kv_cache_bytes if max_saved_bytes is None else max_saved_bytes
         self._run = _Session(gen, prompts, sampling, limits, park, saved)
-        self._run.prompt_ids = _prompt_ids(prompt_ids, len(prompts))
+        self._run.prompt_ids = prompt_id_array(prompt_ids, len(prompts))
         self.gen = gen
 
     @property
@@ -110,8 +110,8 @@ class Conversations:
         self._run.post(("fail", error))
 
 
-class _Session(_Run):
-    """:class:`_Run` with requests arriving while it runs: each conversation's next turn is a new request (a
+class _Session(RunState):
+    """:class:`RunState` with requests arriving while it runs: each conversation's next turn is a new request (a
     prompt of one sample) answered by the conversation's row."""
 
     def __init__(self, gen: Generator, prompts, sampling: SamplingParams, limits, park: bool, max_saved_bytes: int):

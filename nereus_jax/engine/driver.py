@@ -93,7 +93,7 @@ class Generator:
         self._state = engine.init_decode_state()
         self._clean = True  # False while a rollouts call runs: one that raised leaves slots behind
         self._running = False  # a rollouts call is decoding (set_params must wait for a step boundary)
-        self._run: _Run | None = None
+        self._run: RunState | None = None
 
     def progress(self) -> dict[str, int]:
         """The current (or last) rollouts call so far: decode steps, tokens generated, live slots now, live
@@ -136,11 +136,11 @@ class Generator:
         if forced_lengths is not None and max_new_tokens_per_prompt is not None:
             raise EngineError("give forced_lengths or max_new_tokens_per_prompt, not both")
         limits = self._limits(prompts, sampling, forced_lengths, max_new_tokens_per_prompt)
-        run = _Run(self, prompts, sampling, limits, forced=forced_lengths is not None, refill=refill)
-        run.prompt_ids = _prompt_ids(prompt_ids, len(prompts))
+        run = RunState(self, prompts, sampling, limits, forced=forced_lengths is not None, refill=refill)
+        run.prompt_ids = prompt_id_array(prompt_ids, len(prompts))
         return run.result(self._drive(run, on_step))
 
-    def _drive(self, run: _Run, on_step) -> float:
+    def _drive(self, run: RunState, on_step) -> float:
         """Runs ``run``'s loop on this generator's decode state (set_params waits for step boundaries
         meanwhile); returns its seconds."""
         with self._lock:
@@ -196,7 +196,7 @@ class Generator:
         return limits
 
 
-class _Run:
+class RunState:
     """One rollouts call: the waiting prompts, ready prefixes, slot owners and the output buffers."""
 
     def __init__(self, gen: Generator, prompts, sampling: SamplingParams, limits, *, forced: bool, refill: Refill):
@@ -469,7 +469,8 @@ class _Run:
         """Row ``row`` ended, in ``slot`` (None: with its first token, before it had one); a hook."""
 
 
-def _prompt_ids(given: Sequence[int] | None, count: int) -> np.ndarray:
+def prompt_id_array(given: Sequence[int] | None, count: int) -> np.ndarray:
+    """The rollouts call's request ids (one per prompt; default 0, 1, ...) as an int64 array, checked."""
     ids = np.arange(count) if given is None else np.asarray(given, np.int64).reshape(-1)
     if ids.shape[0] != count or np.any(ids < 0) or np.any(ids >= 2**31):
         raise EngineError(f"prompt_ids needs one id in [0, 2**31) per prompt ({count} prompts)")
