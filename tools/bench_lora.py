@@ -53,7 +53,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-from machine_limits import actor_batch, copy_bytes_per_s, matmul_flops_per_s, median_seconds, peak_bytes
+from machine_limits import QWEN3_MODELS, actor_batch, copy_bytes_per_s, matmul_flops_per_s, median_seconds, peak_bytes
 
 from nereus_jax.config import AlgorithmConfig, ModelConfig
 from nereus_jax.elastic.emu import EMU
@@ -74,15 +74,7 @@ LR = 2.0e-4  # configs/ppo_tiny.yaml trainer.actor_lr
 MODELS = {
     # configs/models/tiny.yaml (the ModelConfig defaults): the default job's actor
     "tiny": ModelConfig(),
-    "qwen3-32k": ModelConfig(name="qwen3-h512-l4-v32k", family="qwen3", vocab_size=32768, hidden_size=512,
-                             num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1536,
-                             qk_norm=True, tie_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6,
-                             compute_dtype="bfloat16"),
-    # --quick: the same family, small enough for a test
-    "qwen3-8k": ModelConfig(name="qwen3-h256-l2-v8k", family="qwen3", vocab_size=8192, hidden_size=256,
-                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=768,
-                            qk_norm=True, tie_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6,
-                            compute_dtype="bfloat16"),
+    **{name: dataclasses.replace(cfg, compute_dtype="bfloat16") for name, cfg in QWEN3_MODELS.items()},
 }
 
 

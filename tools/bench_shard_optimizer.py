@@ -33,7 +33,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from machine_limits import actor_batch, copy_bytes_per_s, matmul_flops_per_s, median_seconds, peak_bytes  # noqa: E402
+from machine_limits import (  # noqa: E402
+    QWEN3_MODELS,
+    actor_batch,
+    copy_bytes_per_s,
+    matmul_flops_per_s,
+    median_seconds,
+    peak_bytes,
+)
 
 from nereus_jax.config import AlgorithmConfig, ModelConfig  # noqa: E402
 from nereus_jax.elastic.spec import StateSpec  # noqa: E402
@@ -43,14 +50,7 @@ from nereus_jax.runtime.stages import stage_value_and_grad  # noqa: E402
 from nereus_jax.sharding import Layout, make_mesh  # noqa: E402
 
 LR = 2.0e-4
-MODELS = {
-    "qwen3-32k": ModelConfig(name="qwen3-h512-l4-v32k", family="qwen3", vocab_size=32768, hidden_size=512,
-                             num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1536,
-                             qk_norm=True, tie_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6),
-    "qwen3-8k": ModelConfig(name="qwen3-h256-l2-v8k", family="qwen3", vocab_size=8192, hidden_size=256,
-                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=768,
-                            qk_norm=True, tie_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6),
-}
+MODELS = QWEN3_MODELS
 
 
 def _parse() -> argparse.Namespace:

@@ -1,6 +1,6 @@
 """What the benchmarks in tools/ share: a program's XLA peak bytes, median seconds of a jitted call, the
 machine's physical limits measured in the benchmark's own run (float32 matmul FLOP/s, copy bandwidth), and a
-random actor-loss micro-batch.
+random actor-loss micro-batch, and the Qwen3-shaped models the training benchmarks run (float32).
 
     from machine_limits import actor_batch, copy_bytes_per_s, matmul_flops_per_s, median_seconds, peak_bytes
 """
@@ -13,6 +13,18 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from nereus_jax.config import ModelConfig
+
+QWEN3_MODELS = {
+    "qwen3-32k": ModelConfig(name="qwen3-h512-l4-v32k", family="qwen3", vocab_size=32768, hidden_size=512,
+                             num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1536,
+                             qk_norm=True, tie_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6),
+    # --quick: the same family, small enough for a test
+    "qwen3-8k": ModelConfig(name="qwen3-h256-l2-v8k", family="qwen3", vocab_size=8192, hidden_size=256,
+                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=768,
+                            qk_norm=True, tie_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6),
+}
 
 
 def peak_bytes(compiled) -> int:
