@@ -179,30 +179,26 @@ def _rules(cfg: ModelConfig, head: str) -> list[_Rule]:
     return rules
 
 
-def _mlp_rules() -> list[_Rule]:
-    layer = "model.layers.{i}."
+def _swiglu_rules(group: str, prefix: str, width: Callable[[ModelConfig], int]) -> list[_Rule]:
+    """A SwiGLU MLP's three projections under ``prefix`` (``gate_proj`` / ``up_proj`` [width, embed],
+    ``down_proj`` [embed, width]) as our ``layers/<group>/w_{gate,up,down}``."""
     return [
-        _rule(("layers", "mlp", "w_gate"), layer + "mlp.gate_proj.weight",
-              lambda c, n: (c.intermediate_size, c.hidden_size), (1, 0)),
-        _rule(("layers", "mlp", "w_up"), layer + "mlp.up_proj.weight",
-              lambda c, n: (c.intermediate_size, c.hidden_size), (1, 0)),
-        _rule(("layers", "mlp", "w_down"), layer + "mlp.down_proj.weight",
-              lambda c, n: (c.hidden_size, c.intermediate_size), (1, 0)),
+        _rule(("layers", group, "w_gate"), prefix + "gate_proj.weight", lambda c, n: (width(c), c.hidden_size), (1, 0)),
+        _rule(("layers", group, "w_up"), prefix + "up_proj.weight", lambda c, n: (width(c), c.hidden_size), (1, 0)),
+        _rule(("layers", group, "w_down"), prefix + "down_proj.weight", lambda c, n: (c.hidden_size, width(c)), (1, 0)),
     ]
+
+
+def _mlp_rules() -> list[_Rule]:
+    return _swiglu_rules("mlp", "model.layers.{i}.mlp.", lambda c: c.intermediate_size)
 
 
 def _moe_rules() -> list[_Rule]:
     """Qwen3-MoE: the router (``mlp.gate`` [experts, embed]) and each expert's SwiGLU, one tensor per expert."""
-    expert = "model.layers.{i}.mlp.experts.{e}."
     return [
         _rule(("layers", "moe", "router"), "model.layers.{i}.mlp.gate.weight",
               lambda c, n: (c.num_experts, c.hidden_size), (1, 0)),
-        _rule(("layers", "moe", "w_gate"), expert + "gate_proj.weight",
-              lambda c, n: (c.moe_intermediate_size, c.hidden_size), (1, 0)),
-        _rule(("layers", "moe", "w_up"), expert + "up_proj.weight",
-              lambda c, n: (c.moe_intermediate_size, c.hidden_size), (1, 0)),
-        _rule(("layers", "moe", "w_down"), expert + "down_proj.weight",
-              lambda c, n: (c.hidden_size, c.moe_intermediate_size), (1, 0)),
+        *_swiglu_rules("moe", "model.layers.{i}.mlp.experts.{e}.", lambda c: c.moe_intermediate_size),
     ]
 
 
