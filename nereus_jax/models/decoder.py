@@ -12,7 +12,7 @@ The parameter tree (``nnx.to_pure_dict(nnx.state(model, nnx.Param))``) is::
     layers/attn/q_norm/scale   [layers, head_dim]   (+ k_norm: per-head RMSNorm of q and k, Qwen3's qk_norm)
     layers/mlp_norm/scale      [layers, embed]
     layers/mlp/w_gate, w_up    [layers, embed, mlp];  layers/mlp/w_down [layers, mlp, embed]
-    layers/moe/router          [layers, embed, experts]  (instead of layers/mlp with model.num_experts > 0)
+    layers/moe/router          [layers, embed, router_experts]  (instead of layers/mlp with model.num_experts > 0)
     layers/moe/w_gate, w_up    [layers, experts, embed, mlp];  layers/moe/w_down [layers, experts, mlp, embed]
     final_norm/scale           [embed]
     lm_head/kernel             [embed, vocab]    (language-model head, absent when embeddings are tied)
@@ -41,11 +41,11 @@ from nereus_jax.models.layers import (
     apply_rope,
     attention,
     constrain,
-    experts_mlp,
     project_heads,
     rms_norm,
     rope_inv_freq,
     route,
+    routed_experts,
     swiglu,
 )
 from nereus_jax.models.routing import RouterStats, layer_stats, with_mismatch
@@ -101,7 +101,9 @@ class _Moe(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
         n, d, e, f = cfg.num_layers, cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-        self.router = _param(rngs, (n, d, e), ("layers", "embed", "experts"), dtype)
+        # the router's expert axis is its own logical axis: expert parallelism splits the experts' weights, the
+        # router (small, and its softmax and top-k read every expert) stays whole on every device
+        self.router = _param(rngs, (n, d, e), ("layers", "embed", "router_experts"), dtype)
         self.w_gate = _param(rngs, (n, e, d, f), ("layers", "experts", "embed", "mlp"), dtype)
         self.w_up = _param(rngs, (n, e, d, f), ("layers", "experts", "embed", "mlp"), dtype)
         self.w_down = _param(rngs, (n, e, f, d), ("layers", "experts", "mlp", "embed"), dtype)
@@ -330,7 +332,7 @@ def mlp(h_btd: jax.Array, lp: dict, cfg: ModelConfig, forced_btk: jax.Array | No
     if "moe" in lp:
         m = lp["moe"]
         routed = route(h_btd, m["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob, forced_btk)
-        return experts_mlp(h_btd, routed, m["w_gate"], m["w_up"], m["w_down"]), routed
+        return routed_experts(h_btd, routed, m["w_gate"], m["w_up"], m["w_down"]), routed
     m = lp["mlp"]
     return swiglu(h_btd, m["w_gate"], m["w_up"], m["w_down"]), None
 

@@ -19,6 +19,8 @@ import numpy as np
 
 # A hook (array, logical axis names) -> array, installed by nereus_jax.sharding while tracing under a mesh.
 _CONSTRAIN: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("nereus_constrain", default=None)
+# A hook running the routed experts expert-parallel (same signature as experts_mlp), installed likewise.
+_EXPERTS: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("nereus_experts", default=None)
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
@@ -30,6 +32,17 @@ def activation_constraints(fn: Callable[[jax.Array, Sequence[str | None]], jax.A
         yield
     finally:
         _CONSTRAIN.reset(token)
+
+
+@contextlib.contextmanager
+def expert_parallel(fn: Callable[..., jax.Array]) -> Iterator[None]:
+    """Within this context, :func:`routed_experts` calls ``fn`` (same arguments as :func:`experts_mlp`): the
+    sharding package's expert-parallel layer (:mod:`nereus_jax.sharding.experts`)."""
+    token = _EXPERTS.set(fn)
+    try:
+        yield
+    finally:
+        _EXPERTS.reset(token)
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
@@ -159,6 +172,15 @@ def grouped_impl() -> str:
     return "ragged_dot" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "blocks"
 
 
+def routed_experts(x_btd: jax.Array, routed: Routed, w_gate_edf: jax.Array, w_up_edf: jax.Array,
+                   w_down_efd: jax.Array) -> jax.Array:
+    """The model's routed-experts layer: :func:`experts_mlp`, or the expert-parallel hook a caller installed
+    (:func:`expert_parallel`), which computes the same function with the experts split over devices."""
+    fn = _EXPERTS.get()
+    return experts_mlp(x_btd, routed, w_gate_edf, w_up_edf, w_down_efd) if fn is None else \
+        fn(x_btd, routed, w_gate_edf, w_up_edf, w_down_efd)
+
+
 def experts_mlp(x_btd: jax.Array, routed: Routed, w_gate_edf: jax.Array, w_up_edf: jax.Array,
                 w_down_efd: jax.Array, *, impl: str | None = None, block_rows: int | None = None) -> jax.Array:
     """Every token's routed experts, as grouped matmuls over the token-expert pairs sorted by expert (dropless:
@@ -168,12 +190,36 @@ def experts_mlp(x_btd: jax.Array, routed: Routed, w_gate_edf: jax.Array, w_up_ed
     ``lax.ragged_dot`` over the groups; ``blocks`` cuts each expert's group into ``block_rows``-row blocks and
     runs the SwiGLU block by block in a scan, each block against its expert's weights (the routed FLOPs plus
     at most a block of padding per expert; :func:`blocked_swiglu`)."""
+    pairs = _grouped_pairs(x_btd, routed.experts, w_gate_edf, w_up_edf, w_down_efd, impl, block_rows)
+    return jnp.einsum("btkd,btk->btd", pairs, routed.weights)
+
+
+def local_experts_mlp(x_btd: jax.Array, routed: Routed, w_gate_edf: jax.Array, w_up_edf: jax.Array,
+                      w_down_efd: jax.Array, first: jax.Array | int, *, impl: str | None = None,
+                      block_rows: int | None = None) -> jax.Array:
+    """The part of :func:`experts_mlp` that experts ``first .. first + E_l - 1`` compute, holding only their
+    weights (``w_*`` [E_l, ...]): the pairs routed to them, grouped and multiplied as there, weighted and summed
+    per token; every other pair contributes 0. Summing this over a partition of the experts gives
+    :func:`experts_mlp` (up to the order of the sum). Pairs routed elsewhere sort after the local groups (id
+    E_l, counted in no group), so neither grouped matmul computes them: the routed FLOPs of the local experts."""
+    local = w_gate_edf.shape[0]
+    experts = routed.experts - first
+    mine = (experts >= 0) & (experts < local)
+    pairs = _grouped_pairs(x_btd, jnp.where(mine, experts, local), w_gate_edf, w_up_edf, w_down_efd, impl,
+                           block_rows)
+    return jnp.einsum("btkd,btk->btd", jnp.where(mine[..., None], pairs, 0), routed.weights)
+
+
+def _grouped_pairs(x_btd, experts_btk, w_gate_edf, w_up_edf, w_down_efd, impl, block_rows) -> jax.Array:
+    """[b, t, k, d]: each (token, k) pair's expert SwiGLU, computed as grouped matmuls over the pairs sorted by
+    expert. Pairs whose expert id is ``E`` (= w_gate_edf.shape[0], out of range) sort last and are not computed
+    (their rows are 0 with ``blocks``; whatever ``ragged_dot`` leaves past its groups otherwise)."""
     b, t, d = x_btd.shape
-    k, num_experts = routed.experts.shape[-1], w_gate_edf.shape[0]
+    k, num_experts = experts_btk.shape[-1], w_gate_edf.shape[0]
     impl = impl or grouped_impl()
     if impl not in GROUPED_IMPLS:
         raise ValueError(f"impl must be one of {GROUPED_IMPLS}, got {impl!r}")
-    flat_e = routed.experts.reshape(-1)                # [b*t*k] the expert of each pair
+    flat_e = experts_btk.reshape(-1)                    # [b*t*k] the expert of each pair
     order = jnp.argsort(flat_e, stable=True)            # pairs grouped by expert
     group_sizes = jnp.bincount(flat_e, length=num_experts).astype(jnp.int32)
     xs = x_btd.reshape(b * t, d)[order // k]            # each sorted pair's token
@@ -184,8 +230,7 @@ def experts_mlp(x_btd: jax.Array, routed: Routed, w_gate_edf: jax.Array, w_up_ed
     else:
         block = block_rows or default_block_rows(b * t * k, num_experts)
         ys = blocked_swiglu(xs, group_sizes, w_gate_edf, w_up_edf, w_down_efd, block)
-    pairs = ys[jnp.argsort(order)].reshape(b, t, k, d)  # back in (token, k) order
-    return jnp.einsum("btkd,btk->btd", pairs, routed.weights)
+    return ys[jnp.argsort(order)].reshape(b, t, k, d)  # back in (token, k) order
 
 
 def default_block_rows(pairs: int, num_experts: int) -> int:

@@ -2,7 +2,10 @@
 
 A replica of a model-stage has a ``Layout(tp, pp)`` and lives on ``Mesh(devices.reshape(pp, tp),
 ("pp", "tp"))``; ``dp`` replicas run as one SPMD program on ``Mesh(devices.reshape(dp, pp, tp),
-("dp", "pp", "tp"))``. Dimensions a layout cannot divide are rejected with :class:`LayoutError`.
+("dp", "pp", "tp"))``. A mixture-of-experts layout with ep > 1 has an ``expert`` axis between pp and tp:
+``Mesh(devices.reshape(pp, ep, tp), ("pp", "expert", "tp"))`` (and dp in front); with ep = 1 the mesh has no
+``expert`` axis at all, so dense layouts are exactly as before. Dimensions a layout cannot divide are rejected
+with :class:`LayoutError`.
 
 One explicit exception, as serving engines do: when tp exceeds the number of kv heads, each kv head is
 stored ``tp // num_kv_heads`` times (tp must be a multiple), so every tp rank holds one kv head. The
@@ -31,7 +34,8 @@ from nereus_jax.config import ModelConfig
 from nereus_jax.layout import Layout, LayoutError
 from nereus_jax.models.decoder import abstract_params, param_axes
 from nereus_jax.models.layers import activation_constraints
-from nereus_jax.sharding.rules import MESH_AXES, rules_for
+from nereus_jax.sharding.experts import expert_parallel_layer
+from nereus_jax.sharding.rules import rules_for
 
 # parameter name -> its kv_heads axis (LoRA's B of k/v_proj: [layers, rank, kv_heads, head_dim])
 _KV_PARAMS = {"wk": 2, "wv": 2, "bk": 1, "bv": 1, "wk_lora_b": 2, "wv_lora_b": 2}
@@ -100,7 +104,8 @@ def tree_to_numpy(tree):
 
 
 def make_mesh(devices: Sequence[jax.Device], layout: Layout, dp: int | None = None) -> Mesh:
-    """A mesh over ``devices`` (in order): ("pp", "tp") for one replica, ("dp", "pp", "tp") with ``dp``."""
+    """A mesh over ``devices`` (in order): ("pp", "tp") for one replica, ("dp", "pp", "tp") with ``dp``; with
+    ep > 1 an "expert" axis between pp and tp (tensor ranks stay adjacent devices, the fastest links)."""
     devices = list(devices)
     want = layout.size * (dp or 1)
     if len(devices) != want:
@@ -108,9 +113,21 @@ def make_mesh(devices: Sequence[jax.Device], layout: Layout, dp: int | None = No
     if len(set(devices)) != len(devices):
         raise LayoutError(f"device list has duplicates: {[device_index(d) for d in devices]}")
     arr = np.array(devices, dtype=object)
+    names = replica_axes(layout)
+    shape = tuple(layout_sizes(layout)[a] for a in names)
     if dp is None:
-        return Mesh(arr.reshape(layout.pp, layout.tp), ("pp", "tp"))
-    return Mesh(arr.reshape(dp, layout.pp, layout.tp), MESH_AXES)
+        return Mesh(arr.reshape(shape), names)
+    return Mesh(arr.reshape(dp, *shape), ("dp", *names))
+
+
+def replica_axes(layout: Layout) -> tuple[str, ...]:
+    """The mesh axes of one replica of ``layout``: ("pp", "tp"), with "expert" between them when ep > 1."""
+    return ("pp", "expert", "tp") if layout.ep > 1 else ("pp", "tp")
+
+
+def layout_sizes(layout: Layout) -> dict[str, int]:
+    """Each replica mesh axis's size under ``layout`` ("expert" included, 1 when the mesh lacks it)."""
+    return {"tp": layout.tp, "pp": layout.pp, "expert": layout.ep}
 
 
 def kv_repeat(cfg: ModelConfig, layout: Layout) -> int:
@@ -149,17 +166,26 @@ def stored_shapes(cfg: ModelConfig, layout: Layout, *, head: str = "lm", num_lab
 def check_layout(cfg: ModelConfig, layout: Layout, *, kind: str = "train", head: str = "lm",
                  num_labels: int = 1) -> None:
     """Raises LayoutError naming the parameter and dimension a layout cannot divide."""
+    if layout.ep > 1 and not cfg.num_experts:
+        raise LayoutError(f"{layout}: expert parallelism (ep={layout.ep}) needs a mixture-of-experts model "
+                          f"(model.family={cfg.family} has no experts); use ep=1")
+    if layout.ep > 1 and layout.pp > 1:
+        # the expert layer's shard_map nested in a pipeline stage's (manual over pp) fails to lower under
+        # autodiff on jax 0.12 (its residuals name the parent's manual axis); see sharding/experts.py
+        raise LayoutError(f"{layout}: expert parallelism with pipeline parallelism is not supported; use pp=1 "
+                          f"with ep={layout.ep}, or ep=1 with pp={layout.pp}")
     shapes = stored_shapes(cfg, layout, head=head, num_labels=num_labels)
     axes = param_axes(cfg, head=head, num_labels=num_labels)
-    sizes = {"tp": layout.tp, "pp": layout.pp}
+    sizes = layout_sizes(layout)
     for path, shape in _flatten(shapes):
-        spec = logical_to_spec(_lookup(axes, path), kind, ("pp", "tp"))
+        spec = logical_to_spec(_lookup(axes, path), kind, replica_axes(layout))
         for dim, (n, mesh_axis) in enumerate(zip(shape, spec, strict=True)):
             if mesh_axis is not None and n % sizes[mesh_axis]:
                 logical = _lookup(axes, path)[dim]
+                key = "ep" if mesh_axis == "expert" else mesh_axis
                 raise LayoutError(
                     f"{layout} cannot split parameter {'/'.join(path)} dimension {dim} ('{logical}', size {n}) "
-                    f"over {mesh_axis}={sizes[mesh_axis]}; choose {mesh_axis} dividing {n}")
+                    f"over {key}={sizes[mesh_axis]}; choose {key} dividing {n}")
 
 
 def param_shardings(cfg: ModelConfig, layout: Layout, mesh: Mesh, *, kind: str = "train", head: str = "lm",
@@ -238,11 +264,12 @@ def bytes_per_device(tree) -> dict[int, int]:
 @contextlib.contextmanager
 def activation_sharding(mesh: Mesh, kind: str = "train") -> Iterator[None]:
     """While tracing inside this context, the model's logical activation annotations become sharding
-    constraints on ``mesh`` through ``kind``'s rules table."""
+    constraints on ``mesh`` through ``kind``'s rules table, and a mesh with an ``expert`` axis runs the routed
+    experts expert-parallel (:mod:`nereus_jax.sharding.experts`)."""
     def fn(x, axes):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes, kind, mesh.axis_names)))
 
-    with activation_constraints(fn):
+    with activation_constraints(fn), expert_parallel_layer(mesh):
         yield
 
 

@@ -74,6 +74,7 @@ from nereus_jax.models.decoder import (
 )
 from nereus_jax.models.layers import activation_constraints
 from nereus_jax.models.routing import with_mismatch
+from nereus_jax.sharding.experts import expert_degree, expert_parallel_layer
 from nereus_jax.sharding.layout import LayoutError, logical_to_spec
 from nereus_jax.sharding.rules import rules_for
 
@@ -143,16 +144,31 @@ def pipeline_forward_fn(mesh: Mesh, microbatches: int | Callable[[int, int], int
     programs whose batch size varies (packed rows)."""
     axis = pipeline_axis(mesh, kind)
     if axis is None:
-        return forward
+        return _with_experts(mesh, forward)
     if not callable(microbatches):
-        return functools.partial(pipeline_forward, mesh=mesh, microbatches=microbatches, kind=kind)
+        return _with_experts(mesh, functools.partial(pipeline_forward, mesh=mesh, microbatches=microbatches,
+                                                     kind=kind))
     dp, pp = _batch_degree(mesh, kind), mesh.shape[axis]
 
     def fn(params, cfg, tokens_bt, *args, **kwargs):
         m = microbatches(tokens_bt.shape[0] // dp, pp)
         return pipeline_forward(params, cfg, tokens_bt, *args, mesh=mesh, microbatches=m, kind=kind, **kwargs)
 
-    return fn
+    return _with_experts(mesh, fn)
+
+
+def _with_experts(mesh: Mesh, fn: ForwardFn) -> ForwardFn:
+    """``fn`` itself on a mesh without expert parallelism; else ``fn`` traced with the expert-parallel layer
+    installed (:func:`~nereus_jax.sharding.experts.expert_parallel_layer`)."""
+    if expert_degree(mesh) == 1:
+        return fn
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with expert_parallel_layer(mesh):
+            return fn(*args, **kwargs)
+
+    return wrapped
 
 
 def executed_schedule(params: dict, cfg: ModelConfig, tokens_bt: jax.Array, *, mesh: Mesh, microbatches: int,

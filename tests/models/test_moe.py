@@ -23,7 +23,7 @@ from nereus_jax.models import layers as L
 from nereus_jax.models.hf import load_hf, save_hf
 from nereus_jax.models.routing import load_balancing_loss
 from nereus_jax.sharding import Layout, activation_sharding, make_mesh, shard_params
-from nereus_jax.sharding.pipeline import pipeline_forward
+from nereus_jax.sharding.pipeline import pipeline_forward, pipeline_forward_fn
 
 MOE = ModelConfig(family="qwen3_moe", qk_norm=True, vocab_size=96, hidden_size=32, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, intermediate_size=48, moe_intermediate_size=16, num_experts=8,
@@ -249,5 +249,43 @@ def test_pipelined_routing_equals_one_device(params, devices, layout, m):
     for name in ("mismatch_bt", "own_mismatch_bt"):
         np.testing.assert_array_equal(np.asarray(getattr(stats2, name)), np.asarray(getattr(stats, name)))
     assert np.asarray(stats.own_mismatch_bt).any()
+    for a, b in zip(jax.tree.leaves(grads2), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+
+
+_EP_MASK = jnp.array([[0] * 3 + [1] * 6, [1] * 9, [1] * 7 + [0] * 2, [0] + [1] * 8])
+
+
+def _ep_loss(fn):
+    """value_and_grad of the padded batch's mean squared logit over its real tokens."""
+    def f(p):
+        logits = fn(p)
+        real = jnp.where(_EP_MASK[..., None] == 1, logits, 0.0)
+        return jnp.sum(real ** 2) / (jnp.sum(_EP_MASK) * MOE.vocab_size), logits
+    return jax.value_and_grad(f, has_aux=True)
+
+
+@pytest.fixture(scope="module")
+def one_device_ep_reference(params):
+    tokens = _tokens(4, 9, seed=6)
+    return tokens, _ep_loss(lambda p: forward(p, MOE, tokens, None, _EP_MASK))(params)
+
+
+@pytest.mark.parametrize("layout,dp", [(Layout(ep=4), None), (Layout(tp=2, ep=2), None), (Layout(ep=2), 2)])
+def test_expert_parallel_forward_and_gradients_equal_one_device(params, devices, one_device_ep_reference, layout,
+                                                                 dp):
+    """Experts split over ep ranks (alone, beside tp, or in dp replicas): the same logits and gradients as one
+    device, on a padded batch; each rank holds and runs only its experts (nothing gathered)."""
+    tokens, ((_, want), grads) = one_device_ep_reference
+    mesh = make_mesh(devices[:layout.size * (dp or 1)], layout, dp=dp)
+    sharded = shard_params(jax.tree.map(np.asarray, params), MOE, layout, mesh)
+    w = sharded["layers"]["moe"]["w_gate"]
+    assert w.sharding.shard_shape(w.shape)[1] == MOE.num_experts // layout.ep
+    fn = pipeline_forward_fn(mesh, 2)  # what the job's programs run: the expert-parallel layer installed
+    program = jax.jit(_ep_loss(lambda p: fn(p, MOE, tokens, None, _EP_MASK))).lower(sharded)
+    program = program.compile()
+    assert "all-gather" not in program.as_text()  # no expert's weights gathered: each rank runs its own
+    (_, got), grads2 = program(sharded)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
     for a, b in zip(jax.tree.leaves(grads2), jax.tree.leaves(grads), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
