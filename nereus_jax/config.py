@@ -229,15 +229,18 @@ class ClusterConfig(_Node):
 
 @dataclass(frozen=True)
 class StageLayoutConfig(_Node):
-    """One model-stage's parallel layout: tensor and pipeline degree, and number of data-parallel replicas."""
+    """One model-stage's parallel layout: tensor, pipeline and expert degree, and number of data-parallel
+    replicas."""
 
     tp: int = 1
     pp: int = 1
+    ep: int = _field(1, "expert-parallel degree (mixture-of-experts models): the experts split over ep devices "
+                     "of a replica; must divide model.num_experts")
     dp: int | None = _field(None, "replica count; null = fill the devices the plan gives this stage")
 
     def devices_needed(self) -> int:
         """The fewest devices this layout occupies (dp unset counts one replica)."""
-        return self.tp * self.pp * (self.dp or 1)
+        return self.tp * self.pp * self.ep * (self.dp or 1)
 
 
 @dataclass(frozen=True)
@@ -259,7 +262,7 @@ class PlanConfig(_Node):
             if name not in STAGE_NAMES:
                 raise unknown_name_error("stage", f"plan.stages.{name}", name, STAGE_NAMES, "plan.stages")
         for key, layout in self.named_layouts():
-            _check_at_least(key, layout, 1, "tp", "pp")
+            _check_at_least(key, layout, 1, "tp", "pp", "ep")
             if layout.dp is not None:
                 _check_at_least(key, layout, 1, "dp")
 
@@ -639,6 +642,7 @@ class Config(_Node):
 
     def __post_init__(self) -> None:
         _check_plan_fits(self.plan, self.cluster)
+        _check_expert_layouts(self.plan, self.model)
         _check_context_fits(self.rollout, self.model)
         _check_group_sampling(self.algorithm, self.rollout)
         _check_mini_batches(self.trainer, self.rollout, self.algorithm)
@@ -722,10 +726,23 @@ def _check_plan_fits(plan: PlanConfig, cluster: ClusterConfig) -> None:
         need = layout.devices_needed()
         require(
             need <= cluster.num_devices,
-            f"{key} needs tp*pp*dp = {layout.tp}*{layout.pp}*{layout.dp or 1} = {need} devices but "
-            f"cluster.num_devices is {cluster.num_devices}: lower {key}.tp/pp/dp or raise "
+            f"{key} needs tp*pp*ep*dp = {layout.tp}*{layout.pp}*{layout.ep}*{layout.dp or 1} = {need} devices but "
+            f"cluster.num_devices is {cluster.num_devices}: lower {key}.tp/pp/ep/dp or raise "
             "cluster.num_devices",
         )
+
+
+def _check_expert_layouts(plan: PlanConfig, model: ModelConfig) -> None:
+    """ep > 1 needs experts it divides, and pp = 1 (sharding/experts.py: not inside a pipeline stage)."""
+    for key, layout in plan.named_layouts():
+        if layout.ep == 1:
+            continue
+        require(bool(model.num_experts), f"{key}.ep={layout.ep}: expert parallelism needs a mixture-of-experts "
+                f"model, but model.family={model.family} has model.num_experts=0; set {key}.ep=1")
+        require(model.num_experts % layout.ep == 0, f"{key}.ep={layout.ep} does not divide model.num_experts="
+                f"{model.num_experts}: choose an ep dividing {model.num_experts}")
+        require(layout.pp == 1, f"{key}.ep={layout.ep} with {key}.pp={layout.pp}: expert parallelism does not run "
+                "inside a pipeline yet; set pp=1 or ep=1")
 
 
 def _check_context_fits(rollout: RolloutConfig, model: ModelConfig) -> None:

@@ -286,6 +286,21 @@ def test_plan_needing_more_devices_than_the_cluster_names_stage_and_num_devices(
         load_config(None, ["plan.stages.actor-train={tp: 2, pp: 2, dp: 4}"])
 
 
+def test_expert_parallel_degree_is_checked_against_the_model():
+    moe = ["model.family=qwen3_moe", "model.qk_norm=true", "model.num_experts=8", "model.num_experts_per_tok=2"]
+    cfg = load_config(None, moe + ["plan.stages.actor-train.ep=4"])
+    assert cfg.plan.layout_for("actor-train").ep == 4 and cfg.plan.layout_for("actor-gen").ep == 1
+    with pytest.raises(ConfigError, match=r"plan\.default\.ep=2: expert parallelism needs a mixture-of-experts model.*"
+                                          r"set plan\.default\.ep=1"):
+        load_config(None, ["plan.default.ep=2"])
+    with pytest.raises(ConfigError, match=r"plan\.stages\.actor-train\.ep=3 does not divide model\.num_experts=8"):
+        load_config(None, moe + ["plan.stages.actor-train.ep=3"])
+    with pytest.raises(ConfigError, match=r"plan\.stages\.actor-train\.ep=2 with plan\.stages\.actor-train\.pp=2"):
+        load_config(None, moe + ["plan.stages.actor-train={pp: 2, ep: 2}"])
+    with pytest.raises(ConfigError, match=r"tp\*pp\*ep\*dp = 1\*1\*8\*2 = 16 devices"):
+        load_config(None, moe + ["plan.stages.actor-train={ep: 8, dp: 2}"])
+
+
 def test_layout_degree_below_one_is_rejected():
     with pytest.raises(ConfigError, match=r"plan\.default\.tp must be >= 1, got 0"):
         load_config(None, ["plan.default.tp=0"])

@@ -27,7 +27,7 @@ from nereus_jax.model_stage import ModelStage
 from nereus_jax.sharding import Layout, bytes_per_device, device_index, make_mesh, to_numpy
 
 from .plan import DEVICE
-from .spec import StateSpec, move_bits
+from .spec import StateSpec, move_bits, spec_on_mesh
 
 
 @dataclasses.dataclass(eq=False)
@@ -118,7 +118,7 @@ def leaves_checksum(leaves: Sequence[jax.Array], mesh: Mesh, meta: Sequence[Any]
     """:meth:`EMU.checksum` of ``leaves`` laid out on ``mesh`` as ``meta`` (StateSpec leaves: partition spec
     and kv axis) says, with ``rep`` copies of each kv head. Each device hashes its own block (one program:
     no value is moved or combined before it is hashed, so nothing can be normalised on the way)."""
-    kv = tuple((leaf.spec, leaf.kv_axis if rep > 1 else None) for leaf in meta)
+    kv = tuple((spec_on_mesh(leaf.spec, mesh.axis_names), leaf.kv_axis if rep > 1 else None) for leaf in meta)
     shapes = tuple(tuple(x.shape) for x in leaves)
     parts = np.asarray(_device_hashes(list(leaves), mesh, kv, rep))  # [device position, leaf, lane]
     out = np.zeros((len(leaves), 3), np.uint32)
@@ -256,7 +256,7 @@ def split_replicas(leaves: Sequence[jax.Array], mesh: Mesh, stage: ModelStage, s
                    memory: str = DEVICE) -> list[EMU]:
     """Inverse of :func:`assemble_replicas`: one EMU per dp index, sharing the buffers (zero-copy). Each
     unit's arrays are made when first read; assembling the same units again returns ``leaves``."""
-    layout = Layout(tp=mesh.shape["tp"], pp=mesh.shape["pp"])
+    layout = Layout(tp=mesh.shape["tp"], pp=mesh.shape["pp"], ep=dict(mesh.shape).get("expert", 1))
     leaves = list(leaves)
     by_device: list[dict] = []
     shapes = [a.shape for a in spec.abstract(layout)]  # one replica's (a block of a split optimizer leaf)

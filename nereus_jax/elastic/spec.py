@@ -28,6 +28,7 @@ from nereus_jax.config import ModelConfig
 from nereus_jax.models import abstract_params, param_axes
 from nereus_jax.models.lora import split_trainable
 from nereus_jax.sharding import Layout, check_layout, kv_repeat, logical_to_spec, make_mesh, stored_shapes
+from nereus_jax.sharding.layout import layout_sizes
 from nereus_jax.sharding.rules import OPTIMIZER_DP_AXES
 
 from .plan import DEVICE, ExecutionPlan
@@ -39,7 +40,9 @@ class Leaf:
 
     shape: tuple[int, ...]
     dtype: np.dtype
-    spec: PartitionSpec  # over mesh axes "pp"/"tp" (and "dp": a sharded optimizer's leaf in the whole state)
+    # over mesh axes "pp"/"expert"/"tp" (and "dp": a sharded optimizer's leaf in the whole state); an axis a mesh
+    # lacks ("expert" with ep = 1) is dropped when the spec meets a mesh (:meth:`StateSpec.shardings`)
+    spec: PartitionSpec
     kv_axis: int | None  # the axis a layout with tp > num_kv_heads stores repeated
     axes: tuple[str | None, ...] | None = None  # logical axis names (a parameter's, or the one it mirrors)
 
@@ -65,7 +68,7 @@ class StateSpec:
         params = abstract_params(model, head=head, num_labels=num_labels)
         params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, self.dtype), params)
         axes = param_axes(model, head=head, num_labels=num_labels)
-        specs = jax.tree.map(lambda a: logical_to_spec(a, kind, ("pp", "tp")), axes,
+        specs = jax.tree.map(lambda a: logical_to_spec(a, kind, ("pp", "expert", "tp")), axes,
                              is_leaf=lambda x: isinstance(x, tuple))
         repeated = stored_shapes(model, Layout(tp=2 * model.num_kv_heads), head=head, num_labels=num_labels)
         p_leaves, self.params_def = jax.tree.flatten(params)
@@ -78,7 +81,7 @@ class StateSpec:
         if optimizer is not None:
             self._add_optimizer(optimizer, params)
         self.global_leaves = self.leaves  # the leaves of the state of all replicas together (see for_dp)
-        self._bytes: dict[tuple[int, int], int] = {}
+        self._bytes: dict[Layout, int] = {}
         self._converters: dict[tuple, Callable[[list], list]] = {}
         self._per_dp: dict[int, StateSpec] = {}
 
@@ -162,11 +165,11 @@ class StateSpec:
 
     def bytes_per_device(self, layout: Layout) -> int:
         """Bytes each device of a replica with ``layout`` holds (the same on every device)."""
-        cached = self._bytes.get((layout.tp, layout.pp))
+        cached = self._bytes.get(layout)
         if cached is None:
-            rep, sizes = self.repeat(layout), {"tp": layout.tp, "pp": layout.pp}
+            rep, sizes = self.repeat(layout), layout_sizes(layout)
             cached = sum(_shard_bytes(leaf, rep, sizes) for leaf in self.leaves)
-            self._bytes[(layout.tp, layout.pp)] = cached
+            self._bytes[layout] = cached
         return cached
 
     def abstract(self, layout: Layout) -> list[jax.ShapeDtypeStruct]:
@@ -181,15 +184,15 @@ class StateSpec:
         return [jax.ShapeDtypeStruct(leaf.stored_shape(rep), leaf.dtype) for leaf in self.global_leaves]
 
     def shardings(self, mesh: Mesh, memory_kind: str = DEVICE) -> list[NamedSharding]:
-        """NamedShardings of every leaf on ``mesh``: one replica's (a mesh with "pp" and "tp" axes) or, on a mesh
-        with a "dp" axis, those of all replicas' state together (replicated over dp, but for an optimizer split
-        over dp)."""
+        """NamedShardings of every leaf on ``mesh``: one replica's (a mesh with "pp" and "tp" axes, and "expert"
+        with ep > 1) or, on a mesh with a "dp" axis, those of all replicas' state together (replicated over dp,
+        but for an optimizer split over dp)."""
         leaves = self.global_leaves if "dp" in mesh.axis_names else self.leaves
         return _shardings(tuple(leaf.spec for leaf in leaves), mesh, memory_kind)
 
     def param_bytes_per_device(self, layout: Layout) -> int:
         """The parameters' part of :meth:`bytes_per_device`."""
-        rep, sizes = self.repeat(layout), {"tp": layout.tp, "pp": layout.pp}
+        rep, sizes = self.repeat(layout), layout_sizes(layout)
         return sum(_shard_bytes(leaf, rep, sizes) for leaf in self.leaves[: self.n_params])
 
     # -------------------------------------------------------------------------------------- trees
@@ -333,7 +336,14 @@ def _merge_axis(x: jax.Array, axis: int) -> jax.Array:
 
 @functools.lru_cache(maxsize=4096)
 def _shardings(specs: tuple[PartitionSpec, ...], mesh: Mesh, memory_kind: str) -> list[NamedSharding]:
-    return [NamedSharding(mesh, s, memory_kind=memory_kind) for s in specs]
+    return [NamedSharding(mesh, spec_on_mesh(s, mesh.axis_names), memory_kind=memory_kind) for s in specs]
+
+
+def spec_on_mesh(spec: PartitionSpec, names: Sequence[str]) -> PartitionSpec:
+    """``spec`` without the mesh axes ``names`` lacks (a layout with ep = 1 has no "expert" axis)."""
+    if all(e is None or e in names for e in spec):
+        return spec
+    return PartitionSpec(*(e if e is None or e in names else None for e in spec))
 
 
 def _shard_bytes(leaf: Leaf, rep: int, sizes: Mapping[str, int]) -> int:

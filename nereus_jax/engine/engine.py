@@ -462,12 +462,12 @@ class JaxEngine:
 
 
 def _layout_of(mesh: Mesh) -> Layout:
-    if tuple(mesh.axis_names) != ("pp", "tp"):
-        raise EngineError(f"the engine serves one replica: a ('pp', 'tp') mesh (make_mesh without dp), got axes "
-                          f"{mesh.axis_names}")
+    if tuple(mesh.axis_names) not in (("pp", "tp"), ("pp", "expert", "tp")):
+        raise EngineError(f"the engine serves one replica: a ('pp', 'tp') mesh, or ('pp', 'expert', 'tp') with "
+                          f"expert parallelism (make_mesh without dp), got axes {mesh.axis_names}")
     if mesh.shape["pp"] != 1:
         raise EngineError(f"generation runs with pp=1 (got pp={mesh.shape['pp']}); use tp for a larger replica")
-    return Layout(tp=mesh.shape["tp"])
+    return Layout(tp=mesh.shape["tp"], ep=dict(mesh.shape).get("expert", 1))
 
 
 def _positive(name: str, value: int) -> int:

@@ -232,12 +232,12 @@ def fingerprint(model: Mapping[str, Any]) -> str:
 
 
 def plan_to_json(plan: ExecutionPlan) -> dict[str, Any]:
-    return {str(ms): {"tp": sp.layout.tp, "pp": sp.layout.pp, "replicas": [list(r) for r in sp.replicas],
-                      "memory": sp.memory} for ms, sp in plan.items()}
+    return {str(ms): {"tp": sp.layout.tp, "pp": sp.layout.pp, "ep": sp.layout.ep,
+                      "replicas": [list(r) for r in sp.replicas], "memory": sp.memory} for ms, sp in plan.items()}
 
 
 def plan_from_json(data: Mapping[str, Any]) -> ExecutionPlan:
-    return ExecutionPlan({ModelStage.parse(k): StagePlan(Layout(tp=v["tp"], pp=v["pp"]),
+    return ExecutionPlan({ModelStage.parse(k): StagePlan(Layout(tp=v["tp"], pp=v["pp"], ep=v.get("ep", 1)),
                                                          tuple(tuple(r) for r in v["replicas"]), v["memory"])
                           for k, v in data.items()})
 

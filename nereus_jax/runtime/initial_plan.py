@@ -104,9 +104,9 @@ def plan_from_config(cfg: Config, device_ids: list[int] | None = None) -> Execut
 
 def _stage_plan(cfg: Config, ms: ModelStage, ids: list[int], share: int = 1) -> StagePlan:
     lc = cfg.plan.layout_for(str(ms))
-    layout = Layout(tp=lc.tp, pp=lc.pp)
+    layout = Layout(tp=lc.tp, pp=lc.pp, ep=lc.ep)
     dp = lc.dp or max(1, len(ids) // share // layout.size)
     if dp * layout.size > len(ids):
         raise ConfigError(f"plan.stages.{ms}: {layout} x dp={dp} needs {dp * layout.size} devices, only "
-                          f"{len(ids)} are available to it; lower dp/tp/pp or raise cluster.num_devices")
+                          f"{len(ids)} are available to it; lower dp/tp/pp/ep or raise cluster.num_devices")
     return StagePlan(layout, tuple(tuple(ids[i * layout.size:(i + 1) * layout.size]) for i in range(dp)))

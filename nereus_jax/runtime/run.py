@@ -187,7 +187,8 @@ def _check_layouts(cfg: Config) -> None:
             model, head, labels = rm.config, rm.head, rm.num_labels
         lc = cfg.plan.layout_for(str(ms))
         key = f"plan.stages.{ms}" if str(ms) in cfg.plan.stages else "plan.default"
-        for axis, layout in (("tp", Layout(tp=lc.tp)), ("pp", Layout(tp=lc.tp, pp=lc.pp))):
+        for axis, layout in (("tp", Layout(tp=lc.tp)), ("pp", Layout(tp=lc.tp, pp=lc.pp)),
+                             ("ep", Layout(tp=lc.tp, pp=lc.pp, ep=lc.ep))):
             try:
                 check_layout(model, layout, kind=ms.kind, head=head, num_labels=labels)
             except LayoutError as e:

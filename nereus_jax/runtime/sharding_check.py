@@ -44,7 +44,7 @@ def _batch(cfg: Config, batch: int):
 def run_sharding_check(cfg: Config) -> dict:
     """Runs the check, prints a table, returns a JSON-able summary (``ok`` when both match)."""
     m, plan = cfg.model, cfg.plan.default
-    layout = Layout(tp=plan.tp, pp=plan.pp)
+    layout = Layout(tp=plan.tp, pp=plan.pp, ep=plan.ep)
     check_layout(m, layout, kind="train")  # before any compute
     devices = jax.devices()[: cfg.cluster.num_devices]
     dp = plan.dp or len(devices) // layout.size

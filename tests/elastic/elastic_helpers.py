@@ -105,8 +105,8 @@ PLAN_STAGES = [ACTOR_TRAIN, REF, ACTOR_GEN]
 
 
 @st.composite
-def stage_plans(draw):
-    layout = draw(st.sampled_from(PLAN_LAYOUTS))
+def stage_plans(draw, layouts=tuple(PLAN_LAYOUTS)):
+    layout = draw(st.sampled_from(layouts))
     dp = draw(st.integers(1, 8 // layout.size))
     order = draw(st.permutations(range(8)))
     replicas = tuple(tuple(order[i * layout.size:(i + 1) * layout.size]) for i in range(dp))
@@ -115,8 +115,8 @@ def stage_plans(draw):
 
 
 @st.composite
-def plan_pairs(draw, stages=PLAN_STAGES, max_stages: int = 3):
+def plan_pairs(draw, stages=PLAN_STAGES, max_stages: int = 3, layouts=tuple(PLAN_LAYOUTS)):
     chosen = draw(st.lists(st.sampled_from(stages), min_size=1, max_size=max_stages, unique=True))
-    old = ExecutionPlan({ms: draw(stage_plans()) for ms in chosen})
-    new = ExecutionPlan({ms: draw(stage_plans()) for ms in chosen})
+    old = ExecutionPlan({ms: draw(stage_plans(layouts)) for ms in chosen})
+    new = ExecutionPlan({ms: draw(stage_plans(layouts)) for ms in chosen})
     return old, new

@@ -12,8 +12,8 @@ TINY = ModelConfig()  # vocab 128, 2 layers, 4 heads, 2 kv heads: tp=4 exceeds t
 ENGINE_ARGS = dict(max_concurrent_decodes=4, max_prefill_length=32, max_target_length=64, max_prefill_batch=4)
 
 
-def make_engine(devices, tp=1, cfg=TINY, **overrides):
-    return JaxEngine(cfg, make_mesh(devices[:tp], Layout(tp=tp)), **{**ENGINE_ARGS, **overrides})
+def make_engine(devices, tp=1, cfg=TINY, ep=1, **overrides):
+    return JaxEngine(cfg, make_mesh(devices[:tp * ep], Layout(tp=tp, ep=ep)), **{**ENGINE_ARGS, **overrides})
 
 
 def make_prompts(count, seed=0, low=3, high=20, vocab=TINY.vocab_size):

@@ -1,8 +1,9 @@
 """An engine that records routes (mixture-of-experts models, for routing replay): every prompt token and every
 response token it fed back carries the router's top-k per layer, and those are the full forward's own top-k of
 the same sequence (float32: the forward, given the record, finds no token whose own choice differs); the last
-response token (never fed back) and padding carry none. Paged caches, k decode steps per call and chunked
-prefill record the same routes as the plain engine; a continuation prefilled onto a slot (``prefill_slots``)
+response token (never fed back) and padding carry none. Paged caches, k decode steps per call, chunked
+prefill and experts split over an expert-parallel replica (ep 4 x tp 2) generate the same tokens and record the
+same routes as the plain engine; a continuation prefilled onto a slot (``prefill_slots``)
 records its tokens' routes; a dense model cannot record, and conversations refuse a recording engine."""
 
 import dataclasses
@@ -63,8 +64,8 @@ def test_recorded_routes_are_the_forwards_own_top_k(devices, moe_params):
 
 
 @pytest.mark.parametrize("engine", [dict(page_size=8), dict(decode_steps_per_call=3),
-                                    dict(max_prefill_length=16, max_prompt_length=30)],
-                         ids=["paged", "3-steps-per-call", "chunked-prefill"])
+                                    dict(max_prefill_length=16, max_prompt_length=30), dict(ep=4, tp=2)],
+                         ids=["paged", "3-steps-per-call", "chunked-prefill", "expert-parallel"])
 def test_every_engine_variant_records_the_same_routes(devices, moe_params, engine):
     prompts = make_prompts(4, seed=12, low=3, high=30)
     plain = _generate(devices, moe_params, prompts, max_prefill_length=32, max_prompt_length=32)

@@ -11,11 +11,12 @@ from nereus_jax.sharding import Layout
 LAYOUTS = [Layout(1), Layout(2), Layout(4), Layout(1, 2), Layout(2, 2)]
 
 
-def random_plan(rng: random.Random, job) -> ExecutionPlan:
-    """A plan the job can run: any tp x pp (pp = 1 for actor-gen), dp dividing the rows, devices shuffled."""
+def random_plan(rng: random.Random, job, layouts=tuple(LAYOUTS)) -> ExecutionPlan:
+    """A plan the job can run: any of ``layouts`` (pp = 1 for actor-gen), dp dividing the rows, devices shuffled."""
     stages = {}
+    choices = layouts
     for ms in job.plan:
-        layouts = [lt for lt in LAYOUTS if ms != ACTOR_GEN or lt.pp == 1]
+        layouts = [lt for lt in choices if ms != ACTOR_GEN or lt.pp == 1]
         layout = rng.choice(layouts)
         dp = rng.choice([d for d in (1, 2, 4, 8) if d * layout.size <= 8 and job.mini_rows % d == 0])
         order = rng.sample(range(8), 8)
@@ -30,7 +31,7 @@ def host_state(job) -> dict:
             for ms in job.units}
 
 
-def move_randomly(job, rng: random.Random, moves: int, tries: int = 30) -> None:
+def move_randomly(job, rng: random.Random, moves: int, tries: int = 30, layouts=tuple(LAYOUTS)) -> None:
     """``moves`` moves of ``job`` to random plans a schedule exists for, each keeping every model-stage's state
     bit for bit (reference: the state before the move)."""
     from nereus_jax.elastic.graph import TransitionGraph
@@ -42,7 +43,7 @@ def move_randomly(job, rng: random.Random, moves: int, tries: int = 30) -> None:
     for _ in range(tries):
         if moved == moves:
             return
-        target = align_ranks(job.plan, random_plan(rng, job))
+        target = align_ranks(job.plan, random_plan(rng, job, layouts))
         try:
             graph = TransitionGraph.build(job.plan, target, job.specs)
         except Infeasible:

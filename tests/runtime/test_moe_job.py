@@ -1,6 +1,7 @@
-"""A Qwen3-MoE job end to end on the tiny addition task: GRPO steps train every expert and the router, moves
-between random plans keep every bit and the job trains on, a checkpoint resumes into another layout bit-exact,
-and the export is a Qwen3MoeForCausalLM checkpoint that loads back bit for bit.
+"""A Qwen3-MoE job end to end on the tiny addition task: GRPO steps (actor-train expert-parallel, ep 2) train
+every expert and the router, moves between random plans (ep among them) keep every bit and the job trains on, a
+checkpoint resumes into another layout (ep 1, tp 2) bit-exact, and the export is a Qwen3MoeForCausalLM checkpoint
+that loads back bit for bit.
 
 Routing replay with bfloat16 generation (float32 training): without replay actor-infer routes some response
 tokens to other experts than the engine did (router_mismatch_fraction > 0); with it, none, while its own router
@@ -11,7 +12,7 @@ import random
 
 import numpy as np
 import pytest
-from plans import host_state, move_randomly
+from plans import LAYOUTS, host_state, move_randomly
 
 from nereus_jax.config import load_config
 from nereus_jax.model_stage import ACTOR_TRAIN
@@ -44,7 +45,7 @@ def job(tmp_path_factory):
         def log(self, _):
             pass
 
-    cfg = _cfg()
+    cfg = _cfg("plan.stages.actor-train.ep=2")
     warm = warm_start(load_config(None, MOE + ["trainer.warmup_sft_steps=100"]), make_task(cfg.task),
                       CharTokenizer(), str(tmp_path_factory.mktemp("moe-warm")), _Quiet())[0]
     j = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
@@ -56,6 +57,7 @@ def job(tmp_path_factory):
 
 def test_steps_train_every_expert_and_the_router(job):
     j, before, results = job
+    assert j.plan[ACTOR_TRAIN].layout == Layout(ep=2)
     assert all(np.isfinite(r.metrics["loss"]) for r in results)
     assert any(r.metrics["reward_mean"] > 0 for r in results)
     after = j.actor_host_params()
@@ -68,7 +70,7 @@ def test_steps_train_every_expert_and_the_router(job):
 @pytest.mark.long  # ~55 s; the dense and LoRA jobs' random moves run in CI
 def test_moves_between_random_plans_keep_every_bit_and_the_job_trains_on(job):
     j, _, _ = job
-    move_randomly(j, random.Random(3), 2)
+    move_randomly(j, random.Random(3), 2, layouts=LAYOUTS + [Layout(ep=2), Layout(ep=4), Layout(tp=2, ep=2)])
     assert np.isfinite(j.step(2).metrics["loss"])
 
 
