@@ -262,7 +262,10 @@ def _block_plan(n: int, group_sizes: jax.Array, num_experts: int, block: int):
     blocks = (group_sizes + block - 1) // block                      # [experts]
     ends = jnp.cumsum(blocks)
     i = jnp.arange((n + num_experts * (block - 1)) // block)
-    expert = jnp.minimum(jnp.searchsorted(ends, i, side="right"), num_experts - 1).astype(jnp.int32)
+    # searchsorted(ends, i, side="right") as a count: jnp.searchsorted fails to trace inside shard_map on jax
+    # 0.10.2 (the expert-parallel layer runs this per expert rank)
+    after = jnp.sum(ends[None, :] <= i[:, None], axis=1)
+    expert = jnp.minimum(after, num_experts - 1).astype(jnp.int32)
     start = jnp.cumsum(group_sizes) - group_sizes                    # each group's first row
     first = start[expert] + (i - (ends - blocks)[expert]) * block
     rows = first[:, None] + jnp.arange(block)[None, :]

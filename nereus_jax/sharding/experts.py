@@ -50,6 +50,9 @@ def sharded_experts_mlp(mesh: Mesh, x_btd: jax.Array, routed: Routed, w_gate_edf
     """:func:`~nereus_jax.models.layers.experts_mlp` with the experts split over ``mesh``'s expert axis: each
     rank's local experts on their routed pairs, summed over the ranks."""
     def body(x, weights, experts, w_gate, w_up, w_down):
+        # the whole inputs become per-rank values up front (their cotangents then psum over the ranks), so every
+        # value the grouped matmul's custom VJP sees varies over the ranks alike (jax 0.10.2 checks that)
+        x, weights = (lax.pcast(a, EXPERT_AXIS, to="varying") for a in (x, weights))
         first = lax.axis_index(EXPERT_AXIS) * w_gate.shape[0]
         part = local_experts_mlp(x, Routed(weights, experts, experts, None), w_gate, w_up, w_down, first)
         return lax.psum(part, EXPERT_AXIS)
