@@ -236,7 +236,7 @@ def _alternatives(problem: Problem, opts, best: list[PhaseSolution]) -> list[tup
 
 
 def _other_layouts(problem: Problem, opts, best: list[PhaseSolution]) -> list[tuple[float, list[PhaseSolution]]]:
-    """For each model-stage, the best plan that fits when that model-stage must leave its (tp, pp)."""
+    """For each model-stage, the best plan that fits when that model-stage must leave its (tp, pp, ep)."""
     picks = picked(best)
     lo = {s: 0.0 for s in opts}
     hi = {s: math.inf for s in opts}
@@ -244,7 +244,8 @@ def _other_layouts(problem: Problem, opts, best: list[PhaseSolution]) -> list[tu
     out = []
     for stage, i in picks.items():
         o = opts[stage]
-        other = masks[stage] & ((o.raw[:, 0] != o.raw[i, 0]) | (o.raw[:, 1] != o.raw[i, 1]))
+        other = masks[stage] & ((o.raw[:, 0] != o.raw[i, 0]) | (o.raw[:, 1] != o.raw[i, 1])
+                                | (o.table[:, 5] != o.table[i, 5]))
         if not other.any():
             continue
         capped = {s: (m if s != stage else other) for s, m in masks.items()}
