@@ -209,9 +209,11 @@ def _frontiers(rider: StageOptions) -> dict[tuple[int, ...], np.ndarray]:
 
 
 def _block(rows: list[Row]) -> Block:
+    """Rows as arrays; a choice of 5 (tp, pp, dp, micro_batch, remat) has ep 1."""
     lat, dev, res, work, raw = zip(*rows, strict=True)
+    table = np.array([tuple(c) + (1,) * (RAW - len(c)) for c in raw], dtype=np.int64).reshape(-1, RAW)
     return (np.array(lat, dtype=float), np.array(dev, dtype=np.int64), np.array(res, dtype=float),
-            np.array(work, dtype=float), np.array(raw, dtype=np.int64).reshape(-1, RAW))
+            np.array(work, dtype=float), table)
 
 
 def expert_degrees(cfg: ModelConfig, stage: str) -> list[int]:

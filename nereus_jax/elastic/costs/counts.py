@@ -79,12 +79,13 @@ def expert_flops_per_token(cfg: ModelConfig, tp: int) -> float:
 def busiest_shard_share(cfg: ModelConfig, ep: int, expert_load: float = 0.0):
     """The fraction of a layer's routed token-expert pairs that the busiest device of an ep group computes.
     ``expert_load`` (``Workload.expert_load``): the busiest expert's share of them, the others sharing the rest
-    evenly (0 or 1 / num_experts: balanced). Balanced: 1 / ep; one hot expert: its share plus its
-    num_experts / ep - 1 shard mates'. 1 without experts or at ep = 1. ``expert_load`` may be an array."""
+    evenly; between 1 / num_experts (0 means that: balanced) and 1 / num_experts_per_tok (every token picks it:
+    a token's top-k are distinct experts). Balanced: 1 / ep; one hot expert: its share plus its
+    num_experts / ep - 1 shard mates'. 1 without experts or at ep = 1."""
     if not cfg.num_experts or ep == 1:
         return 1.0
     n = cfg.num_experts
-    hot = max(expert_load, 1.0 / n) if not hasattr(expert_load, "shape") else expert_load.clip(1.0 / n, 1.0)
+    hot = min(max(expert_load, 1.0 / n), 1.0 / cfg.num_experts_per_tok)
     return hot + (n / ep - 1) * (1.0 - hot) / (n - 1)
 
 

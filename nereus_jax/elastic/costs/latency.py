@@ -224,7 +224,9 @@ class _Ctx(NamedTuple):
         return self.wl.prompt_length.p95 + self.wl.response_length.p95
 
     def pp_link(self) -> str:
-        return "intra" if self.tp * self.pp <= self.hw.devices_per_node else "inter"
+        """A pipeline hand-off's link: inside a node while the whole replica (tp x ep x pp) fits one (the ep
+        group sits inside a pipeline stage, so stages are tp x ep devices apart)."""
+        return "intra" if self.tp * self.pp * self.ep <= self.hw.devices_per_node else "inter"
 
 
 def _context(cfg: ModelConfig, stage: str, tp: int, pp: int, devices: int, wl: Workload, hw: Hardware,
