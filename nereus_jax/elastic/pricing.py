@@ -86,7 +86,7 @@ class Pricing:
             if mb is None:
                 raise ValueError(f"{stage}: dp={sp.dp} does not split its {rows} sequences")
             out[stage] = StageChoice(sp.layout.tp, sp.layout.pp, sp.dp, mb, batching.remat and kind == "train",
-                                     sp.layout.ep)
+                                     getattr(sp.layout, "ep", 1))  # a layout without ep splits no experts
         return out
 
     # ------------------------------------------------------------------------------------ latency

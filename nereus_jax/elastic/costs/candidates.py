@@ -216,20 +216,21 @@ def _block(rows: list[Row]) -> Block:
             np.array(work, dtype=float), table)
 
 
-def expert_degrees(cfg: ModelConfig, stage: str) -> list[int]:
+def expert_degrees(cfg: ModelConfig, stage: str, expert_parallel: bool = True) -> list[int]:
     """The ep degrees a model-stage may take: the divisors of a mixture's experts for scoring and training,
-    else 1 (dense models; generation, whose engine runs the experts unsplit)."""
-    return divisors(cfg.num_experts) if cfg.num_experts and split_stage(stage)[1] != "gen" else [1]
+    else 1 (dense models; generation, whose engine runs the experts unsplit; ``expert_parallel`` off)."""
+    split = expert_parallel and cfg.num_experts and split_stage(stage)[1] != "gen"
+    return divisors(cfg.num_experts) if split else [1]
 
 
-def shapes(cfg: ModelConfig, stage: str, devices_per_node: int,
-           tp_capacity: Callable[[int], int]) -> list[tuple[int, int, int]]:
+def shapes(cfg: ModelConfig, stage: str, devices_per_node: int, tp_capacity: Callable[[int], int],
+           expert_parallel: bool = True) -> list[tuple[int, int, int]]:
     """(tp, pp, ep) layouts the model, the stage kind and the pool allow."""
     gen = split_stage(stage)[1] == "gen"
     out = []
     for tp in divisors(devices_per_node):
         for pp in [1] if gen else divisors(cfg.num_layers):
-            for ep in expert_degrees(cfg, stage):
+            for ep in expert_degrees(cfg, stage, expert_parallel):
                 if counts.layout_problem(cfg, tp, pp, ep) is None and tp * pp * ep <= tp_capacity(tp):
                     out.append((tp, pp, ep))
     return out
@@ -256,13 +257,13 @@ class Pricer:
         self._grids: dict[tuple, tuple] = {}
 
     def options(self, cfg: ModelConfig, stage: str, tp_capacity: Callable[[int], int], usable: float,
-                rider: bool = False) -> StageOptions:
+                rider: bool = False, expert_parallel: bool = True) -> StageOptions:
         """Every legal candidate of ``stage`` that fits ``usable`` bytes per device on its own (a ``rider``
-        keeps no resident state: it runs on its host's)."""
+        keeps no resident state: it runs on its host's); ep > 1 only with ``expert_parallel``."""
         hw = self.cost_model.hardware
         train = split_stage(stage)[1] == "train"
         blocks = []
-        for tp, pp, ep in shapes(cfg, stage, hw.devices_per_node, tp_capacity):
+        for tp, pp, ep in shapes(cfg, stage, hw.devices_per_node, tp_capacity, expert_parallel):
             # the least any dp holds (a split optimizer shrinks as dp grows)
             most = max((dp for dp in divisors(self.workload.rows_for(split_stage(stage)[1]))
                         if tp * pp * ep * dp <= tp_capacity(tp)), default=1)
@@ -280,14 +281,14 @@ class Pricer:
         return StageOptions.from_blocks(stage, blocks)
 
     def rule_options(self, cfg: ModelConfig, stage: str, tp_capacity: Callable[[int], int], usable: float,
-                     batching, rider: bool = False) -> StageOptions:
+                     batching, rider: bool = False, expert_parallel: bool = True) -> StageOptions:
         """The candidates of ``stage`` whose calls are the ones the job makes (``batching``: a
-        ``topology.Batching``): one call size per (tp, pp, dp), priced one by one."""
+        ``topology.Batching``): one call size per (tp, pp, ep, dp), priced one by one."""
         hw, wl = self.cost_model.hardware, self.workload
         kind = split_stage(stage)[1]
         total = wl.rows_for(kind)
         rows = []
-        for tp, pp, ep in shapes(cfg, stage, hw.devices_per_node, tp_capacity):
+        for tp, pp, ep in shapes(cfg, stage, hw.devices_per_node, tp_capacity, expert_parallel):
             for dp in divisors(total):
                 mb = batching.micro_batch(kind, total, dp)
                 if tp * pp * ep * dp > tp_capacity(tp) or mb is None or mb % ep:
