@@ -6,7 +6,8 @@ every update needs every score): actor-gen -> {actor, ref, reward, critic}-infer
 In a phase the model-stages split into groups on disjoint devices that run at the same time; inside a
 group they run one after another. Step latency = the critical path of that execution-overlap graph = the
 sum over phases of the slowest group. Per model-stage the candidates are those of ``costs.candidates``
-(tp inside a node, degrees dividing the model's dimensions, dp and micro-batch dividing the batch, remat).
+(tp inside a node, degrees dividing the model's dimensions, ep dividing a mixture's experts for its scoring
+and training, dp and micro-batch dividing the batch, remat).
 On shared-compute hardware (cpu) groups never overlap: they would time-slice the same cores.
 
 Memory. Every model-stage's resident state (weights; parameters + Adam for training) stays on its devices
