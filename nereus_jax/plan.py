@@ -5,8 +5,9 @@
         --response-length 2048 --prompt-length 1024 --batch 128 --samples-per-prompt 8 --json
     python -m nereus_jax.plan --model llama3.1-8b --gpus 64 --calibration runs/demo
 
-Prints the plan as a table (per model-stage: tp, pp, dp, micro-batch, remat, devices and predicted
-seconds), memory per GPU, the predicted step latency and how long the decision took; ``--json`` prints
+Prints the plan as a table (per model-stage: tp, pp, ep, dp, micro-batch, remat, devices and predicted
+seconds; ep > 1 only for a mixture of experts' scoring and training), memory per GPU, the predicted step
+latency and how long the decision took; ``--json`` prints
 one JSON object instead (``plan``, ``step_latency_s``, ``stage_latency_s``, ``memory_per_device_bytes``,
 ``decision_ms``, ``calibration``, ...). ``--calibration RUN_DIR`` (or the run's calibration.json) plans with
 the efficiencies and size terms (n_1/2) a finished run calibrated instead of the hardware table's priors, on

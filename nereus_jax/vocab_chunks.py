@@ -9,12 +9,14 @@ and the chunk width for a target width (``trainer.vocab_chunk``); the memory mod
 
 from __future__ import annotations
 
+import functools
 import math
 
 DEFAULT_VOCAB_CHUNK = 8192  # trainer.vocab_chunk's default
 _KEEP_TWOS = 8  # a chunk keeps this power of two of the vocabulary's (a tp of up to 8 splits every chunk evenly)
 
 
+@functools.lru_cache(maxsize=256)  # the planner asks for the same few (vocabulary, chunk) pairs thousands of times
 def vocab_split(vocab: int, chunk: int) -> tuple[int, int]:
     """(chunks n, padded vocabulary = n x chunk width) for a target width ``chunk`` (0 or >= vocab: one
     chunk). Prefers a width that divides the vocabulary and keeps its factor of two up to 8 (so a tp split

@@ -145,3 +145,19 @@ def test_lora_rank_plans_with_the_adapters_memory(capsys):
     assert max(data["memory_per_device_bytes"].values()) <= 0.9 * 80e9
     assert main([*small, "--lora-rank", "-1"]) == 2
     assert "--lora-rank must be >= 0" in capsys.readouterr().err
+
+
+def test_mixture_of_experts_plan_splits_experts_over_ep_and_beats_ep_1(capsys):
+    """qwen3-30b-a3b on 64 h200: the plan trains with expert parallelism (ep > 1; each replica tp x pp x ep
+    devices), and the same search without ep (the reference: only ep = 1 options) predicts a slower step."""
+    args = ["--model", "qwen3-30b-a3b", "--gpus", "64", "--hardware", "h200"]
+    assert main([*args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    for stage in data["plan"].values():
+        assert all(len(r) == stage["tp"] * stage["pp"] * stage["ep"] for r in stage["replicas"])
+    assert data["plan"]["actor-gen"]["ep"] == 1 and max(s["ep"] for s in data["plan"].values()) > 1
+    workload = Workload.fixed(512, 512, 4096, shard_optimizer=True)
+    without = Planner("h200").plan(resolve_model("qwen3-30b-a3b"), "ppo", workload, 64,
+                                   options=lambda p: {s: o.masked(o.table[:, 5] == 1) for s, o in p.options().items()})
+    assert data["step_latency_s"] < without.step_latency_s
+    assert without.table().splitlines()[0].split()[:5] == ["model-stage", "tp", "pp", "ep", "dp"]

@@ -17,7 +17,11 @@ Triggers:
     current plan: one straggler step is not a drift (at 1,024 GPUs a 1.3-2x straggler hits some stage
     every few dozen steps), and a plan the controller just moved to is judged against its own steps, not
     the old plan's, so a new plan is not re-planned before it has run ``efficiency_window`` steps.
-    Every re-plan, admitted or not, resets the references;
+    Every re-plan, admitted or not, resets the references; and, for mixture-of-experts models whose
+    observation carries it (``Observation.expert_load``: the busiest expert's share of the routed tokens),
+    that share drifted more than ``expert_drift`` (30%) from its reference: with expert parallelism the
+    device holding the busiest expert sets the expert layers' time, so a skew can make another ep faster.
+    The planner prices the skew from the workload; the move is admitted by Eq. 2 like any other;
   - scheduled (``period=K``, the "re-plan every K steps" baseline): every K-th step instead of the soft
     triggers.
 Admission (Eq. 2): a target is admitted when its predicted per-step gain dL > 0 and
@@ -72,6 +76,7 @@ class Observation:
     peak_memory_bytes: float | None = None  # predicted/measured peak of the current plan per device
     memory_cap_bytes: float | None = None
     steps_left: int | None = None     # steps the run has left including this one (None: unknown)
+    expert_load: float | None = None  # mixture of experts: the busiest expert's share of routed tokens (None: dense)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +92,7 @@ class Decision:
     when the transition callable gave one) and why."""
 
     step: int
-    trigger: str                      # "pool", "memory", "length", "efficiency", "schedule"
+    trigger: str                      # "pool", "memory", "length", "efficiency", "expert", "schedule"
     urgent: bool
     target: Plan | None
     admitted: bool
@@ -132,17 +137,19 @@ class Controller:
     def __init__(self, plan_fn: PlanFn, latency_fn: LatencyFn, transition_fn: TransitionFn, *,
                  gamma: float = 0.5, length_drift: float = 0.3, efficiency_drift: float = 0.3,
                  efficiency_window: int = 3, ema: float = 0.5, period: int | None = None,
-                 devices: Sequence[int] | None = None, error_margin: bool = True):
+                 devices: Sequence[int] | None = None, error_margin: bool = True, expert_drift: float = 0.3):
         self.plan_fn, self.latency_fn, self.transition_fn = plan_fn, latency_fn, transition_fn
         self.gamma, self.length_drift, self.efficiency_drift, self.ema = gamma, length_drift, efficiency_drift, ema
+        self.expert_drift = expert_drift
         if period is not None and period < 1:
             raise ValueError(f"period={period}: re-plan every K >= 1 steps, or None for drift triggers")
         self.period = period
         self.error_margin = error_margin  # False: Eq. 2 exactly as the paper has it
         self.reference_length: float | None = None
         self.reference_ratio: float | None = None  # the efficiency signal at the last reset (None: not yet)
+        self.reference_expert_load: float | None = None  # the busiest expert's share at the last reset
         self.devices: tuple[int, ...] | None = None if devices is None else tuple(devices)  # the pool at start
-        self.horizon = {"length": 1.0, "efficiency": 1.0, "pool": 1.0, "memory": 1.0, "schedule": 1.0}
+        self.horizon = {"length": 1.0, "efficiency": 1.0, "expert": 1.0, "pool": 1.0, "memory": 1.0, "schedule": 1.0}
         self._last_crossing: dict[str, int] = {}
         self._seen_twice: set[str] = set()
         self._ratios: deque[float] = deque(maxlen=max(1, efficiency_window))  # on ``_ratio_plan``, newest last
@@ -181,6 +188,8 @@ class Controller:
         efficiency = self._efficiency(obs)
         if self.reference_ratio is None:  # (re)established once the current plan has run a full window
             self.reference_ratio = efficiency
+        if self.reference_expert_load is None:
+            self.reference_expert_load = obs.expert_load
         if self.reference_length is None:  # the first observation sets the references; only a pool change
             self.reference_length = obs.response_length  # since ``devices`` (if given) can trigger
             if self.devices is None or tuple(obs.devices) == self.devices:
@@ -193,6 +202,7 @@ class Controller:
         decision = self._replan(obs, trigger, urgent)
         self.reference_length, self.devices = obs.response_length, tuple(obs.devices)  # reset, admitted or not
         self.reference_ratio = efficiency  # an admitted move starts a new window on its target
+        self.reference_expert_load = obs.expert_load
         if decision.admitted and decision.target_latency_s:
             self._moved = (obs.plan, decision.target_latency_s, decision.margin_s)
         self.decisions.append(decision)
@@ -200,7 +210,7 @@ class Controller:
 
     def _trigger(self, obs: Observation, efficiency: float | None) -> tuple[str | None, bool]:
         """(trigger, urgent) for this observation, or (None, False): hard triggers first (pool, then
-        memory), then the schedule (``period``) or the soft ones (length, efficiency)."""
+        memory), then the schedule (``period``) or the soft ones (length, efficiency, expert load)."""
         if tuple(obs.devices) != self.devices:
             lost = set(self.devices or ()) - set(obs.devices)
             return "pool", bool(lost & set(_plan_devices(obs.plan)))
@@ -215,6 +225,9 @@ class Controller:
         if efficiency is not None and self.reference_ratio and \
                 abs(efficiency / self.reference_ratio - 1) > self.efficiency_drift:
             return "efficiency", False
+        load, ref_load = obs.expert_load, self.reference_expert_load
+        if load is not None and ref_load and abs(load - ref_load) / ref_load > self.expert_drift:
+            return "expert", False
         return None, False
 
     def _efficiency(self, obs: Observation) -> float | None:
@@ -253,6 +266,7 @@ class Controller:
         """What a restarted controller needs to decide as this one would (JSON-ready): the references,
         the pool, H per signal with its last crossings, and the efficiency window of the current plan."""
         return {"reference_length": self.reference_length, "reference_ratio": self.reference_ratio,
+                "reference_expert_load": self.reference_expert_load,
                 "devices": None if self.devices is None else list(self.devices), "horizon": dict(self.horizon),
                 "last_crossing": dict(self._last_crossing), "seen_twice": sorted(self._seen_twice),
                 "ratios": list(self._ratios), "transfer_errors": list(self.transfer_errors)}
@@ -262,6 +276,7 @@ class Controller:
         (a job resumes on the plan it saved)."""
         self.reference_length = state["reference_length"]
         self.reference_ratio = state.get("reference_ratio")
+        self.reference_expert_load = state.get("reference_expert_load")
         self.devices = None if state["devices"] is None else tuple(state["devices"])
         self.horizon.update({k: float(v) for k, v in state["horizon"].items()})
         self._last_crossing = {k: int(v) for k, v in state["last_crossing"].items()}

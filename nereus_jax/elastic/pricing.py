@@ -43,7 +43,7 @@ from nereus_jax.model_stage import split_stage
 
 CALIBRATION_WINDOW = 8  # steps of measurements the efficiencies are fitted to
 REMEMBERED = 8  # measurements kept per (model-stage, call) for the per-layout memory
-# Relative sd a prediction gains per doubling of tp or pp away from the nearest layout the job has measured
+# Relative sd a prediction gains per doubling of tp, pp or ep away from the nearest layout the job has measured
 # for that model-stage: the fitted efficiencies are shared across layouts, so their covariance says nothing
 # about effects the features do not model (e.g. a wider tensor-parallel all-reduce than any measured).
 EXTRAPOLATION_SD = 0.05
@@ -61,7 +61,7 @@ class Pricing:
         self._ratios: dict[tuple[str, StageChoice], float] = {}  # residuals at the current fit and window
         self._ratios_of: CostModel | None = None  # the cost model _ratios were computed with (it may be replaced)
         self._window_keys: set[tuple[str, StageChoice]] = set()
-        self._layouts: dict[str, set[tuple[int, int]]] = {}  # model-stage -> (tp, pp) it has been measured on
+        self._layouts: dict[str, set[tuple[int, int, int]]] = {}  # model-stage -> (tp, pp, ep) measured on
 
     @property
     def hardware(self):
@@ -85,7 +85,8 @@ class Pricing:
             mb = batching.micro_batch(kind, rows, sp.dp)
             if mb is None:
                 raise ValueError(f"{stage}: dp={sp.dp} does not split its {rows} sequences")
-            out[stage] = StageChoice(sp.layout.tp, sp.layout.pp, sp.dp, mb, batching.remat and kind == "train")
+            out[stage] = StageChoice(sp.layout.tp, sp.layout.pp, sp.dp, mb, batching.remat and kind == "train",
+                                     getattr(sp.layout, "ep", 1))  # a layout without ep splits no experts
         return out
 
     # ------------------------------------------------------------------------------------ latency
@@ -114,7 +115,7 @@ class Pricing:
         """Standard deviation (s/step) of the predicted gain of ``target``'s choices over the current plan's
         (``current_features``: :meth:`features` of its choices, computed once for all candidates): the cost
         model's covariance on the difference of their features (what both run alike cancels), plus
-        ``EXTRAPOLATION_SD`` of a stage's seconds per doubling of tp or pp from the layouts it has run."""
+        ``EXTRAPOLATION_SD`` of a stage's seconds per doubling of tp, pp or ep from the layouts it has run."""
         known = {s: c for s, c in target.items() if self._remembered(s, c)}
         diff = current_features - self.features({s: c for s, c in target.items() if s not in known}, workload)
         noise = sum((NOISE_FLOOR * self.cost.stage_latency(self.model_for(s), s, c, workload).total
@@ -126,14 +127,14 @@ class Pricing:
         return math.sqrt(max(0.0, self.cost.variance(diff)) + noise + unmeasured)
 
     @property
-    def measured_layouts(self) -> dict[str, set[tuple[int, int]]]:
-        """Model-stage -> the (tp, pp) layouts the job has measured it on (a copy)."""
+    def measured_layouts(self) -> dict[str, set[tuple[int, int, int]]]:
+        """Model-stage -> the (tp, pp, ep) layouts the job has measured it on (a copy)."""
         return {s: set(v) for s, v in self._layouts.items()}
 
     def layout_distance(self, stage: str, choice: StageChoice) -> float:
-        """Doublings of tp plus doublings of pp from ``choice`` to the nearest layout the job has measured
-        ``stage`` on (0 when it has measured none: the prior's uncertainty covers an unmeasured stage)."""
-        return self._distance(stage, choice.tp, choice.pp)
+        """Doublings of tp, pp and ep from ``choice`` to the nearest layout the job has measured ``stage`` on (0
+        when it has measured none: the prior's uncertainty covers an unmeasured stage)."""
+        return self._distance(stage, choice.tp, choice.pp, choice.ep)
 
     def all_measured(self, choices: Mapping[str, StageChoice]) -> bool:
         """Whether every model-stage of ``choices`` runs at a layout the job measured it on (or one it has not
@@ -141,21 +142,22 @@ class Pricing:
         the re-ranked options finds it again."""
         return all(self.layout_distance(s, c) == 0 for s, c in choices.items())
 
-    def _distance(self, stage: str, tp: int, pp: int) -> float:
+    def _distance(self, stage: str, tp: int, pp: int, ep: int = 1) -> float:
         seen = self._layouts.get(stage)
         if not seen:
             return 0.0
-        return min(abs(math.log2(tp / t)) + abs(math.log2(pp / p)) for t, p in seen)
+        return min(abs(math.log2(tp / t)) + abs(math.log2(pp / p)) + abs(math.log2(ep / e)) for t, p, e in seen)
 
     def _distances(self, stage: str, raw: np.ndarray) -> np.ndarray:
-        """:meth:`layout_distance` of each option row (tp, pp first) for ``stage``."""
-        unique, index = np.unique(raw[:, :2], axis=0, return_inverse=True)
-        return np.array([self._distance(stage, int(tp), int(pp)) for tp, pp in unique])[index.reshape(-1)]
+        """:meth:`layout_distance` of each option row (``StageOptions.table``: tp, pp first, ep last) for ``stage``."""
+        unique, index = np.unique(raw[:, [0, 1, 5]], axis=0, return_inverse=True)
+        return np.array([self._distance(stage, int(tp), int(pp), int(ep))
+                         for tp, pp, ep in unique])[index.reshape(-1)]
 
     def risk_adjusted(self, options: Mapping[str, StageOptions], z: float) -> dict[str, StageOptions]:
         """``options`` (a planning problem's, per unit model-stage) ranked by their seconds plus ``z`` times the
         extrapolation sd of their layout: ``EXTRAPOLATION_SD`` of the seconds of the model-stage, and of each
-        rider, per doubling of tp or pp from the nearest layout the job measured it on (summed, not added in
+        rider, per doubling of tp, pp or ep from the nearest layout the job measured it on (summed, not added in
         quadrature: a conservative penalty for ranking). A search over them finds the plan that is fast by
         what the job has measured rather than by what the fit extrapolates to; the options' seconds are
         replaced by these scores, so price what it picks again. Unchanged before anything was measured."""
@@ -165,7 +167,7 @@ class Pricing:
                 out[stage] = o
                 continue
             own = o.latency - sum((r.latency for r in o.riders), np.zeros(len(o)))
-            sd = own * self._distances(stage, o.raw) + sum((r.latency * self._distances(r.stage, o.raw)
+            sd = own * self._distances(stage, o.table) + sum((r.latency * self._distances(r.stage, o.table)
                                                             for r in o.riders), np.zeros(len(o)))
             out[stage] = o.ranked_by(o.latency + z * EXTRAPOLATION_SD * sd)
         return out
@@ -235,7 +237,7 @@ class Pricing:
         self.window.append(step)
         for m in step:
             self.memory.setdefault((m.stage, m.choice), collections.deque(maxlen=REMEMBERED)).append(m)
-            self._layouts.setdefault(m.stage, set()).add((m.choice.tp, m.choice.pp))
+            self._layouts.setdefault(m.stage, set()).add((m.choice.tp, m.choice.pp, m.choice.ep))
         self._window_keys = {(m.stage, m.choice) for step in self.window for m in step}
         self._ratios.clear()
 

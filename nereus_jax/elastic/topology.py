@@ -81,6 +81,7 @@ class Topology:
     concurrent: bool = True  # groups of a phase may run at once on disjoint devices
     overlapped: bool = False  # async: actor-gen runs beside scoring + training of the previous batch
     batching: Batching | None = field(default=None, compare=True)
+    expert_parallel: bool = True  # a mixture of experts' scoring/training stages may split experts (ep > 1)
 
     # --------------------------------------------------------------------------------- builders
     @classmethod
@@ -91,14 +92,17 @@ class Topology:
 
     @classmethod
     def of_job(cls, algorithm: str, *, reward_model: bool = False, ref: bool = True, asynchronous: bool = False,
-               batching: Batching | None = None) -> Topology:
+               batching: Batching | None = None, expert_parallel: bool = False) -> Topology:
         """What the job runs: actor- and critic-infer on the training units, every model-stage in turn,
-        reward-infer only with a reward model, ref-infer unless the loss has no KL term (``ref``)."""
+        reward-infer only with a reward model, ref-infer unless the loss has no KL term (``ref``).
+        ``expert_parallel``: whether its plans may split experts (ep > 1); off until the runtime runs such
+        layouts, so a job's planner offers only what the job can run (the simulator turns it on)."""
         skip = tuple(s for s, keep in (("reward-infer", reward_model), ("ref-infer", ref)) if not keep)
         phases = _phases(algorithm, skip)
         present = {s for p in phases for s in p}
         riders = tuple((r, h) for r, h in RIDERS if r in present)
-        return cls(phases, riders, concurrent=False, overlapped=asynchronous, batching=batching)
+        return cls(phases, riders, concurrent=False, overlapped=asynchronous, batching=batching,
+                   expert_parallel=expert_parallel)
 
     # ---------------------------------------------------------------------------------- queries
     @property

@@ -73,6 +73,10 @@ class Workload:
     vocabulary chunk in scoring and training (0: whole logits), which sets its working set and its work.
     ``shard_optimizer`` (plan.shard_optimizer): a training stage's dp replicas each keep 1/dp of its optimizer
     state (ZeRO-1), which sets its resident bytes and adds an all-gather of the updated parameters.
+    ``expert_load`` (mixture-of-experts models): the busiest expert's share of the step's routed token-expert
+    pairs (0: balanced, 1 / num_experts each); with expert parallelism the device holding that expert computes
+    its tokens, so it sets the expert layers' time and activations on an ep group
+    (``costs.counts.busiest_shard_share``). Dense models ignore it.
     """
 
     prompts_per_step: int
@@ -86,8 +90,12 @@ class Workload:
     pipeline_schedule: str = "1f1b"
     vocab_chunk: int = DEFAULT_VOCAB_CHUNK
     shard_optimizer: bool = False
+    expert_load: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.expert_load <= 1:
+            raise WorkloadError(f"workload.expert_load must be in [0, 1] (the busiest expert's share of routed "
+                                f"tokens; 0: balanced), got {self.expert_load}")
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise WorkloadError(f"workload.pipeline_schedule={self.pipeline_schedule!r}; valid: "
                                 f"{', '.join(PIPELINE_SCHEDULES)}")
@@ -145,15 +153,19 @@ class Workload:
         """The same step with another response-length distribution (length drift)."""
         return replace(self, response_length=stats)
 
+    def with_expert_load(self, share: float) -> Workload:
+        """The same step with another busiest-expert share (expert-load drift)."""
+        return replace(self, expert_load=share)
+
     @classmethod
     def fixed(cls, prompts: int, prompt_length: int, response_length: int, samples_per_prompt: int = 1,
               greedy_baseline: bool = False, packed: bool = False, mini_batches: int = 1,
               epochs: int = 1, pipeline_schedule: str = "1f1b", vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
-              shard_optimizer: bool = False) -> Workload:
+              shard_optimizer: bool = False, expert_load: float = 0.0) -> Workload:
         """Every prompt and every response of one length."""
         return cls(prompts, LengthStats.fixed(prompt_length), LengthStats.fixed(response_length),
                    samples_per_prompt, greedy_baseline, packed, mini_batches, epochs, pipeline_schedule, vocab_chunk,
-                   shard_optimizer)
+                   shard_optimizer, expert_load)
 
     @classmethod
     def from_lengths(cls, prompt_lengths: Sequence[int], response_lengths: Sequence[int],

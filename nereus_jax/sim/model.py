@@ -7,7 +7,7 @@ the cost model's link times, plus a setup term learned from measured transitions
 ``latency_fn`` / ``transition_fn`` are the three callables :class:`nereus_jax.elastic.controller.Controller`
 takes.
 
-``layouts`` pins every model-stage's (tp, pp) (the "fixed TP/PP with DP scaling" baselines): the
+``layouts`` pins every model-stage's (tp, pp, ep) (the "fixed TP/PP with DP scaling" baselines): the
 planner then chooses only dp, micro-batch and remat among the pinned layouts' options.
 """
 
@@ -37,7 +37,7 @@ SKIP_ERROR = 0.05  # no refit while every stage of a settled plan is predicted w
 EFFICIENCY_GRID = 0.02  # the planner sees efficiencies rounded to 2% steps (log scale): a cacheable snapshot
 BUCKET = 0.02  # the oracle plans for response lengths rounded to a 2% log grid (then prices the exact step)
 
-Layouts = tuple[tuple[str, int, int], ...]
+Layouts = tuple[tuple[str, int, int, int], ...]  # (model-stage, tp, pp, ep)
 
 
 @dataclasses.dataclass
@@ -228,14 +228,14 @@ def plan_peak_memory(plan: SimPlan, wl: Workload, stage_bytes) -> float:
 
 
 def pinned_options(opts: Mapping[str, StageOptions], layouts: Layouts | None) -> dict[str, StageOptions]:
-    """Each model-stage's options restricted to its pinned (tp, pp) (all of them when not pinned)."""
+    """Each model-stage's options restricted to its pinned (tp, pp, ep) (all of them when not pinned)."""
     if layouts is None:
         return dict(opts)
-    keep = {s: (tp, pp) for s, tp, pp in layouts}
+    keep = {s: (tp, pp, ep) for s, tp, pp, ep in layouts}
     out = {}
     for s, o in opts.items():
-        tp, pp = keep[s]
-        m = (o.raw[:, 0] == tp) & (o.raw[:, 1] == pp)
+        tp, pp, ep = keep[s]
+        m = (o.table[:, 0] == tp) & (o.table[:, 1] == pp) & (o.table[:, 5] == ep)
         out[s] = o.masked(m)
     return out
 

@@ -4,10 +4,16 @@ critical path of the execution-overlap graph, from any per-stage seconds) and th
 
 Both the controller's predictions (cost model) and the ground truth (sim.truth) go through the same
 functions here with their own per-stage seconds / link times, so they differ only in their models.
+
+Expert parallelism: the simulator prices a move between (tp, pp, ep) layouts as the transition graph of the
+same devices with ep folded into tp (``fold_experts``: a replica's state splits over tp x ep devices either
+way, so the bytes each device sends and receives are those of a tp re-split); ranks of such plans are not
+re-aligned (the runtime's recipe orders an expert group's ranks).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -20,6 +26,7 @@ from nereus_jax.elastic.recipe import align_ranks
 from nereus_jax.elastic.schedule import Infeasible
 from nereus_jax.elastic.state_bytes import ByteSpec
 from nereus_jax.elastic.topology import Topology, critical_path
+from nereus_jax.layout import Layout
 from nereus_jax.model_stage import ModelStage, split_stage
 
 
@@ -60,12 +67,15 @@ class SimPlan:
     def choice(self, stage: str) -> StageChoice:
         return dict(self.choices)[stage]
 
-    def layouts(self) -> tuple[tuple[str, int, int], ...]:
-        """(stage, tp, pp) per model-stage: what "fixed TP/PP" keeps."""
-        return tuple((s, c.tp, c.pp) for s, c in self.choices)
+    def layouts(self) -> tuple[tuple[str, int, int, int], ...]:
+        """(stage, tp, pp, ep) per model-stage: what "fixed TP/PP" keeps (its ep too)."""
+        return tuple((s, c.tp, c.pp, c.ep) for s, c in self.choices)
 
     def aligned_to(self, current: SimPlan) -> SimPlan:
-        """This plan with its replicas' ranks ordered to match ``current`` (less data moves)."""
+        """This plan with its replicas' ranks ordered to match ``current`` (less data moves); as it is when
+        either splits experts."""
+        if expert_parallel(current.plan) or expert_parallel(self.plan):
+            return self
         plan = align_ranks(current.plan, self.plan)
         return self if plan == self.plan else SimPlan(self.choices, plan, self.topology, self.edges,
                                                       self.device_set, self.overlapped)
@@ -84,16 +94,31 @@ def state_specs(models: Mapping[str, ModelConfig], stages: Sequence[str]) -> dic
     return {ModelStage.parse(s): ByteSpec(int(state_bytes(models[split_stage(s)[0]], s, 1, 1))) for s in stages}
 
 
+def expert_parallel(plan: ExecutionPlan) -> bool:
+    """Whether some model-stage of ``plan`` splits experts (ep > 1)."""
+    return any(sp.layout.ep > 1 for sp in plan.values())
+
+
+def fold_experts(plan: ExecutionPlan) -> ExecutionPlan:
+    """``plan`` with every (tp, pp, ep) layout as (tp x ep, pp) on the same devices (``plan`` itself without
+    ep > 1): what the simulator builds transition graphs of."""
+    if not expert_parallel(plan):
+        return plan
+    return ExecutionPlan({ms: dataclasses.replace(sp, layout=Layout(sp.layout.tp * sp.layout.ep, sp.layout.pp))
+                          for ms, sp in plan.items()})
+
+
 def build_graph(old: SimPlan, new: SimPlan, specs: Mapping[ModelStage, ByteSpec], cap: int) -> TransitionGraph | None:
-    """The scheduled transition graph old -> new, or None when no live transition reaches ``new``."""
+    """The scheduled transition graph old -> new (ep folded into tp: :func:`fold_experts`), or None when no live
+    transition reaches ``new``."""
     try:
-        return TransitionGraph.build(old.plan, new.plan, specs, caps=cap)
+        return TransitionGraph.build(fold_experts(old.plan), fold_experts(new.plan), specs, caps=cap)
     except (Infeasible, TransitionError):
         return None
 
 
 def changed_stages(old: SimPlan, new: SimPlan) -> dict[str, bool]:
-    """Model-stages whose plan changes -> whether their (tp, pp) layout changes."""
+    """Model-stages whose plan changes -> whether their (tp, pp, ep) layout changes."""
     out = {}
     for ms, sp in new.plan.items():
         before = old.plan[ms]

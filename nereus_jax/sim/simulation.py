@@ -8,7 +8,7 @@ seconds per stage, its critical path; an out-of-memory step wastes half its time
 re-plan); the measured stage seconds calibrate the policy's cost model.
 
 Policies (same trace, same seed, same noise per step and stage):
-- ``fixed``: the planner's first-step (tp, pp) per model-stage kept for the run; dp, micro-batch and
+- ``fixed``: the planner's first-step (tp, pp, ep) per model-stage kept for the run; dp, micro-batch and
   remat re-planned by the same controller (the paper's baseline: fixed TP/PP + DP scaling);
 - ``fixed_best``: the best single pinned (tp, pp) assignment in hindsight with DP scaling, among the
   assignments the oracle uses (the 8 most used) and the first-step one;
@@ -48,7 +48,7 @@ from nereus_jax.elastic.workload import Workload
 from nereus_jax.model_stage import split_stage
 from nereus_jax.sim.asynchronous import AsyncPlanningModel, async_oracle, interval_seconds
 from nereus_jax.sim.model import Layouts, PlanningModel, SharedCaches, bucket_workload, plan_peak_memory
-from nereus_jax.sim.plan_cost import SimPlan, changed_stages, state_specs
+from nereus_jax.sim.plan_cost import SimPlan, changed_stages, expert_parallel, state_specs
 from nereus_jax.sim.records import ASYNC_POLICIES, PolicyRun, StepRecord
 from nereus_jax.sim.trace import Trace
 from nereus_jax.sim.truth import GroundTruth, TruthSettings
@@ -68,7 +68,8 @@ class Simulation:
     def __init__(self, trace: Trace):
         self.trace = trace
         self.hw = get_hardware(trace.hardware)
-        self.topology = Topology.of_job(trace.algorithm, reward_model=True)  # the job with a reward model
+        # the job with a reward model, its plans free to split a mixture's experts
+        self.topology = Topology.of_job(trace.algorithm, reward_model=True, expert_parallel=True)
         self.phases = self.topology.phases
         self.stages = list(self.topology.stages)
         roles = sorted({split_stage(s)[0] for s in self.stages})
@@ -140,7 +141,10 @@ class Simulation:
     def true_transition(self, model: PlanningModel, old: SimPlan, new: SimPlan) -> float | None:
         """Ground-truth seconds of old -> new: data movement at true link speeds + concurrent setup."""
         graph = model.graph(old, new)
-        return None if graph is None else true_transition_seconds(self.truth, graph)
+        if graph is None:
+            return None
+        folded = expert_parallel(old.plan) or expert_parallel(new.plan)  # the graph's layouts hide ep changes
+        return true_transition_seconds(self.truth, graph, list(changed_stages(old, new).values()) if folded else None)
 
     def initial_plan(self, asynchronous: bool = False) -> SimPlan:
         """The planner's plan for the first step with the hardware table's priors (every policy of a mode
@@ -179,7 +183,7 @@ class Simulation:
 
     def controller(self, name: str, model: PlanningModel) -> Controller:
         c = self.trace.controller
-        kw = {k: float(c[k]) for k in ("length_drift", "efficiency_drift", "ema") if k in c}
+        kw = {k: float(c[k]) for k in ("length_drift", "efficiency_drift", "expert_drift", "ema") if k in c}
         if "efficiency_window" in c:
             kw["efficiency_window"] = int(c["efficiency_window"])
         kw["devices"] = self.trace.pool(0)  # the pool at start: a change before the first observation triggers
@@ -215,7 +219,7 @@ class Simulation:
                 obs = Observation(step=step, plan=plan, devices=pool, response_length=prev[0].response_length.mean,
                                   step_seconds=prev[1], peak_memory_bytes=model.peak_memory(plan, prev[0]),
                                   memory_cap_bytes=model.pricing.trigger_bytes(self.hw.memory_bytes),
-                                  steps_left=self.trace.steps - step)
+                                  steps_left=self.trace.steps - step, expert_load=prev[0].expert_load or None)
                 start, charged, fresh = time.perf_counter(), model.planner_ms, len(self.caches.plan_ms)
                 decision = controller.observe(obs)
                 wall = (time.perf_counter() - start) * 1e3
@@ -336,11 +340,14 @@ class Simulation:
                          {**best.notes, "fixed_best_candidates": len(candidates)})
 
 
-def true_transition_seconds(truth: GroundTruth, graph: TransitionGraph) -> float:
+def true_transition_seconds(truth: GroundTruth, graph: TransitionGraph, changed: Sequence[bool] | None = None) -> float:
     """Ground-truth seconds of a scheduled transition graph: its critical path at the truth's link speeds,
-    plus the setup of the changed model-stages (paid concurrently: the slowest one counts)."""
+    plus the setup of the changed model-stages (paid concurrently: the slowest one counts). ``changed``: per
+    changed model-stage whether its layout changed (default: from the graph's plans)."""
     data = transition_seconds(graph, truth.link_seconds, truth.hw.devices_per_node)
-    changed = [sp.layout != graph.old_plan[ms].layout for ms, sp in graph.new_plan.items() if sp != graph.old_plan[ms]]
+    if changed is None:
+        changed = [sp.layout != graph.old_plan[ms].layout for ms, sp in graph.new_plan.items()
+                   if sp != graph.old_plan[ms]]
     return data + max((truth.setup_seconds(v) for v in changed), default=0.0)
 
 
@@ -352,4 +359,5 @@ def check_policy(name: str) -> None:
 
 
 def _layout_text(layouts: Layouts | None) -> str:
-    return "; ".join(f"{s} tp{tp} pp{pp}" for s, tp, pp in layouts) if layouts else ""
+    return "; ".join(f"{s} tp{tp} pp{pp}" + (f" ep{ep}" if ep > 1 else "") for s, tp, pp, ep in layouts) \
+        if layouts else ""

@@ -3,8 +3,10 @@
 A trace says what the simulated job runs (models, algorithm, batch), on which simulated cluster
 (a hardware table entry), and what drifts step by step: the response-length distribution (mean, p95;
 keyframes linearly interpolated, the max a fixed multiple of p95, a seeded per-step jitter) and the
-device pool (keyframes: the device count available from that step on, ids 0..n-1). Keyframes past the last
-step still shape the interpolation, so ``steps`` may be overridden to simulate a prefix. It also carries
+device pool (keyframes: the device count available from that step on, ids 0..n-1), and for a
+mixture-of-experts model the busiest expert's share of the routed tokens (``expert_load`` keyframes,
+linearly interpolated: ``Workload.expert_load``). Keyframes past the last step still shape the
+interpolation, so ``steps`` may be overridden to simulate a prefix. It also carries
 the controller and planner settings and the ground truth's seed and noise.
 
 Every value is checked when the trace is built, before anything is simulated: unknown keys, wrong types,
@@ -38,13 +40,14 @@ from nereus_jax.rl.registry import ALGORITHMS
 
 ROLES = ("actor", "critic", "ref", "reward")
 _TOP = {"name", "description", "hardware", "models", "algorithm", "steps", "workload", "response_length", "pool",
-        "controller", "planner", "truth", "seed", "policies"}
+        "controller", "planner", "truth", "seed", "policies", "expert_load"}
 _REQUIRED = ("steps", "hardware", "models", "workload", "response_length", "pool")
 # The settings a trace may give the controller, the planner and the ground truth: key -> (kind, test, rule).
 # Kinds: "real" (a finite number), "real|inf" (.inf allowed), "int", "bool", "range" ([low, high]).
 _SETTINGS: dict[str, tuple[str, Callable[[Any], bool] | None, str]] = {
     "controller.gamma": ("real|inf", lambda v: v >= 0, ">= 0 (.inf admits any predicted gain)"),
     "controller.length_drift": ("real", lambda v: v >= 0, ">= 0 (a fraction of the reference length)"),
+    "controller.expert_drift": ("real", lambda v: v >= 0, ">= 0 (a fraction of the reference expert load)"),
     "controller.efficiency_drift": ("real", lambda v: v >= 0, ">= 0 (a fraction)"),
     "controller.efficiency_window": ("int", lambda v: v >= 1, ">= 1 (steps)"),
     "controller.ema": ("real", lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -60,8 +63,10 @@ _SETTINGS: dict[str, tuple[str, Callable[[Any], bool] | None, str]] = {
 MAX_STEPS = 1_000_000  # a trace longer than this is a typo: the simulator plays every step
 MAX_DEVICES = 1_000_000  # likewise for a pool: the planner enumerates the device ids
 _SECTIONS = {
-    "workload": {"prompts_per_step", "samples_per_prompt", "packed", "prompt_length"},
+    "workload": {"prompts_per_step", "samples_per_prompt", "packed", "prompt_length", "mini_batches", "epochs",
+                 "shard_optimizer"},
     "response_length": {"keyframes", "max_over_p95", "jitter"},
+    "expert_load": {"keyframes"},
     **{s: {k.split(".")[1] for k in _SETTINGS if k.startswith(s + ".")} for s in ("controller", "planner", "truth")},
 }
 
@@ -181,7 +186,8 @@ def build_trace(data: Mapping[str, Any], source: str = "") -> Trace:
     seed = _integer(data.get("seed", 0), "seed", low=0)
     algorithm = _algorithm(data.get("algorithm", "ppo"))
     models = _models(data["models"], algorithm)
-    workloads = _workloads(sections, steps, seed, algorithm)
+    workloads = _with_expert_load(_workloads(sections, steps, seed, algorithm), sections["expert_load"], models,
+                                  algorithm)
     _check_context(workloads, models, algorithm)
     return Trace(
         name=str(data.get("name", Path(source).stem)), description=str(data.get("description", "")).strip(),
@@ -370,7 +376,14 @@ def _batch(section: Mapping[str, Any], algorithm: str) -> dict[str, Any]:
         raise TraceError(f"workload.samples_per_prompt: algorithm {algorithm} compares a prompt's samples; "
                          f"set it >= 2, got {samples}")
     packed = _boolean(section.get("packed", True), "workload.packed")
-    return {"prompts_per_step": prompts, "samples_per_prompt": samples, "packed": packed}
+    mini_batches = _integer(section.get("mini_batches", 1), "workload.mini_batches", low=1)
+    if (prompts * samples) % mini_batches:
+        raise TraceError(f"workload.mini_batches: {mini_batches} optimizer updates a step must split the step's "
+                         f"{prompts * samples} sequences evenly; use a divisor of it")
+    epochs = _integer(section.get("epochs", 1), "workload.epochs", low=1)
+    shard = _boolean(section.get("shard_optimizer", False), "workload.shard_optimizer")
+    return {"prompts_per_step": prompts, "samples_per_prompt": samples, "packed": packed, "mini_batches": mini_batches,
+            "epochs": epochs, "shard_optimizer": shard}
 
 
 def _workloads(sections: Mapping[str, Mapping[str, Any]], steps: int, seed: int,
@@ -389,6 +402,27 @@ def _workloads(sections: Mapping[str, Mapping[str, Any]], steps: int, seed: int,
             raise TraceError(f"response_length at step {step}: {error}; change its keyframes") from None
         out.append(Workload(prompt_length=prompt, response_length=response, **batch))
     return tuple(out)
+
+
+def _with_expert_load(workloads: tuple[Workload, ...], section: Mapping[str, Any], models: Mapping[str, str],
+                      algorithm: str) -> tuple[Workload, ...]:
+    """Each step's workload with its busiest-expert share from the ``expert_load`` keyframes (none: balanced)."""
+    if not section:
+        return workloads
+    rows = _keyframes(section.get("keyframes"), "expert_load.keyframes", ("share",))
+    dense = [r for r in _roles(algorithm) if not _preset(models[r], f"models.{r}").num_experts]
+    if dense:
+        raise TraceError(f"expert_load: models.{dense[0]} '{models[dense[0]]}' is not a mixture of experts; drop "
+                         "expert_load or use a mixture-of-experts preset (e.g. qwen3-30b-a3b)")
+    top = min(1.0 / _preset(models[r], f"models.{r}").num_experts_per_tok for r in _roles(algorithm))
+    for key, frame in rows:
+        frame["share"] = _number(frame["share"], f"{key}.share")
+        if not 0 < frame["share"] <= top:
+            raise TraceError(f"{key}.share: the busiest expert's share of routed tokens must be in (0, {top:g}] (a "
+                             f"token's top-k experts are distinct: one expert gets at most 1 / num_experts_per_tok), "
+                             f"got {frame['share']:g}")
+    shares = _interpolate([frame for _, frame in rows], "share", len(workloads)).tolist()
+    return tuple(wl.with_expert_load(share) for wl, share in zip(workloads, shares, strict=True))
 
 
 def _check_context(workloads: tuple[Workload, ...], models: Mapping[str, str], algorithm: str) -> None:

@@ -257,3 +257,27 @@ def test_an_urgent_move_prefers_the_plan_the_model_is_sure_of():
     d = _controller(latency, [B, C], {B: 1.0, C: 1.0}, uncertainty, devices=(0, 1, 2, 3), error_margin=False).observe(
         _obs(0, 100, devices=(0, 1, 2)))
     assert d.target == B  # Eq. 2 as the paper has it: the fastest prediction
+
+
+def _moe(step, load, plan=A, length=100):
+    return dataclasses.replace(_obs(step, length, plan), expert_load=load)
+
+
+def test_expert_load_skew_is_a_soft_trigger_priced_by_the_same_eq2():
+    """A 30% drift of the busiest expert's share triggers a re-plan; the move is admitted exactly when Eq. 2
+    admits it (first crossing: H = 1, payback 4 steps rejected; 10 steps later H = 10 lets it in)."""
+    c = _controller({A: 10.0, B: 9.0}, [B], {B: 4.0}, gamma=0.5)
+    assert c.observe(_moe(0, 0.01)) is None
+    assert c.observe(_moe(1, 0.0129)) is None                # within 30% of the reference 0.01
+    first = c.observe(_moe(2, 0.0131))
+    assert first.trigger == "expert" and not first.urgent and not first.admitted
+    assert "gamma*H=0.50" in first.rejected[0][1]
+    second = c.observe(_moe(12, 0.02))
+    assert second.trigger == "expert" and second.horizon == 10.0 and second.admitted and second.target == B
+    assert c.state_dict()["reference_expert_load"] == 0.02
+
+
+def test_observations_without_expert_load_never_trigger_on_it():
+    c = _controller({A: 10.0, B: 1.0}, [B], {B: 0.0})
+    c.observe(_moe(0, 0.01))
+    assert all(c.observe(_obs(s, 100)) is None for s in range(1, 20))  # dense: expert_load None

@@ -3,7 +3,10 @@
 Everything here is integer/float arithmetic on a ModelConfig (no JAX), mirroring the parameter tree of
 ``nereus_jax.models.decoder`` and the layout rules of ``nereus_jax.sharding``: heads, kv heads, mlp
 and vocab split over tp (kv heads stored ``tp // num_kv_heads`` times when tp exceeds them), layers
-over pp, norms and the value head replicated, embedding and output head replicated over pp.
+over pp, norms and the value head replicated, embedding and output head replicated over pp. A mixture of
+experts' stacked expert weights split over ep as well (each device holds num_experts / ep experts, each split
+over tp on its mlp axis); everything else is replicated over ep (the replica's rows split over ep outside the
+expert layers, as data parallelism inside the replica).
 tests/elastic/test_cost_model.py checks these counts against ``abstract_params`` / ``stored_shapes`` /
 ``check_layout``.
 """
@@ -21,10 +24,14 @@ def dtype_bytes(name: str) -> int:
     return DTYPE_BYTES[name]
 
 
-def layout_problem(cfg: ModelConfig, tp: int, pp: int) -> str | None:
-    """Why a (tp, pp) layout cannot hold the model (the sharding module's rules), or None if it can."""
-    if tp < 1 or pp < 1:
-        return f"degrees must be >= 1 (tp={tp}, pp={pp})"
+def layout_problem(cfg: ModelConfig, tp: int, pp: int, ep: int = 1) -> str | None:
+    """Why a (tp, pp, ep) layout cannot hold the model (the sharding module's rules), or None if it can."""
+    if tp < 1 or pp < 1 or ep < 1:
+        return f"degrees must be >= 1 (tp={tp}, pp={pp}, ep={ep})"
+    if ep > 1 and not cfg.num_experts:
+        return f"ep={ep} needs a mixture-of-experts model (model.num_experts=0): use ep=1"
+    if ep > 1 and cfg.num_experts % ep:
+        return f"ep={ep} does not divide model.num_experts={cfg.num_experts}"
     mlp = ("moe_intermediate_size", cfg.moe_intermediate_size) if cfg.num_experts else \
         ("intermediate_size", cfg.intermediate_size)
     for name, size in (("num_heads", cfg.num_heads), mlp, ("vocab_size", cfg.vocab_size)):
@@ -43,15 +50,43 @@ def kv_copies(cfg: ModelConfig, tp: int) -> int:
     return tp // cfg.num_kv_heads if tp > cfg.num_kv_heads else 1
 
 
-def _layer_matmul_params(cfg: ModelConfig, kv_heads: int, active: bool = False) -> int:
-    """Matmul weights of one layer split over tp: attention plus the MLP (with experts: all of them stored, or
-    the ``num_experts_per_tok`` a token runs through when ``active``)."""
+def _layer_matmul_params(cfg: ModelConfig, kv_heads: int, active: bool = False, ep: int = 1) -> int | float:
+    """Matmul weights of one layer split over tp: attention plus the MLP (with experts: all of them stored, 1/ep
+    of them on one device of an expert group, or the ``num_experts_per_tok`` a token runs through when
+    ``active``)."""
+    mlp = _mlp_params(cfg, active)
+    return _attention_params(cfg, kv_heads) + (mlp if ep == 1 else mlp / ep)
+
+
+def _attention_params(cfg: ModelConfig, kv_heads: int) -> int:
     d, h, e = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+    return 2 * d * h * e + 2 * d * kv_heads * e
+
+
+def _mlp_params(cfg: ModelConfig, active: bool = False) -> int:
+    """One layer's MLP weights: the dense SwiGLU, or every expert (``active``: the top-k a token runs)."""
+    d = cfg.hidden_size
     if cfg.num_experts:
-        mlp = (cfg.num_experts_per_tok if active else cfg.num_experts) * 3 * d * cfg.moe_intermediate_size
-    else:
-        mlp = 3 * d * cfg.intermediate_size
-    return 2 * d * h * e + 2 * d * kv_heads * e + mlp
+        return (cfg.num_experts_per_tok if active else cfg.num_experts) * 3 * d * cfg.moe_intermediate_size
+    return 3 * d * cfg.intermediate_size
+
+
+def expert_flops_per_token(cfg: ModelConfig, tp: int) -> float:
+    """Forward FLOPs of one layer's routed experts per token (its top-k, each split over tp); 0 for a dense MLP."""
+    return 2.0 * _mlp_params(cfg, active=True) / tp if cfg.num_experts else 0.0
+
+
+def busiest_shard_share(cfg: ModelConfig, ep: int, expert_load: float = 0.0):
+    """The fraction of a layer's routed token-expert pairs that the busiest device of an ep group computes.
+    ``expert_load`` (``Workload.expert_load``): the busiest expert's share of them, the others sharing the rest
+    evenly; between 1 / num_experts (0 means that: balanced) and 1 / num_experts_per_tok (every token picks it:
+    a token's top-k are distinct experts). Balanced: 1 / ep; one hot expert: its share plus its
+    num_experts / ep - 1 shard mates'. 1 without experts or at ep = 1."""
+    if not cfg.num_experts or ep == 1:
+        return 1.0
+    n = cfg.num_experts
+    hot = min(max(expert_load, 1.0 / n), 1.0 / cfg.num_experts_per_tok)
+    return hot + (n / ep - 1) * (1.0 - hot) / (n - 1)
 
 
 def mlp_width(cfg: ModelConfig) -> int:
@@ -88,18 +123,26 @@ def param_count(cfg: ModelConfig, head: str = "lm", num_labels: int = 1) -> int:
     return cfg.vocab_size * d + cfg.num_layers * per_layer + d + _head_params(cfg, head, num_labels)
 
 
-def layer_params_per_device(cfg: ModelConfig, tp: int) -> float:
-    """Scalars of one decoder layer on one device of a tp group (kv copies included, norms whole)."""
+def layer_params_per_device(cfg: ModelConfig, tp: int, ep: int = 1) -> float:
+    """Scalars of one decoder layer on one device of a tp group (kv copies included, norms whole; with experts,
+    its 1/ep of them)."""
     kv = cfg.num_kv_heads * kv_copies(cfg, tp)
-    return (_layer_matmul_params(cfg, kv) + _layer_bias_params(cfg, kv)) / tp + _layer_norm_params(cfg)
+    return (_layer_matmul_params(cfg, kv, ep=ep) + _layer_bias_params(cfg, kv)) / tp + _layer_norm_params(cfg)
 
 
-def params_per_device(cfg: ModelConfig, tp: int, pp: int, head: str = "lm", num_labels: int = 1) -> float:
-    """Scalars one device stores under (tp, pp): its layers' tp shard (kv copies included), the vocab
-    shard of embedding and lm head (on every pp stage), norms and the value head whole."""
+def expert_params_per_device(cfg: ModelConfig, tp: int, pp: int, ep: int = 1) -> float:
+    """Scalars of the routed experts one device stores under (tp, pp, ep) (0 for a dense model): the part of
+    its parameters (and their gradients and optimizer state) that ep splits."""
+    return cfg.num_layers / pp * _mlp_params(cfg) / ep / tp if cfg.num_experts else 0.0
+
+
+def params_per_device(cfg: ModelConfig, tp: int, pp: int, head: str = "lm", num_labels: int = 1,
+                      ep: int = 1) -> float:
+    """Scalars one device stores under (tp, pp, ep): its layers' tp shard (kv copies included; experts split
+    over ep too), the vocab shard of embedding and lm head (on every pp stage), norms and the value head whole."""
     d = cfg.hidden_size
     head_params = _head_params(cfg, head, num_labels) / (tp if head == "lm" else 1)
-    return cfg.num_layers / pp * layer_params_per_device(cfg, tp) + cfg.vocab_size * d / tp + d + head_params
+    return cfg.num_layers / pp * layer_params_per_device(cfg, tp, ep) + cfg.vocab_size * d / tp + d + head_params
 
 
 def adapter_params_per_device(cfg: ModelConfig, tp: int, pp: int) -> float:
@@ -116,11 +159,12 @@ def adapter_params_per_device(cfg: ModelConfig, tp: int, pp: int) -> float:
     return cfg.num_layers / pp * sum(r * (d + split[t] / tp) for t in cfg.lora_targets)
 
 
-def trainable_params_per_device(cfg: ModelConfig, tp: int, pp: int, head: str = "lm", num_labels: int = 1) -> float:
+def trainable_params_per_device(cfg: ModelConfig, tp: int, pp: int, head: str = "lm", num_labels: int = 1,
+                                ep: int = 1) -> float:
     """Scalars training updates on one device (gradients, optimizer state): every parameter, or with LoRA the
     adapters plus a value head."""
     if not cfg.lora_rank:
-        return params_per_device(cfg, tp, pp, head, num_labels)
+        return params_per_device(cfg, tp, pp, head, num_labels, ep)
     return adapter_params_per_device(cfg, tp, pp) + (_head_params(cfg, head, num_labels) if head == "value" else 0)
 
 
@@ -128,6 +172,12 @@ def layer_flops_per_token(cfg: ModelConfig, tp: int) -> float:
     """Forward matmul FLOPs of one decoder layer per token on one device of a tp group."""
     return (2.0 * _layer_matmul_params(cfg, cfg.num_kv_heads * kv_copies(cfg, tp), active=True) / tp
             + 2.0 * _router_params(cfg))
+
+
+def dense_flops_per_token(cfg: ModelConfig, tp: int) -> float:
+    """Forward matmul FLOPs of one layer per token on one device of a tp group outside the routed experts
+    (attention projections, the router): the part an ep group runs on its own 1/ep of the rows."""
+    return 2.0 * _attention_params(cfg, cfg.num_kv_heads * kv_copies(cfg, tp)) / tp + 2.0 * _router_params(cfg)
 
 
 def head_flops_per_token(cfg: ModelConfig, tp: int, head: str = "lm", num_labels: int = 1) -> float:
@@ -151,14 +201,20 @@ def kv_bytes_per_token(cfg: ModelConfig, tp: int, pp: int, dtype: str) -> float:
     return 2.0 * cfg.num_layers / pp * heads * cfg.head_dim * dtype_bytes(dtype)
 
 
-def layer_activation_bytes_per_token(cfg: ModelConfig, tp: int, dtype: str) -> float:
+def layer_activation_bytes_per_token(cfg: ModelConfig, tp: int, dtype: str, imbalance: float | None = None) -> float:
     """Activations one layer keeps per token for its backward pass on one device (inputs of every
-    matmul and norm, the SwiGLU intermediates), excluding the [t, s] attention scores."""
+    matmul and norm, the SwiGLU intermediates), excluding the [t, s] attention scores. ``imbalance`` (ep > 1
+    only: ep x :func:`busiest_shard_share`): how many times its even share of the routed tokens the busiest device of
+    an expert group computes, which scales its expert intermediates and adds the dispatched tokens' buffers."""
     kv = cfg.num_kv_heads * kv_copies(cfg, tp)
     d, e = cfg.hidden_size, cfg.head_dim
     width = cfg.num_experts_per_tok * cfg.moe_intermediate_size if cfg.num_experts else cfg.intermediate_size
-    sharded = 2 * cfg.num_heads * e + 2 * kv * e + 4 * width
-    return (6 * d + sharded / tp) * dtype_bytes(dtype)
+    if imbalance is None or not cfg.num_experts:
+        sharded = 2 * cfg.num_heads * e + 2 * kv * e + 4 * width
+        return (6 * d + sharded / tp) * dtype_bytes(dtype)
+    sharded = 2 * cfg.num_heads * e + 2 * kv * e + 4 * width * imbalance
+    dispatched = 2 * cfg.num_experts_per_tok * d * imbalance  # tokens received for the experts, their outputs
+    return (6 * d + sharded / tp + dispatched) * dtype_bytes(dtype)
 
 
 def attention_score_bytes(cfg: ModelConfig, tp: int, queries: float, keys: float, dtype: str) -> float:

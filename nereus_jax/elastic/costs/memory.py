@@ -18,6 +18,11 @@ only while it runs.
   divide); 1F1B keeps min(m, 2 pp - 1) stashed stage inputs and one micro-batch's activations (its backward
   recomputes it), and the last stage runs the head one micro-batch at a time.
 
+Expert parallelism (ep > 1, scoring and training of a mixture of experts): a device keeps 1/ep of the
+routed experts (and of their gradients and Adam state); its calls hold 1/ep of the rows outside the experts
+and, inside them, the busiest device's share of the routed tokens with their dispatch buffers
+(``counts.layer_activation_bytes_per_token`` with the workload's ``expert_load``).
+
 A device's peak is the resident state of every model-stage placed on it plus the largest working set
 among them (``device_peak_bytes``); the planner keeps that under capacity x (1 - headroom).
 """
@@ -60,18 +65,18 @@ class StageMemory(NamedTuple):
         return self.resident + self.working
 
 
-def state_bytes(cfg: ModelConfig, stage: str, tp: int, pp: int, optimizer_shards: int = 1) -> float:
+def state_bytes(cfg: ModelConfig, stage: str, tp: int, pp: int, optimizer_shards: int = 1, ep: int = 1) -> float:
     """What one device of one of ``stage``'s units holds (the state a transition moves). ``optimizer_shards``:
     replicas a training stage's optimizer state is split over (plan.shard_optimizer: its dp), each holding
     1/optimizer_shards of Adam's moments."""
     kind, head = split_stage(stage)[1], stage_head(stage)
-    params = counts.params_per_device(cfg, tp, pp, head)
+    params = counts.params_per_device(cfg, tp, pp, head, ep=ep)
     if split_stage(stage)[0] in ("actor", "critic"):  # LoRA adapters; the reference is the base alone
         params += counts.adapter_params_per_device(cfg, tp, pp)
     if kind != "train":
         return params * counts.dtype_bytes(cfg.compute_dtype)
     pb = counts.dtype_bytes(cfg.param_dtype)
-    trainable = counts.trainable_params_per_device(cfg, tp, pp, head)  # LoRA: only adapters have Adam state
+    trainable = counts.trainable_params_per_device(cfg, tp, pp, head, ep=ep)  # LoRA: only adapters have Adam state
     return params * pb + trainable * (8 / optimizer_shards + (4 if pb != 4 else 0))
 
 
@@ -81,12 +86,12 @@ def optimizer_shards(stage: str, dp, workload: Workload):
     return dp if workload.shard_optimizer and split_stage(stage)[1] == "train" else 1
 
 
-def resident_bytes(cfg: ModelConfig, stage: str, tp: int, pp: int, optimizer_shards: int = 1) -> float:
+def resident_bytes(cfg: ModelConfig, stage: str, tp: int, pp: int, optimizer_shards: int = 1, ep: int = 1) -> float:
     """Bytes one device keeps for ``stage`` between its runs (depends on the layout, and for a training stage
     whose optimizer is split over its replicas on their number): its unit's state, and for gen the engine's
     own copy of the weights beside it (per-layer arrays in the compute dtype, ``JaxEngine.adopt_params``),
     held for as long as the engine lives."""
-    unit = state_bytes(cfg, stage, tp, pp, optimizer_shards)
+    unit = state_bytes(cfg, stage, tp, pp, optimizer_shards, ep)
     return 2 * unit if split_stage(stage)[1] == "gen" else unit
 
 
@@ -101,13 +106,13 @@ def working_bytes(cfg: ModelConfig, stage: str, choice: StageChoice, workload: W
     if accumulating is None:
         accumulating = workload.train_sequences / choice.dp / choice.micro_batch > 1
     return call_working_bytes(cfg, stage, choice.tp, choice.pp, choice.micro_batch, choice.remat, workload, hw,
-                              accumulating)
+                              accumulating, choice.ep)
 
 
 def stage_memory(cfg: ModelConfig, stage: str, choice: StageChoice, workload: Workload, hw: Hardware) -> StageMemory:
     """Resident and working bytes per device of ``stage`` under ``choice``."""
     shards = optimizer_shards(stage, choice.dp, workload)
-    return StageMemory(resident_bytes(cfg, stage, choice.tp, choice.pp, shards),
+    return StageMemory(resident_bytes(cfg, stage, choice.tp, choice.pp, shards, choice.ep),
                        working_bytes(cfg, stage, choice, workload, hw))
 
 
@@ -118,9 +123,10 @@ def device_peak_bytes(stages: Iterable[StageMemory]) -> float:
     return sum(m.resident for m in items) + max((m.working for m in items), default=0.0)
 
 
-def accumulation_bytes(cfg: ModelConfig, stage: str, tp: int, pp: int) -> float:
+def accumulation_bytes(cfg: ModelConfig, stage: str, tp: int, pp: int, ep: int = 1) -> float:
     """The running gradient sum a train stage keeps when a step has more than one call."""
-    return counts.trainable_params_per_device(cfg, tp, pp, stage_head(stage)) * counts.dtype_bytes(cfg.param_dtype)
+    return (counts.trainable_params_per_device(cfg, tp, pp, stage_head(stage), ep=ep)
+            * counts.dtype_bytes(cfg.param_dtype))
 
 
 def _logit_bytes(cfg: ModelConfig, head: str, rows: float, tp: int) -> float:
@@ -150,31 +156,39 @@ def _gen(cfg: ModelConfig, head: str, c: StageChoice, wl: Workload, hw: Hardware
 
 
 def call_working_bytes(cfg: ModelConfig, stage: str, tp: int, pp: int, micro_batch, remat: bool, workload: Workload,
-                       hw: Hardware, accumulating: bool) -> float:
-    """Working bytes of an infer/train call of ``micro_batch`` sequences (an int, or an array of sizes)."""
+                       hw: Hardware, accumulating: bool, ep: int = 1) -> float:
+    """Working bytes of an infer/train call of ``micro_batch`` sequences (an int, or an array of sizes); with
+    ep > 1 a device holds 1/ep of the rows (the busiest expert device's share inside the experts)."""
     kind, head = split_stage(stage)[1], stage_head(stage)
     assert kind in ("infer", "train"), stage
     rows = micro_batch / pipeline_microbatches(micro_batch, pp)
     fn = _infer if kind == "infer" else _train
-    return hw.workspace_bytes + fn(cfg, head, tp, pp, micro_batch, rows, remat, workload, hw, accumulating)
+    split = head_split(micro_batch, pp)
+    if ep == 1:
+        return hw.workspace_bytes + fn(cfg, head, tp, pp, micro_batch, rows, split, remat, workload, hw, accumulating)
+    imbalance = ep * counts.busiest_shard_share(cfg, ep, workload.expert_load)
+    return hw.workspace_bytes + fn(cfg, head, tp, pp, micro_batch / ep, rows / ep, split, remat, workload, hw,
+                                   accumulating, ep, imbalance)
 
 
-def _infer(cfg, head, tp, pp, mb, rows, remat, wl: Workload, hw: Hardware, accumulating: bool):
+def _infer(cfg, head, tp, pp, mb, rows, split, remat, wl: Workload, hw: Hardware, accumulating: bool, ep: int = 1,
+           imbalance: float | None = None):
     s = wl.max_tokens
     hidden = mb * s * cfg.hidden_size * counts.dtype_bytes(cfg.compute_dtype)
-    layer = rows * s * counts.layer_activation_bytes_per_token(cfg, tp, cfg.compute_dtype)
+    layer = rows * s * counts.layer_activation_bytes_per_token(cfg, tp, cfg.compute_dtype, imbalance)
     if not hw.fused_attention:
         layer = layer + rows * counts.attention_score_bytes(cfg, tp, s, s, cfg.compute_dtype)
-    logits = head_bytes(cfg, head, mb * wl.head_tokens / head_split(mb, pp), tp, "infer", wl.vocab_chunk)
+    logits = head_bytes(cfg, head, mb * wl.head_tokens / split, tp, "infer", wl.vocab_chunk)
     return 2 * hidden + layer + logits
 
 
-def _train(cfg, head, tp, pp, mb, rows, remat, wl: Workload, hw: Hardware, accumulating: bool):
+def _train(cfg, head, tp, pp, mb, rows, split, remat, wl: Workload, hw: Hardware, accumulating: bool, ep: int = 1,
+           imbalance: float | None = None):
     s, layers, m = wl.max_tokens, cfg.num_layers / pp, mb / rows
-    grads = counts.trainable_params_per_device(cfg, tp, pp, head) * counts.dtype_bytes(cfg.param_dtype)
+    grads = counts.trainable_params_per_device(cfg, tp, pp, head, ep=ep) * counts.dtype_bytes(cfg.param_dtype)
     grads *= 2 if accumulating else 1  # this call's gradient and the running sum (accumulation_bytes)
     act = counts.dtype_bytes(cfg.compute_dtype)
-    per_token = counts.layer_activation_bytes_per_token(cfg, tp, cfg.compute_dtype)
+    per_token = counts.layer_activation_bytes_per_token(cfg, tp, cfg.compute_dtype, imbalance)
     scores = 0.0 if hw.fused_attention else counts.attention_score_bytes(cfg, tp, s, s, cfg.compute_dtype)
     layer_input = s * cfg.hidden_size * act  # one row's input to one layer (a stage input is one of these)
 
@@ -188,6 +202,6 @@ def _train(cfg, head, tp, pp, mb, rows, remat, wl: Workload, hw: Hardware, accum
         logits = head_bytes(cfg, head, rows * wl.head_tokens, tp, "train", wl.vocab_chunk)
     else:  # GPipe, differentiated through: every tick's activations (bubble ticks' too) until the backward
         stored = activations(m + pp - 1)
-        logits = head_bytes(cfg, head, mb * wl.head_tokens / head_split(mb, pp), tp, "train", wl.vocab_chunk)
+        logits = head_bytes(cfg, head, mb * wl.head_tokens / split, tp, "train", wl.vocab_chunk)
     hidden = 2 * mb * s * cfg.hidden_size * act  # the stack's input and its cotangent (or output)
     return grads + stored + hidden + logits

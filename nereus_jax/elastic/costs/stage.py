@@ -13,29 +13,34 @@ from nereus_jax.model_stage import StageError
 
 @dataclass(frozen=True, order=True)
 class StageChoice:
-    """How one model-stage runs: ``dp`` replicas of a (tp, pp) layout, ``micro_batch`` sequences per
+    """How one model-stage runs: ``dp`` replicas of a (tp, pp, ep) layout, ``micro_batch`` sequences per
     forward/backward call (per replica; gen: concurrent decode slots per replica) and, for training,
-    rematerialisation. Calls per step = sequences per replica / micro_batch (gradient accumulation)."""
+    rematerialisation. Calls per step = sequences per replica / micro_batch (gradient accumulation).
+    ``ep`` (mixture-of-experts models, scoring and training): the experts split over ep devices, the call's
+    rows over the same ep devices outside the expert layers; last so that every (tp, pp, dp, micro_batch,
+    remat) choice reads as before."""
 
     tp: int
     pp: int
     dp: int
     micro_batch: int
     remat: bool = False
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "micro_batch"):
+        for name in ("tp", "pp", "dp", "micro_batch", "ep"):
             if getattr(self, name) < 1:
                 raise StageError(f"StageChoice.{name} must be >= 1, got {getattr(self, name)}")
 
     @property
     def devices(self) -> int:
-        """Devices the stage occupies: dp replicas of tp * pp."""
-        return self.tp * self.pp * self.dp
+        """Devices the stage occupies: dp replicas of tp * pp * ep."""
+        return self.tp * self.pp * self.ep * self.dp
 
     def __str__(self) -> str:
         remat = " remat" if self.remat else ""
-        return f"tp{self.tp} pp{self.pp} dp{self.dp} mb{self.micro_batch}{remat}"
+        ep = f" ep{self.ep}" if self.ep > 1 else ""
+        return f"tp{self.tp} pp{self.pp}{ep} dp{self.dp} mb{self.micro_batch}{remat}"
 
 
 def pipeline_microbatches(micro_batch, pp: int):

@@ -6,7 +6,8 @@ every update needs every score): actor-gen -> {actor, ref, reward, critic}-infer
 In a phase the model-stages split into groups on disjoint devices that run at the same time; inside a
 group they run one after another. Step latency = the critical path of that execution-overlap graph = the
 sum over phases of the slowest group. Per model-stage the candidates are those of ``costs.candidates``
-(tp inside a node, degrees dividing the model's dimensions, dp and micro-batch dividing the batch, remat).
+(tp inside a node, degrees dividing the model's dimensions, ep dividing a mixture's experts for its scoring
+and training, dp and micro-batch dividing the batch, remat).
 On shared-compute hardware (cpu) groups never overlap: they would time-slice the same cores.
 
 Memory. Every model-stage's resident state (weights; parameters + Adam for training) stays on its devices
@@ -236,7 +237,7 @@ def _alternatives(problem: Problem, opts, best: list[PhaseSolution]) -> list[tup
 
 
 def _other_layouts(problem: Problem, opts, best: list[PhaseSolution]) -> list[tuple[float, list[PhaseSolution]]]:
-    """For each model-stage, the best plan that fits when that model-stage must leave its (tp, pp)."""
+    """For each model-stage, the best plan that fits when that model-stage must leave its (tp, pp, ep)."""
     picks = picked(best)
     lo = {s: 0.0 for s in opts}
     hi = {s: math.inf for s in opts}
@@ -244,7 +245,8 @@ def _other_layouts(problem: Problem, opts, best: list[PhaseSolution]) -> list[tu
     out = []
     for stage, i in picks.items():
         o = opts[stage]
-        other = masks[stage] & ((o.raw[:, 0] != o.raw[i, 0]) | (o.raw[:, 1] != o.raw[i, 1]))
+        other = masks[stage] & ((o.raw[:, 0] != o.raw[i, 0]) | (o.raw[:, 1] != o.raw[i, 1])
+                                | (o.table[:, 5] != o.table[i, 5]))
         if not other.any():
             continue
         capped = {s: (m if s != stage else other) for s, m in masks.items()}

@@ -25,11 +25,15 @@ def check_fixed(problem: Problem, stage: str, c: StageChoice) -> None:
     """A pinned choice must be one the planner could have made (ValueError naming the stage otherwise)."""
     kind, cfg = split_stage(stage)[1], problem.model_for(stage)
     total = problem.workload.generated_sequences if kind == "gen" else problem.workload.sequences
-    why = layout_problem(cfg, c.tp, c.pp)
+    why = layout_problem(cfg, c.tp, c.pp, c.ep)
     if why is None and problem.hardware.devices_per_node % c.tp:
         why = f"tp={c.tp} does not divide the {problem.hardware.devices_per_node} devices of a node"
-    if why is None and kind == "gen" and c.pp != 1:
-        why = "generation runs with pp=1"
+    if why is None and kind == "gen" and (c.pp != 1 or c.ep != 1):
+        why = "generation runs with pp=1 and ep=1"
+    if why is None and c.ep > 1 and problem.topology is not None and not problem.topology.expert_parallel:
+        why = "this topology runs every model-stage with ep=1 (Topology.expert_parallel is off)"
+    if why is None and c.micro_batch % c.ep:
+        why = f"ep={c.ep} does not divide micro-batch={c.micro_batch} (a call's rows split over the ep group)"
     if why is None and c.devices > problem.tp_capacity(c.tp):
         why = f"{c.devices} devices in whole tp={c.tp} groups exceed the pool's {problem.tp_capacity(c.tp)}"
     if why is None and (total % c.dp or (total // c.dp) % c.micro_batch):
@@ -111,6 +115,8 @@ class Problem:
         cfg = self.model_for(s)
         if s in self.fixed:
             return StageOptions.build(s, [price(cfg, s, self.fixed[s], self.workload, self.cost_model)])
+        split = self.topology is None or self.topology.expert_parallel
         if batching is not None:
-            return pricer.rule_options(cfg, s, self.tp_capacity, self.usable_bytes, batching, rider=rider)
-        return pricer.options(cfg, s, self.tp_capacity, self.usable_bytes, rider=rider)
+            return pricer.rule_options(cfg, s, self.tp_capacity, self.usable_bytes, batching, rider=rider,
+                                       expert_parallel=split)
+        return pricer.options(cfg, s, self.tp_capacity, self.usable_bytes, rider=rider, expert_parallel=split)

@@ -36,12 +36,13 @@ def _tp_slots(devices: Sequence[int], tp: int, node: int) -> list[tuple[int, ...
 
 
 def _stage_plan(devices: Sequence[int], choice: StageChoice, node: int) -> StagePlan | None:
+    """dp replicas, each pp x ep consecutive tp groups."""
     slots = _tp_slots(devices, choice.tp, node)
-    if len(slots) < choice.dp * choice.pp:
+    groups = choice.pp * choice.ep
+    if len(slots) < choice.dp * groups:
         return None
-    replicas = tuple(tuple(d for slot in slots[r * choice.pp:(r + 1) * choice.pp] for d in slot)
-                     for r in range(choice.dp))
-    return StagePlan(Layout(choice.tp, choice.pp), replicas)
+    replicas = tuple(tuple(d for slot in slots[r * groups:(r + 1) * groups] for d in slot) for r in range(choice.dp))
+    return StagePlan(Layout(choice.tp, choice.pp, choice.ep), replicas)
 
 
 def place(problem: Problem, opts, sols: Sequence[PhaseSolution]) -> dict[str, StagePlan] | None:
@@ -124,13 +125,13 @@ class PlanResult:
 
     def table(self) -> str:
         """The plan as a table: per model-stage its choice, devices and predicted seconds."""
-        rows = [("model-stage", "tp", "pp", "dp", "micro-batch", "remat", "devices", "latency s")]
+        rows = [("model-stage", "tp", "pp", "ep", "dp", "micro-batch", "remat", "devices", "latency s")]
         riders = {h: [r for r, hh in self.hosts.items() if hh == h] for h in set(self.hosts.values())}
         for stage in (r for phase in self.groups for group in phase for s in group for r in [*riders.get(s, []), s]):
             c, devs = self.choices[stage], self.plan[ModelStage.parse(self.hosts.get(stage, stage))].devices
             span = f"{min(devs)}-{max(devs)}" if len(devs) > 1 else str(devs[0])
-            rows.append((stage, str(c.tp), str(c.pp), str(c.dp), str(c.micro_batch), "yes" if c.remat else "no",
-                         f"{len(devs)} [{span}]", f"{self.stage_latency_s[stage]:.3f}"))
+            rows.append((stage, str(c.tp), str(c.pp), str(c.ep), str(c.dp), str(c.micro_batch),
+                         "yes" if c.remat else "no", f"{len(devs)} [{span}]", f"{self.stage_latency_s[stage]:.3f}"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
         order = " -> ".join(" | ".join("+".join(g) for g in phase) for phase in self.groups)
@@ -148,8 +149,8 @@ class PlanResult:
         plan = {}
         for ms, sp in self.plan.items():
             c = self.choices[str(ms)]
-            plan[str(ms)] = {"tp": c.tp, "pp": c.pp, "dp": c.dp, "micro_batch": c.micro_batch, "remat": c.remat,
-                             "replicas": [list(r) for r in sp.replicas]}
+            plan[str(ms)] = {"tp": c.tp, "pp": c.pp, "ep": c.ep, "dp": c.dp, "micro_batch": c.micro_batch,
+                             "remat": c.remat, "replicas": [list(r) for r in sp.replicas]}
         return {
             "plan": plan,
             "groups": [[list(g) for g in phase] for phase in self.groups],
