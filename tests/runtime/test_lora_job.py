@@ -213,3 +213,25 @@ def test_pipelined_lora_steps_compute_what_unpipelined_ones_compute(warm):
     for path, x in _leaves(params["pp2"]):
         if not lora.is_adapter(path):
             np.testing.assert_array_equal(x, _at(warm, path), err_msg=str(path))
+
+
+def test_a_dropout_job_seeds_actor_and_critic_training_and_keeps_the_base(warm):
+    """model.lora_dropout through the job's own inputs: both training programs get the step's seed (and the
+    scoring programs none), the update runs with it, and the frozen base stays the warm start's bit for bit.
+    (The masks themselves, their rate and reproducibility: tests/models/test_lora_dropout.py.)"""
+    cfg = _cfg("model.lora_dropout=0.5")
+    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
+    try:
+        result = job.step(0)
+        assert np.isfinite(result.metrics["loss"]) and np.isfinite(result.metrics["value_loss"])
+        signatures = job.stages.signatures
+        for ms in (ACTOR_TRAIN, CRITIC_TRAIN):
+            assert signatures[("train", ms)]["dropout_seed"] == ((), np.dtype(np.uint32))
+        assert not any("dropout_seed" in s for key, s in signatures.items() if key[0] == "infer")
+        for path, x in _leaves(job.actor_host_params()):
+            if not lora.is_adapter(path):
+                np.testing.assert_array_equal(x, _at(warm, path), err_msg=str(path))
+            elif path[-1].endswith(lora.SUFFIX_B):
+                assert np.any(x != 0), f"{path} did not train"
+    finally:
+        job.close()
