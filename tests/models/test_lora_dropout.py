@@ -158,3 +158,22 @@ def test_bad_dropout_settings_are_refused_with_the_fix():
     with pytest.raises(ConfigError, match="actor-train.pp=2"):
         load_config(None, ["model.lora_rank=4", "model.lora_dropout=0.1", "plan.stages.actor-train.pp=2",
                            "plan.colocate=false"])
+
+
+def test_the_controller_never_proposes_a_pipelined_training_stage_with_dropout():
+    """A controller move to pp > 1 training would fail at its compile (the pipeline schedules do not carry the
+    dropout key): the job's candidates leave such plans out, and keep them without dropout."""
+    from nereus_jax.runtime.initial_plan import plan_from_config
+    from nereus_jax.runtime.job_pricer import JobPricer
+
+    lora = ["model.lora_rank=4", "plan.colocate=false", "plan.stages.actor-gen.dp=2"]
+    pipelined = plan_from_config(load_config(None, lora + ["plan.stages.actor-train.pp=2"]))
+    flat = plan_from_config(load_config(None, lora))
+
+    def runnable(plan, *extra):
+        pricer = types.SimpleNamespace(job=types.SimpleNamespace(cfg=load_config(None, lora + list(extra))),
+                                       async_mode=False)
+        return JobPricer._runnable(pricer, plan)
+
+    assert runnable(pipelined) and runnable(flat, "model.lora_dropout=0.1")
+    assert not runnable(pipelined, "model.lora_dropout=0.1")
