@@ -177,3 +177,20 @@ def test_the_controller_never_proposes_a_pipelined_training_stage_with_dropout()
 
     assert runnable(pipelined) and runnable(flat, "model.lora_dropout=0.1")
     assert not runnable(pipelined, "model.lora_dropout=0.1")
+
+
+def test_a_move_compiles_ahead_for_the_seed_the_steps_pass(devices):
+    """prepare_programs compiles a target plan's train program from the recorded input signature
+    (stages._abstract_micro): its abstract seed must be what the learner's seed becomes on the mesh."""
+    from nereus_jax.runtime.stages import _abstract_micro, _put
+    from nereus_jax.sharding import Layout, make_mesh
+
+    mesh = make_mesh(devices[:2], Layout(), dp=2)
+    data, mini, accum = _batches()
+    data |= {"dropout_seed": np.uint32(5)}
+    real = _put(losses.split_minibatches(data, mini, accum), mesh, mini)
+    signature = {k: (np.shape(v), np.asarray(v).dtype) for k, v in data.items()}
+    ahead = _abstract_micro(signature, accum, mesh, mini)
+    assert ahead.keys() == real.keys()
+    for k, x in real.items():
+        assert (ahead[k].shape, ahead[k].dtype, ahead[k].sharding) == (x.shape, x.dtype, x.sharding), k
