@@ -131,7 +131,8 @@ class ModelConfig(_Node):
     lora_targets: tuple[str, ...] = _field(
         LORA_TARGETS,
         "projections that get adapters, by their Hugging Face module names")
-    lora_dropout: float = _field(0.0, "dropout on the adapters' input (only 0 is supported so far)")
+    lora_dropout: float = _field(0.0, "LoRA dropout: probability of zeroing an adapter's input element in actor- "
+                                      "and critic-train's forwards (never in scoring, the reference or generation)")
     lora_path: str | None = _field(None, "a local PEFT LoRA adapter folder (adapter_config.json, "
                                          "adapter_model.safetensors) the adapters start from")
 
@@ -189,9 +190,11 @@ class ModelConfig(_Node):
                     f"model.lora_targets {mlp} adapt MLP projections, which a mixture-of-experts model has per "
                     "expert: adapters on experts are not supported; set model.lora_targets=[q_proj,k_proj,v_proj,"
                     "o_proj]")
-            require(self.lora_dropout == 0.0,
-                    f"model.lora_dropout={self.lora_dropout}: adapter dropout is not supported yet; set "
-                    "model.lora_dropout=0 (RL post-training usually runs without it)")
+            require(0.0 <= self.lora_dropout < 1.0,
+                    f"model.lora_dropout={self.lora_dropout} must be in [0, 1) (a probability of dropping)")
+        require(self.lora_dropout == 0.0 or self.lora_rank > 0,
+                f"model.lora_dropout={self.lora_dropout} but model.lora_rank=0: dropout applies to LoRA adapters; "
+                "set model.lora_rank or model.lora_dropout=0")
         require(self.lora_path is None or self.lora_rank > 0,
                 "model.lora_path is set but model.lora_rank=0: set model.lora_rank to the adapter's rank")
 
@@ -647,6 +650,7 @@ class Config(_Node):
         _check_group_sampling(self.algorithm, self.rollout)
         _check_mini_batches(self.trainer, self.rollout, self.algorithm)
         _check_routing(self)
+        _check_lora_dropout(self)
 
     def records_routes(self) -> bool:
         """Whether actor-gen's engines record every token's routes (mixture-of-experts models with one response
@@ -784,6 +788,17 @@ def _check_routing(cfg: Config) -> None:
     require(not a.routing_replay or cfg.task.env is None,
             f"algorithm.routing_replay with task.env={cfg.task.env!r}: multi-turn trajectories do not record their "
             "routes yet; unset algorithm.routing_replay or task.env")
+
+
+def _check_lora_dropout(cfg: Config) -> None:
+    """LoRA dropout runs in unpipelined training forwards only: the pipeline schedules do not carry its key."""
+    if not cfg.model.lora_dropout:
+        return
+    for stage in ("actor-train", "critic-train"):
+        pp = cfg.plan.layout_for(stage).pp
+        require(pp == 1, f"model.lora_dropout={cfg.model.lora_dropout} with plan.stages.{stage}.pp={pp} (or "
+                         "plan.default.pp): dropout does not run in pipelined training yet; set that pp to 1 or "
+                         "model.lora_dropout=0")
 
 
 def _check_mini_batches(trainer: TrainerConfig, rollout: RolloutConfig, algorithm: AlgorithmConfig) -> None:

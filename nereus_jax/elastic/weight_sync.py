@@ -33,8 +33,12 @@ class WeightSync:
 
     With LoRA (``model.lora_rank``) only the adapters change between syncs: the generation units keep their
     frozen base leaves and only the adapter leaves are re-derived (``adapters_only``, the default for a
-    LoRA model unless ``keep_old``), a few MB instead of the model. Generation units that are missing (a job
-    rebuilding them) get the whole tree."""
+    LoRA model), a few MB instead of the model. Generation units that are missing (a job rebuilding them) get
+    the whole tree.
+
+    ``keep_old`` (async's double buffer): the generating units stay intact while the new ones are derived; with
+    adapters only, the new units hold new adapters beside the same frozen base buffers as the old ones (nothing
+    writes or donates a frozen leaf), so the double buffer costs one more copy of the adapters, not the model."""
 
     def __init__(self, plan: ExecutionPlan, train_spec: StateSpec, gen_spec: StateSpec, *,
                  src: ModelStage = ACTOR_TRAIN, dst: ModelStage = ACTOR_GEN, caps: int | None = None,
@@ -44,14 +48,12 @@ class WeightSync:
         self.src, self.dst, self.keep_old = src, dst, keep_old
         self.plan, self.specs, self.caps = plan, {src: train_spec, dst: gen_spec}, caps
         if adapters_only is None:
-            adapters_only = bool(train_spec.model.lora_rank) and not keep_old
-        if adapters_only and keep_old:
-            raise ValueError("adapters_only needs keep_old=False: the new generation units share the old ones' base")
+            adapters_only = bool(train_spec.model.lora_rank)
         self.index = adapter_indices(train_spec) if adapters_only else None
         self._full: TransitionGraph | None = None
         if self.index:
             self.sub_specs = {src: train_spec.subset(self.index), dst: gen_spec.subset(self.index)}
-            self.graph = TransitionGraph.weight_sync(plan, src, dst, self.sub_specs, caps=caps)
+            self.graph = TransitionGraph.weight_sync(plan, src, dst, self.sub_specs, caps=caps, keep_old=keep_old)
         else:
             self.index = None
             self.graph = self._full = TransitionGraph.weight_sync(plan, src, dst, self.specs, caps=caps,
@@ -64,7 +66,7 @@ class WeightSync:
         if self.index is None or set(old) != {self._devices(r) for r in self.plan[self.dst].replicas}:
             return self._whole(train_units, gen_units)
         views = {self.src: [self._view(u, self.src) for u in train_units],
-                 self.dst: [self._view(u, self.dst) for u in gen_units]}
+                 self.dst: [] if self.keep_old else [self._view(u, self.dst) for u in gen_units]}
         out = []
         for new in self.executor.run(self.graph, views)[self.dst]:
             leaves = list(old[new.devices].leaves)
@@ -81,7 +83,8 @@ class WeightSync:
 
     def _whole(self, train_units: Sequence[EMU], gen_units: Sequence[EMU]) -> list[EMU]:
         if self._full is None:
-            self._full = TransitionGraph.weight_sync(self.plan, self.src, self.dst, self.specs, caps=self.caps)
+            self._full = TransitionGraph.weight_sync(self.plan, self.src, self.dst, self.specs, caps=self.caps,
+                                                     keep_old=self.keep_old)
         out = self.executor.run(self._full, {self.src: train_units, self.dst: [] if self.keep_old else gen_units})
         return out[self.dst]
 

@@ -197,7 +197,8 @@ def default_positions(tokens_bt: jax.Array, attention_mask_bt: jax.Array | None)
 def forward(params: dict, cfg: ModelConfig, tokens_bt: jax.Array, positions_bt: jax.Array | None = None,
             attention_mask_bt: jax.Array | None = None, *, return_hidden: bool = False,
             segment_ids_bt: jax.Array | None = None, routes_btlk: jax.Array | None = None, replay: bool = False,
-            return_routing: bool = False) -> jax.Array | tuple[jax.Array, RouterStats]:
+            return_routing: bool = False, dropout_key: jax.Array | None = None
+            ) -> jax.Array | tuple[jax.Array, RouterStats]:
     """Full (uncached) forward. Returns logits [b, t, vocab] (float32), or values [b, t, labels] for a
     value-head model, or the final hidden states [b, t, embed] with ``return_hidden``.
 
@@ -209,11 +210,16 @@ def forward(params: dict, cfg: ModelConfig, tokens_bt: jax.Array, positions_bt: 
     where none was recorded); with ``replay`` every recorded token uses them instead of the router's own choice.
     ``return_routing`` returns ``(output, RouterStats)`` (:mod:`nereus_jax.models.routing`), counted over the
     real tokens, with the own-vs-recorded mismatch when routes were given.
+
+    ``dropout_key`` (a training forward's, uint32 [2]): applies ``model.lora_dropout`` to the adapters' inputs
+    (:func:`nereus_jax.models.lora.dropout`); None, or no adapters, or a rate of 0: no dropout.
     """
     if positions_bt is None:
         positions_bt = default_positions(tokens_bt, attention_mask_bt)
     mask_bts = causal_mask(tokens_bt.shape[1], attention_mask_bt, segment_ids_bt)
     routing = routing_inputs(cfg, tokens_bt, attention_mask_bt, segment_ids_bt, routes_btlk, replay, return_routing)
+    if dropout_key is not None and cfg.lora_dropout and lora.has_adapters(params["layers"]):
+        routing["dropout_key"] = dropout_key
     out = apply_layers(params["layers"], cfg, embed_tokens(params, tokens_bt), positions_bt, mask_bts, **routing)
     if not return_routing:
         return output_head(params, cfg, out, return_hidden=return_hidden)
@@ -267,8 +273,10 @@ def causal_mask(t: int, attention_mask_bt: jax.Array | None, segment_ids_bt: jax
 
 def apply_layers(layers: dict, cfg: ModelConfig, x_btd: jax.Array, positions_bt: jax.Array,
                  mask_bts: jax.Array, *, routes_lbtk: jax.Array | None = None, replay: bool = False,
-                 token_mask_bt: jax.Array | None = None) -> jax.Array | tuple[jax.Array, RouterStats]:
+                 token_mask_bt: jax.Array | None = None, dropout_key: jax.Array | None = None
+                 ) -> jax.Array | tuple[jax.Array, RouterStats]:
     """Runs a stack of layers (any number: a pipeline stage passes its slice of the ``layers`` axis).
+    ``dropout_key``: LoRA dropout with one key per layer (see :func:`forward`).
 
     With ``token_mask_bt`` (mixture-of-experts models) returns ``(x, RouterStats)`` of these layers, counted
     over the tokens it marks; ``routes_lbtk`` (recorded routes, layer-major) are compared with the router's own
@@ -277,13 +285,14 @@ def apply_layers(layers: dict, cfg: ModelConfig, x_btd: jax.Array, positions_bt:
     stats = token_mask_bt is not None
 
     def body(x, xs):
-        layer, recorded = xs
-        x, routed = _block(x, layer, cfg, positions_bt, inv_freq, mask_bts, recorded if replay else None)
+        layer, recorded, key = xs
+        x, routed = _block(x, layer, cfg, positions_bt, inv_freq, mask_bts, recorded if replay else None, key)
         return x, layer_stats(routed, token_mask_bt, recorded) if stats else None
 
     if cfg.remat:
         body = jax.checkpoint(body)
-    x, per_layer = jax.lax.scan(body, x_btd, (layers, routes_lbtk))
+    n = jax.tree.leaves(layers)[0].shape[0]
+    x, per_layer = jax.lax.scan(body, x_btd, (layers, routes_lbtk, lora.layer_keys(dropout_key, n)))
     if not stats:
         return x
     counts, probs, mismatch = per_layer
@@ -305,10 +314,10 @@ def output_head(params: dict, cfg: ModelConfig, x_btd: jax.Array, *, return_hidd
     return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
 
 
-def _block(x, lp, cfg, positions_bt, inv_freq, mask_bts, forced_btk=None):
+def _block(x, lp, cfg, positions_bt, inv_freq, mask_bts, forced_btk=None, dropout_key=None):
     """One decoder layer; returns (x, the MLP's :class:`Routed` or None for a dense MLP)."""
     if lora.has_adapters(lp):
-        return _lora_block(x, lp, cfg, positions_bt, inv_freq, mask_bts, forced_btk)
+        return _lora_block(x, lp, cfg, positions_bt, inv_freq, mask_bts, forced_btk, dropout_key)
     a = lp["attn"]
     h = rms_norm(x, lp["attn_norm"]["scale"], cfg.rms_norm_eps)
     q_norm, k_norm = (a["q_norm"]["scale"], a["k_norm"]["scale"]) if cfg.qk_norm else (None, None)
@@ -337,14 +346,17 @@ def mlp(h_btd: jax.Array, lp: dict, cfg: ModelConfig, forced_btk: jax.Array | No
     return swiglu(h_btd, m["w_gate"], m["w_up"], m["w_down"]), None
 
 
-def _lora_block(x, lp, cfg, positions_bt, inv_freq, mask_bts, forced_btk=None):
+def _lora_block(x, lp, cfg, positions_bt, inv_freq, mask_bts, forced_btk=None, dropout_key=None):
     """:func:`_block` with each adapted projection plus its low-rank update, unmerged (the adapters' own
-    gradients, no merged weight copy per layer)."""
+    gradients, no merged weight copy per layer); with ``dropout_key`` (this layer's) the update reads its input
+    through LoRA dropout, the base projection reads it whole."""
     a, m = lp["attn"], lp.get("mlp")
 
     def proj(h, group, weight, n_in, spec):
         y = jnp.einsum(spec, h, group[weight])
-        d = lora.delta(h, group, weight, n_in, cfg)
+        adapted = h if dropout_key is None or weight + lora.SUFFIX_A not in group else \
+            lora.dropout(h, dropout_key, weight, cfg)
+        d = lora.delta(adapted, group, weight, n_in, cfg)
         # the adapter's update kept out of the base projection's fusion: XLA:CPU (jax 0.12.1) otherwise fuses it
         # into the layer scan's matmuls and rounds them differently, so B = 0 would not give the base bit for bit
         return y if d is None else y + jax.lax.optimization_barrier(d)

@@ -14,6 +14,11 @@ Names follow Hugging Face's modules (``model.lora_targets``)::
     gate_proj, up_proj      -> layers/mlp/w_{gate,up}_lora_{a,b} A [n, embed, r]          B [n, r, mlp]
     down_proj               -> layers/mlp/w_down_lora_{a,b}      A [n, mlp, r]            B [n, r, embed]
 
+``model.lora_dropout = p`` drops each element of an adapter's input with probability p (kept ones scaled by
+1 / (1 - p), as ``torch.nn.Dropout`` in PEFT) in training forwards only: the train step hands the forward a key
+(:func:`dropout_keys`), scoring, the reference and generation never do, so they run the adapters undropped.
+Every layer and projection draws its own mask from that key (:func:`dropout`).
+
 ``merge_lora`` folds the adapters into the weights (the engine's generation weights, the merged HF export);
 ``nereus_jax.models.peft`` reads and writes PEFT's adapter files.
 """
@@ -62,6 +67,7 @@ TARGETS: dict[str, Target] = {t.hf: t for t in (
     Target("o_proj", "attn", "wo", 2), Target("gate_proj", "mlp", "w_gate", 1), Target("up_proj", "mlp", "w_up", 1),
     Target("down_proj", "mlp", "w_down", 1))}
 ALL_TARGETS = LORA_TARGETS
+_TARGET_INDEX = {t.weight: i for i, t in enumerate(TARGETS.values())}
 assert tuple(TARGETS) == LORA_TARGETS
 
 
@@ -72,7 +78,7 @@ def targets(cfg: ModelConfig) -> list[Target]:
 
 def base_config(cfg: ModelConfig) -> ModelConfig:
     """``cfg`` without adapters: the frozen base's architecture (the reference model, the engine's weights)."""
-    return dataclasses.replace(cfg, lora_rank=0, lora_path=None) if cfg.lora_rank else cfg
+    return dataclasses.replace(cfg, lora_rank=0, lora_path=None, lora_dropout=0.0) if cfg.lora_rank else cfg
 
 
 def scale(cfg: ModelConfig) -> float:
@@ -147,6 +153,33 @@ def delta(x: jax.Array, group: Mapping, weight: str, n_in: int, cfg: ModelConfig
     b = group[weight + SUFFIX_B]
     low = jnp.tensordot(x, a, axes=(tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))))
     return (scale(cfg) * jnp.tensordot(low, b, axes=((low.ndim - 1,), (0,)))).astype(x.dtype)
+
+
+def dropout(x: jax.Array, key: jax.Array, weight: str, cfg: ModelConfig) -> jax.Array:
+    """``x`` (the input of the adapted projection ``weight``, e.g. ``wq``, in one layer) with ``cfg.lora_dropout``
+    applied: elements dropped with that probability, the rest scaled by 1 / (1 - p). ``key`` is the layer's
+    (:func:`layer_keys`); each projection folds in its own index, so q, k and v (which read the same input) draw
+    different masks, as PEFT's per-module dropout does."""
+    keep = dropout_mask(jax.random.fold_in(key, _TARGET_INDEX[weight]), x.shape, cfg.lora_dropout)
+    return jnp.where(keep, x / (1.0 - cfg.lora_dropout), 0.0).astype(x.dtype)
+
+
+def dropout_mask(key: jax.Array, shape: tuple[int, ...], rate: float) -> jax.Array:
+    """Boolean keep-mask of ``shape``: each element kept with probability 1 - ``rate``."""
+    return jax.random.bernoulli(key, 1.0 - rate, shape)
+
+
+def layer_keys(key: jax.Array | None, num_layers: int) -> jax.Array | None:
+    """One dropout key per layer [num_layers, 2] from a forward's key (None stays None: no dropout)."""
+    return None if key is None else jax.random.split(key, num_layers)
+
+
+def dropout_keys(seed: jax.Array, epoch: jax.Array, mini: int, accum: int) -> jax.Array:
+    """The dropout keys of one pass over a training batch, [mini, accum, 2] (uint32): one per micro-batch,
+    a function of the step's ``seed`` (uint32), the ``epoch`` and the micro-batch's place, so a run is
+    reproducible for a seed and no two micro-batches or epochs share masks."""
+    base = jax.random.fold_in(jax.random.PRNGKey(seed), epoch)
+    return jax.vmap(lambda i: jax.random.split(jax.random.fold_in(base, i), accum))(jnp.arange(mini))
 
 
 def merge_lora(params: Mapping, cfg: ModelConfig) -> dict:

@@ -8,7 +8,8 @@ A generator thread produces the rollouts of step g (data positions g*B .. g*B+B-
 once the policy version it can use is at least ``g - max_staleness``; the learner (the caller's thread)
 consumes step g's rollouts, scores and trains on them, and every ``trainer.sync_every`` updates derives
 fresh actor-gen parameters from actor-train through the elastic executor (a weight-sync graph that keeps
-the generating copy alive: double buffering). How the new parameters reach a generation in flight is
+the generating copy alive: double buffering; with LoRA it moves the adapters alone, the frozen base buffers
+shared by both copies). How the new parameters reach a generation in flight is
 ``rollout.partial``: ``finish`` (the in-flight batch finishes with the policy it started with; the new
 one is used from the next batch) or ``resume`` (the engine swaps at its next decode step; the rows' tokens
 then carry both versions and a row's version is its oldest token's).
@@ -100,6 +101,12 @@ class AsyncRunner:
         job.units[ACTOR_GEN] = units
         for gen, unit in zip(job.rollout.engines, units, strict=True):
             gen.set_params(gen.engine.adopt_params(unit.params), version=version)
+
+    @property
+    def weight_sync(self) -> WeightSync | None:
+        """The double-buffered sync actor-train -> actor-gen of the current plan (None before the first); with
+        LoRA it re-derives the adapters alone, as sync mode's does."""
+        return self._sync
 
     def _pause(self) -> None:
         """Called by the adapter before it moves state: wait until the generator is between batches, and

@@ -229,9 +229,11 @@ class JobPricer:
         return self.pricing.risk_adjusted(problem.options(), UNCERTAINTY_Z)
 
     def _runnable(self, plan: ExecutionPlan) -> bool:
-        """What the job needs beyond time and memory: an engine's replicas each in one process, and async
-        generation on devices of its own."""
+        """What the job needs beyond time and memory: an engine's replicas each in one process, async
+        generation on devices of its own, and with LoRA dropout unpipelined training (pp = 1)."""
         if engine_replicas_across_processes(plan):
+            return False
+        if self.job.cfg.model.lora_dropout and any(ms.kind == "train" and sp.layout.pp > 1 for ms, sp in plan.items()):
             return False
         gen = set(plan[ACTOR_GEN].devices)
         return not (self.async_mode and any(gen & set(sp.devices) for ms, sp in plan.items() if ms != ACTOR_GEN))

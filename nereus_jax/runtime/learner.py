@@ -104,7 +104,7 @@ class Learner:
         else:
             adv = self.advantages(step, batch, scores, scored)
             adv, corrected = self.correct(adv, batch, scored["old_logp"], staleness)
-            train_metrics = self.train(batch, scored, adv, seconds)
+            train_metrics = self.train(batch, scored, adv, seconds, step)
         self.check_finite(step, bad)
         t = time.perf_counter()
         sync()
@@ -253,21 +253,32 @@ class Learner:
             metrics["correction_masked_fraction"] = float(((w == 0) & (mask > 0)).sum() / max(1, mask.sum()))
         return alg.Advantages(jnp.asarray(adv.advantages_bt) * w, adv.returns_bt), metrics
 
-    def train(self, batch, scored, adv, seconds) -> dict[str, float]:
-        """actor-train's (then critic-train's) training program on ``batch``; their metrics."""
+    def train(self, batch, scored, adv, seconds, step: int = 0) -> dict[str, float]:
+        """actor-train's (then critic-train's) training program on ``batch`` (the rollouts of ``step``: with LoRA
+        dropout, the step seeds the masks); their metrics."""
         data = {"tokens": batch.tokens(), "mask": batch.attention_mask(), "response_mask": batch.response_mask_br,
                 "old_logp": scored["old_logp"], "ref_logp": scored["ref_logp"],
                 "advantages": np.asarray(adv.advantages_bt, np.float32)}
         t = time.perf_counter()
         replay = {"routes": batch.routes_btlk} if self.cfg.algorithm.routing_replay else {}
-        metrics = self.train_stage(ACTOR_TRAIN, data | replay)
+        metrics = self.train_stage(ACTOR_TRAIN, data | replay | self.dropout_seed(step, ACTOR_TRAIN))
         seconds["actor-train"] = time.perf_counter() - t
         if self.algo.uses_critic:
             data = {**data, "old_values": scored["values"], "returns": np.asarray(adv.returns_bt, np.float32)}
             t = time.perf_counter()
-            metrics |= self.train_stage(CRITIC_TRAIN, data)
+            metrics |= self.train_stage(CRITIC_TRAIN, data | self.dropout_seed(step, CRITIC_TRAIN))
             seconds["critic-train"] = time.perf_counter() - t
         return metrics
+
+    def dropout_seed(self, step: int, ms: ModelStage) -> dict[str, np.uint32]:
+        """With ``model.lora_dropout`` > 0: ``{"dropout_seed": ...}``, the training program's LoRA-dropout seed for
+        ``ms`` at ``step``, a function of (``trainer.seed``, step, stage), so a run (and a resumed one) draws the
+        same masks; else nothing, and the program is the one without dropout."""
+        if not self.cfg.model.lora_dropout:
+            return {}
+        role = 0 if ms == ACTOR_TRAIN else 1
+        seed = np.random.SeedSequence([self.cfg.trainer.seed, step, role]).generate_state(1)[0]
+        return {"dropout_seed": np.uint32(seed)}
 
     def train_stage(self, ms: ModelStage, data: dict) -> dict[str, float]:
         """One training program: mini_batches x ppo_epochs updates of the stage on ``data`` ([rows, ...]).

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nereus_jax.config import AlgorithmConfig, ModelConfig
 from nereus_jax.models import forward
-from nereus_jax.models.lora import join, split_trainable
+from nereus_jax.models.lora import dropout_keys, join, split_trainable
 from nereus_jax.models.routing import NO_ROUTE, RouterStats, load_balancing_loss
 from nereus_jax.models.vocab import DEFAULT_VOCAB_CHUNK, head_logprobs
 from nereus_jax.rl import packing
@@ -83,7 +83,7 @@ def response_stats(params, cfg: ModelConfig, mb: dict, prompt_len: int, forward_
     (``routes`` [b, P + R, layers, k], or packed ``packed_routes``) cover to those experts; ``routing`` returns
     ``(logp, entropy, RouterStats)``, whose mismatches (given routes) are per response token, [b, R]."""
     stats = functools.partial(head_logprobs, params, vocab_chunk=vocab_chunk, entropy=entropy)
-    extra = _routing_kwargs(mb, replay, routing)
+    extra = _routing_kwargs(mb, replay, routing) | _dropout_kwargs(mb)
     if "packed_tokens" not in mb:
         out = forward_fn(params, cfg, mb["tokens"], None, mb["mask"], return_hidden=True, **extra)
         hidden, router = out if routing else (out, None)
@@ -118,11 +118,18 @@ def _routing_kwargs(mb: dict, replay: bool, routing: bool) -> dict:
     return {"routes_btlk": routes, "replay": replay, "return_routing": routing}
 
 
+def _dropout_kwargs(mb: dict) -> dict:
+    """The forward's LoRA-dropout key of a training micro-batch (``dropout_key``, set by
+    :func:`make_minibatch_train_step`); none for scoring's micro-batches, which therefore never drop."""
+    return {"dropout_key": mb["dropout_key"]} if "dropout_key" in mb else {}
+
+
 def stage_values(params, cfg: ModelConfig, mb: dict, prompt_len: int, forward_fn: ForwardFn = forward) -> jax.Array:
-    """:func:`response_values` of a padded or packed micro-batch, [b, R] in the padded layout."""
+    """:func:`response_values` of a padded or packed micro-batch, [b, R] in the padded layout (a training
+    micro-batch's ``dropout_key``: with LoRA dropout)."""
     if "packed_tokens" not in mb:
-        return response_values(params, cfg, mb["tokens"], mb["mask"], prompt_len, forward_fn)
-    return _unpack(_packed_forward(params, cfg, mb, forward_fn)[..., 0], mb["unpack_index"])
+        return forward_fn(params, cfg, mb["tokens"], None, mb["mask"], **_dropout_kwargs(mb))[:, prompt_len - 1: -1, 0]
+    return _unpack(_packed_forward(params, cfg, mb, forward_fn, **_dropout_kwargs(mb))[..., 0], mb["unpack_index"])
 
 
 def stage_scores(params, cfg: ModelConfig, mb: dict, forward_fn: ForwardFn = forward) -> jax.Array:
@@ -137,7 +144,8 @@ def split_packed(data: dict, layout, mini: int | None = None) -> dict:
     :class:`~nereus_jax.rl.packing.PackedLayout`) as the micro-batches the stages read: the per-sequence fields
     in the layout's order, split like :func:`split_minibatches` (``mini``) or :func:`split_micro` (None), plus the
     packed arrays ``[mini, accum, dp, rows, L]`` (no ``mini`` axis when None) and the gather offsets."""
-    fields = {k: np.asarray(v)[layout.order] for k, v in data.items() if k not in ("tokens", "mask", "routes")}
+    fields = {k: np.asarray(v)[layout.order] if np.ndim(v) else v for k, v in data.items()
+              if k not in ("tokens", "mask", "routes")}
     fields |= {"unpack_index": layout.index, "unpack_last": layout.last}
     packed = {"packed_tokens": layout.tokens.astype(np.int32), "packed_positions": layout.positions,
               "segment_ids": layout.segments}
@@ -151,7 +159,8 @@ def split_packed(data: dict, layout, mini: int | None = None) -> dict:
 def _packed_forward(params, cfg: ModelConfig, mb: dict, forward_fn: ForwardFn, *, return_hidden: bool = False,
                     **routing):
     """The forward over a micro-batch's packed rows ``[dp, rows, L]``, as ``[dp, rows * L, ...]`` (with
-    ``return_routing`` in ``routing``: and its RouterStats, the mismatch still [dp * rows, L])."""
+    ``return_routing`` in ``routing``: and its RouterStats, the mismatch still [dp * rows, L]; ``routing`` may
+    also carry the forward's ``dropout_key``)."""
     dp, rows, width = mb["packed_tokens"].shape
     flat = lambda x: x.reshape(dp * rows, width)  # noqa: E731
     out = forward_fn(params, cfg, flat(mb["packed_tokens"]), flat(mb["packed_positions"]), None,
@@ -385,19 +394,30 @@ def make_minibatch_train_step(loss_fn: LossFn | None, optimizer: optax.GradientT
     """(params, opt_state, batches [mini, accum, rows, ...]) -> (params, opt_state, metrics [epochs * mini]):
     ``epochs`` passes over the mini-batches in order, one :func:`make_train_step` update each (a non-finite
     one is skipped, the next starts from the kept state). The caller's ``old_logp`` are the generating
-    step's, so the first update's ratio is 1 and the later ones' move away from it."""
+    step's, so the first update's ratio is 1 and the later ones' move away from it.
+
+    LoRA dropout: ``batches["dropout_seed"]`` ([mini, accum] uint32, the step's seed repeated; the learner adds it
+    when ``model.lora_dropout`` > 0) becomes each micro-batch's ``dropout_key`` (:func:`~nereus_jax.models.lora.
+    dropout_keys`: a new key per epoch and micro-batch). Without it the program is the one without dropout."""
     update = make_train_step(loss_fn, optimizer, cfg, max_grad_norm, value_and_grad=value_and_grad,
                              param_shardings=param_shardings)
 
     def step(params, opt_state, batches):
+        batches = dict(batches)
+        seed = batches.pop("dropout_seed", None)
+
         def one(carry, mb):
             params, opt_state, metrics = update(*carry, mb)
             return (params, opt_state), metrics
 
-        def epoch(carry, _):
-            return jax.lax.scan(one, carry, batches)
+        def epoch(carry, e):
+            if seed is None:
+                return jax.lax.scan(one, carry, batches)
+            keys = dropout_keys(seed[0, 0], e, *seed.shape)
+            return jax.lax.scan(one, carry, batches | {"dropout_key": keys})
 
-        (params, opt_state), metrics = jax.lax.scan(epoch, (params, opt_state), None, length=epochs)
+        xs = None if seed is None else jnp.arange(epochs)
+        (params, opt_state), metrics = jax.lax.scan(epoch, (params, opt_state), xs, length=epochs)
         return params, opt_state, jax.tree.map(lambda x: x.reshape(-1), metrics)
 
     return step
@@ -407,8 +427,10 @@ def split_minibatches(batch: dict, mini: int, accum: int) -> dict:
     """[rows, ...] host arrays -> [mini, accum, rows / (mini * accum), ...]: mini-batch m holds rows
     m*rows/mini .. (m+1)*rows/mini - 1 (a prompt's samples stay together when rows/mini is a multiple of
     them), split into ``accum`` micro-batches. Adds each mini-batch's normalisers, repeated per micro-batch
-    ([mini, accum]): ``denom`` its response tokens and ``seq_denom`` its sequences with a token (both >= 1)."""
-    out = {k: np.asarray(v).reshape(mini, accum, -1, *np.shape(v)[1:]) for k, v in batch.items()}
+    ([mini, accum]): ``denom`` its response tokens and ``seq_denom`` its sequences with a token (both >= 1).
+    A scalar (``dropout_seed``) is repeated per micro-batch too."""
+    out = {k: np.full((mini, accum), v, np.asarray(v).dtype) if np.ndim(v) == 0 else
+           np.asarray(v).reshape(mini, accum, -1, *np.shape(v)[1:]) for k, v in batch.items()}
     lengths = out["response_mask"].reshape(mini, -1, np.shape(batch["response_mask"])[-1]).sum(-1)
     for key, value in (("denom", lengths.sum(-1)), ("seq_denom", (lengths > 0).sum(-1))):
         out[key] = np.repeat(np.maximum(value, 1).astype(np.float32)[:, None], accum, axis=1)

@@ -63,6 +63,7 @@ class StageState:
         self.rows = cfg.trainer.prompts_per_step * cfg.rollout.samples_per_prompt
         self.mini_rows = self.rows // cfg.trainer.mini_batches  # rows of one optimizer update
         _check_rows(self.plan, self.rows, self.mini_rows)
+        _check_dropout(self.plan, cfg)
         self.uses_critic = uses_critic
         self.specs = _specs(cfg, uses_critic)
         self.reward_model = _reward_model(cfg, self.specs) if cfg.task.reward_model_path else None
@@ -104,14 +105,15 @@ class StageState:
     def check_plan(self, plan: ExecutionPlan) -> WeightSync:
         """Raises (JobError naming the fix, or the weight sync's Infeasible) unless the job can run ``plan``:
         it places the job's model-stages on devices that exist, an engine's replica stays in one process and
-        has pp=1, every scoring and training stage's dp divides the rollouts of a step (a training stage's, a
-        mini-batch's), the weight sync fits the caps.
+        has pp=1, a training stage has pp=1 with LoRA dropout, every scoring and training stage's dp divides the
+        rollouts of a step (a training stage's, a mini-batch's), the weight sync fits the caps.
         Returns that weight sync. Nothing changes, so a move checks its target before any state moves."""
         _check_plan_devices(plan, len(self.devices))
         _check_rows(plan, self.rows, self.mini_rows)
         if set(plan) != set(self.plan):
             raise JobError(f"the plan holds model-stages {sorted(map(str, plan))}, the job runs "
                            f"{sorted(map(str, self.plan))}: a plan for this job places exactly its model-stages")
+        _check_dropout(plan, self.cfg)
         if plan[ACTOR_GEN].layout.pp != 1:
             raise JobError(f"actor-gen's layout {plan[ACTOR_GEN].layout} has pp={plan[ACTOR_GEN].layout.pp}: the "
                            "engines generate with pp=1; use tp for a larger actor-gen replica")
@@ -432,3 +434,15 @@ def _check_rows(plan: ExecutionPlan, rows: int, mini_rows: int | None = None) ->
             raise JobError(f"{ms}: a mini-batch of {mini_rows} rollouts (a step's {rows} over trainer.mini_batches) "
                            f"does not split over dp={sp.dp} replicas; choose a dp dividing {mini_rows} or fewer "
                            "trainer.mini_batches")
+
+
+def _check_dropout(plan: ExecutionPlan, cfg: Config) -> None:
+    """Raises JobError if a training stage of ``plan`` pipelines (pp > 1) while ``model.lora_dropout`` > 0: the
+    pipeline schedules do not carry the dropout key."""
+    if not cfg.model.lora_dropout:
+        return
+    for ms, sp in plan.items():
+        if ms.kind == "train" and sp.layout.pp > 1:
+            raise JobError(f"{ms}'s layout {sp.layout} has pp={sp.layout.pp} with model.lora_dropout="
+                           f"{cfg.model.lora_dropout}: dropout does not run in pipelined training yet; use pp=1 "
+                           "(tp or dp for a larger replica) or model.lora_dropout=0")

@@ -186,6 +186,6 @@ def test_bad_lora_settings_are_refused_with_the_fix():
     with pytest.raises(ConfigError, match="unknown"):
         dataclasses.replace(LORA, lora_targets=("qproj",))
     with pytest.raises(ConfigError, match="lora_dropout"):
-        dataclasses.replace(LORA, lora_dropout=0.1)
+        dataclasses.replace(LORA, lora_dropout=1.0)
     with pytest.raises(ConfigError, match="lora_rank"):
         dataclasses.replace(BASE, lora_path="/x")

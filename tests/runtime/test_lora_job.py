@@ -11,6 +11,7 @@ from jobs import TINY_JOB
 from plans import host_state, move_randomly
 
 from nereus_jax.config import load_config
+from nereus_jax.elastic.weight_sync import WeightSync
 from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER
 from nereus_jax.models import lora
 from nereus_jax.models.hf import load_hf
@@ -170,26 +171,37 @@ def test_a_missing_or_misfit_adapter_is_refused_before_any_compile(trained, tmp_
 
 def test_the_weight_sync_moves_only_the_adapters_and_equals_a_whole_sync(trained):
     """Reference: the whole-tree sync (every leaf re-derived from actor-train). The adapter-only sync leaves
-    the generation units' base arrays in place (the same buffers) and re-derives the adapters alone."""
-    from nereus_jax.elastic.weight_sync import WeightSync
-
+    the generation units' base arrays in place (the same buffers) and re-derives the adapters alone; so does
+    async's double-buffered one, which leaves the generating units as they were."""
     job = trained
     sync = job.stages.sync
     assert sync.index, "a LoRA job's sync should move the adapters only"
     specs, train = job.specs, job.units[ACTOR_TRAIN]
-    whole = WeightSync(job.plan, specs[ACTOR_TRAIN], specs[ACTOR_GEN], keep_old=True)  # leaves the gen units be
+    whole = WeightSync(job.plan, specs[ACTOR_TRAIN], specs[ACTOR_GEN], keep_old=True,  # leaves the gen units be
+                       adapters_only=False)
     assert whole.index is None
     want = [specs[ACTOR_GEN].flatten(u.to_host()) for u in whole(train, job.units[ACTOR_GEN])]
     base = {i: [u.leaves[i] for u in job.units[ACTOR_GEN]] for i in range(specs[ACTOR_GEN].n_params)
             if i not in sync.index}
-    job.units[ACTOR_GEN] = sync(train, job.units[ACTOR_GEN])
-    got = [specs[ACTOR_GEN].flatten(u.to_host()) for u in job.units[ACTOR_GEN]]
-    for a, b in zip(got, want, strict=True):
-        for x, y in zip(a, b, strict=True):
-            np.testing.assert_array_equal(x, y)
-    for i, arrays in base.items():
-        assert all(u.leaves[i] is x for u, x in zip(job.units[ACTOR_GEN], arrays, strict=True))
-    assert sync.moved_bytes_per_device < 0.5 * whole.moved_bytes_per_device
+    # async's double buffer: adapters only too, the generating units left intact beside the new ones
+    double = WeightSync(job.plan, specs[ACTOR_TRAIN], specs[ACTOR_GEN], keep_old=True)
+    assert double.index == sync.index
+    old = job.units[ACTOR_GEN]
+    old_host = [specs[ACTOR_GEN].flatten(u.to_host()) for u in old]
+    for name, run in (("double", double), ("sync", sync)):  # the plain sync last: it consumes the old units
+        units = run(train, old)
+        got = [specs[ACTOR_GEN].flatten(u.to_host()) for u in units]
+        for a, b in zip(got, want, strict=True):
+            for x, y in zip(a, b, strict=True):
+                np.testing.assert_array_equal(x, y, err_msg=name)
+        for i, arrays in base.items():  # the frozen base: the same buffers, not copies
+            assert all(u.leaves[i] is x for u, x in zip(units, arrays, strict=True)), name
+        if name == "double":  # the generating copy still holds its old adapters
+            for u, before in zip(old, old_host, strict=True):
+                for x, y in zip(specs[ACTOR_GEN].flatten(u.to_host()), before, strict=True):
+                    np.testing.assert_array_equal(x, y)
+    job.units[ACTOR_GEN] = units
+    assert sync.moved_bytes_per_device == double.moved_bytes_per_device < 0.5 * whole.moved_bytes_per_device
     job.rollout.set_params()  # the engines adopt the synced units
 
 
@@ -213,3 +225,61 @@ def test_pipelined_lora_steps_compute_what_unpipelined_ones_compute(warm):
     for path, x in _leaves(params["pp2"]):
         if not lora.is_adapter(path):
             np.testing.assert_array_equal(x, _at(warm, path), err_msg=str(path))
+
+
+def test_a_dropout_job_seeds_actor_and_critic_training_and_keeps_the_base(warm):
+    """model.lora_dropout through the job's own inputs: both training programs get the step's seed (and the
+    scoring programs none), the update runs with it, and the frozen base stays the warm start's bit for bit.
+    (The masks themselves, their rate and reproducibility: tests/models/test_lora_dropout.py.)"""
+    cfg = _cfg("model.lora_dropout=0.5")
+    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
+    try:
+        result = job.step(0)
+        assert np.isfinite(result.metrics["loss"]) and np.isfinite(result.metrics["value_loss"])
+        signatures = job.stages.signatures
+        for ms in (ACTOR_TRAIN, CRITIC_TRAIN):
+            assert signatures[("train", ms)]["dropout_seed"] == ((), np.dtype(np.uint32))
+        assert not any("dropout_seed" in s for key, s in signatures.items() if key[0] == "infer")
+        for path, x in _leaves(job.actor_host_params()):
+            if not lora.is_adapter(path):
+                np.testing.assert_array_equal(x, _at(warm, path), err_msg=str(path))
+            elif path[-1].endswith(lora.SUFFIX_B):
+                assert np.any(x != 0), f"{path} did not train"
+    finally:
+        job.close()
+
+
+@pytest.mark.long  # ~75 s (two jobs); in CI: test_async.py's dense async-vs-sync equality at staleness 0 and the
+# double-buffered adapter-only sync against the whole sync (test_the_weight_sync_moves_only_the_adapters_...)
+def test_async_lora_syncs_the_adapters_alone_and_with_staleness_0_computes_what_sync_computes(warm):
+    """Reference: the same LoRA job in sync mode (as tests/runtime/test_async.py compares dense runs). With
+    max_staleness 0 the async runner's double-buffered sync reaches the engines before each batch, so every
+    batch, metric and the trained adapters are the sync run's bit for bit; that sync moves the adapters only."""
+    from nereus_jax.runtime.async_rl import AsyncRunner
+
+    runs, params = {}, {}
+    for mode in ("sync", "async"):
+        extra = ("trainer.mode=async", "trainer.max_staleness=0") if mode == "async" else ()
+        cfg = _cfg("plan.colocate=false", "plan.stages.actor-gen.dp=4", "algorithm.name=grpo", *extra)
+        job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
+        try:
+            if mode == "async":
+                runner = AsyncRunner(job, log=lambda _: None)
+                runs[mode] = list(runner.run(2))
+                sync, specs = runner.weight_sync, job.specs
+                whole = WeightSync(job.plan, specs[ACTOR_TRAIN], specs[ACTOR_GEN], keep_old=True, adapters_only=False)
+                assert sync.keep_old and sync.index
+                assert sync.moved_bytes_per_device == sync.sub_specs[ACTOR_GEN].bytes_per_device(
+                    job.plan[ACTOR_GEN].layout) < 0.5 * whole.moved_bytes_per_device
+            else:
+                runs[mode] = [job.step(s) for s in range(2)]
+            params[mode] = job.actor_host_params()
+        finally:
+            job.close()
+    for a, b in zip(runs["async"], runs["sync"], strict=True):
+        np.testing.assert_array_equal(a.batch.response_br, b.batch.response_br)
+        np.testing.assert_array_equal(a.batch.policy_version_b, b.batch.policy_version_b)
+        for key in ("reward_mean", "kl", "loss", "policy_loss", "grad_norm", "response_length_mean"):
+            assert a.metrics[key] == b.metrics[key], key
+    for (path, x), (_, y) in zip(_leaves(params["async"]), _leaves(params["sync"]), strict=True):
+        np.testing.assert_array_equal(x, y, err_msg=str(path))

@@ -247,7 +247,9 @@ def _forward_ticks(x: _Ctx, acc: _Acc, rows: float, ticks: float, passes: float,
         _expert_parallel_ticks(x, acc, rows, ticks, passes, allreduces, weight_dtype)
         return
     cfg, s = x.cfg, x.rows_length()
-    gemm = passes * rows * s * counts.layer_flops_per_token(cfg, x.tp) * x.layers
+    adapters = 2.0 * counts.adapter_params_per_device(cfg, x.tp, cfg.num_layers)  # one layer's (0 without LoRA)
+    per_token = base_passes(cfg, passes) * counts.layer_flops_per_token(cfg, x.tp) + passes * adapters
+    gemm = per_token * rows * s * x.layers
     attn = passes * rows * x.layers * counts.attention_flops(cfg, x.tp, s, x.attention_keys(), x.hw.fused_attention)
     weights = x.layers * counts.layer_params_per_device(cfg, x.tp) * counts.dtype_bytes(weight_dtype)
     acc.roofline(gemm, attn, passes * weights, x.rates, ticks)
@@ -282,6 +284,14 @@ def _expert_parallel_ticks(x: _Ctx, acc: _Acc, rows: float, ticks: float, passes
     acc.add(OVERHEAD, passes * x.layers * x.layer_overhead, ticks)
 
 
+def base_passes(cfg: ModelConfig, passes: float) -> float:
+    """Forward-sized GEMM passes a call of ``passes`` makes over frozen-or-trained base weights (1: inference;
+    training 3 = forward, input gradient, weight gradient, +1 with remat, +1 under 1F1B's recompute). With LoRA
+    the base (layers and lm head) is frozen and XLA drops its weight gradient: one pass less, a third of a dense
+    training step's GEMM FLOPs. (The adapters' own GEMMs, 2 FLOPs per adapter weight and token, run every pass.)"""
+    return passes - 1.0 if cfg.lora_rank and passes > 1 else passes
+
+
 def _head_pass(x: _Ctx, acc: _Acc, rows: float, passes: float, split, alone: bool = False) -> None:
     """The output head on ``rows`` rows split over ``split`` stages (:func:`head_split`; 1: one stage runs
     it on all of them, as 1F1B's last stage or GPipe's stages when the rows do not split), plus its
@@ -289,7 +299,8 @@ def _head_pass(x: _Ctx, acc: _Acc, rows: float, passes: float, split, alone: boo
     work every stage does, so on shared compute the other stages have finished their part of the tick and
     the host is shared by the last stage's devices, not by all pp stages."""
     s = x.wl.head_tokens / split
-    flops = passes * rows * s * counts.head_flops_per_token(x.cfg, x.tp, x.head)
+    flops = (base_passes(x.cfg, passes) if x.head == "lm" else passes) * rows * s * counts.head_flops_per_token(
+        x.cfg, x.tp, x.head)  # a value head trains (with LoRA too); the lm head is frozen with the base
     weights = x.cfg.hidden_size * x.cfg.vocab_size / x.tp * x.act_bytes if x.head == "lm" else 0.0
     scale = x.pp if alone and x.hw.shared_compute else 1
     acc.roofline(flops, 0.0, weights, (x.rates[0] * scale, x.rates[1] * scale))
