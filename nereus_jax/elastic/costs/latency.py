@@ -343,8 +343,8 @@ def step_terms_latency(cfg: ModelConfig, stage: str, tp: int, pp: int, dp, calls
                        hw: Hardware, efficiency: Sequence[float], ep: int = 1) -> Breakdown:
     """Once-per-step work of an infer/train stage besides its calls: the optimizer update, gradient
     accumulation traffic and the DP gradient all-reduce (train; with ep > 1 a device's 1/ep of the experts' and
-    all of the dense weights', whose gradients its ep group computed alike); the actor's weight sync. ``dp`` may be an integer array (then so is
-    every field)."""
+    all of the dense weights', whose gradients its ep group computed alike); the actor's weight sync. ``dp`` may
+    be an integer array (then so is every field)."""
     if stage in _NO_STEP_TERMS:
         return Breakdown()
     x = _context(cfg, stage, tp, pp, tp * pp * ep * dp, workload, hw, ep)
