@@ -18,8 +18,8 @@ from nereus_jax.elastic.costs import CostModel, Measurement, StageChoice, counts
 from nereus_jax.elastic.costs.latency import allreduce_seconds, call_latency, efficiency_vector
 from nereus_jax.elastic.hardware import get_hardware
 from nereus_jax.elastic.planner import Planner
+from nereus_jax.elastic.topology import Topology
 from nereus_jax.elastic.workload import Workload
-from nereus_jax.models import init_params
 from nereus_jax.models.decoder import abstract_params
 from nereus_jax.sharding import Layout, LayoutError, check_layout, make_mesh, pipeline_forward_fn, shard_params
 
@@ -123,7 +123,9 @@ def _compiled_all_reduces(program, params) -> int:
 def tiny_ep2(devices):
     """The tiny MoE sharded at ep 2, its expert-parallel forward and a batch (what tools/ep_collectives.py runs)."""
     mesh = make_mesh(devices[:2], Layout(ep=2))
-    params = shard_params(jax.tree.map(np.asarray, init_params(_TINY, 0)), _TINY, Layout(ep=2), mesh)
+    rng = np.random.default_rng(0)  # the collectives do not depend on the values (init_params takes ~14 s here)
+    tree = jax.tree.map(lambda a: (0.02 * rng.standard_normal(a.shape)).astype(a.dtype), abstract_params(_TINY))
+    params = shard_params(tree, _TINY, Layout(ep=2), mesh)
     tokens = jnp.asarray(np.random.default_rng(0).integers(1, _TINY.vocab_size, (2, 9)), jnp.int32)
     return params, pipeline_forward_fn(mesh, 1), tokens
 
@@ -145,7 +147,7 @@ def test_the_forwards_combine_is_the_one_all_reduce_xla_compiles(tiny_ep2):
                                                                                    params), rel=1e-12)
 
 
-@pytest.mark.long  # ~20 s to compile on 2 cores; CI: the forward's count above and the 2 x forward charge below
+@pytest.mark.long  # ~15 s to compile on 2 loaded cores; CI: the forward's count above and the 2 x forward charge below
 def test_the_gradients_combines_are_the_all_reduces_xla_compiles(tiny_ep2):
     """Reference: the compiled gradient program (the forward's all-reduce and the backward's, of the input's and
     routing weights' cotangents combined into one)."""
@@ -168,12 +170,16 @@ def test_a_recomputed_forward_combines_again_and_a_group_across_nodes_pays_the_n
     assert intra == 0.0 and inter > infer  # at its share of the node's NICs, slower than NVLink
 
 
-def test_dense_models_and_generation_keep_ep_1():
+@pytest.mark.parametrize("job", [False, True])
+def test_dense_models_and_generation_keep_ep_1(job):
+    """The planner's general topology and the job's (``Topology.of_job``, what a job plans with): a mixture's
+    scoring and training stages search ep, never beside pp > 1; a dense model and generation keep ep 1."""
     dense = dataclasses.replace(MOE, name="dense", family="qwen3", num_experts=0, moe_intermediate_size=None)
     planner = Planner("h100")
     wl = Workload.fixed(8, 64, 64, samples_per_prompt=2)
+    topology = Topology.of_job("grpo") if job else None
     for cfg in (dense, MOE):
-        opts = planner.problem(cfg, "grpo", wl, 16).options()
+        opts = planner.problem(cfg, "grpo", wl, 16, topology=topology).options()
         eps = {s: set(o.table[:, 5].tolist()) for s, o in opts.items()}
         assert eps["actor-gen"] == {1}
         assert eps["actor-train"] == ({1} if cfg is dense else {1, 2, 4, 8})
