@@ -12,6 +12,7 @@ from nereus_jax.elastic.costs.model import CostModel
 from nereus_jax.elastic.planner import Planner
 from nereus_jax.elastic.workload import Workload
 from nereus_jax.plan import main
+from nereus_jax.sharding import Layout, check_layout
 
 FLAGSHIP = ["--model", "llama3.1-8b", "--algorithm", "ppo", "--gpus", "64", "--hardware", "h200",
             "--response-length", "4096"]
@@ -147,17 +148,21 @@ def test_lora_rank_plans_with_the_adapters_memory(capsys):
     assert "--lora-rank must be >= 0" in capsys.readouterr().err
 
 
-def test_mixture_of_experts_plan_splits_experts_over_ep_and_beats_ep_1(capsys):
-    """qwen3-30b-a3b on 64 h200: the plan trains with expert parallelism (ep > 1; each replica tp x pp x ep
-    devices), and the same search without ep (the reference: only ep = 1 options) predicts a slower step."""
+def test_mixture_of_experts_plan_is_runnable_and_searches_ep(capsys):
+    """qwen3-30b-a3b on 64 h200: every model-stage's layout is one the runtime builds (``check_layout``: no ep
+    with pp > 1), each replica is tp x pp x ep devices, and the search with ep finds a step no slower than the
+    same search restricted to ep = 1 (the reference). Whether ep > 1 wins here is the cost model's call, not
+    asserted: with activations whole on every expert rank it does not (docs/results.md)."""
     args = ["--model", "qwen3-30b-a3b", "--gpus", "64", "--hardware", "h200"]
     assert main([*args, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
+    cfg = resolve_model("qwen3-30b-a3b")
     for stage in data["plan"].values():
         assert all(len(r) == stage["tp"] * stage["pp"] * stage["ep"] for r in stage["replicas"])
-    assert data["plan"]["actor-gen"]["ep"] == 1 and max(s["ep"] for s in data["plan"].values()) > 1
+        check_layout(cfg, Layout(stage["tp"], stage["pp"], stage["ep"]))
+    assert data["plan"]["actor-gen"]["ep"] == 1
     workload = Workload.fixed(512, 512, 4096, shard_optimizer=True)
-    without = Planner("h200").plan(resolve_model("qwen3-30b-a3b"), "ppo", workload, 64,
+    without = Planner("h200").plan(cfg, "ppo", workload, 64,
                                    options=lambda p: {s: o.masked(o.table[:, 5] == 1) for s, o in p.options().items()})
-    assert data["step_latency_s"] < without.step_latency_s
+    assert data["step_latency_s"] <= without.step_latency_s * (1 + 1e-9)
     assert without.table().splitlines()[0].split()[:5] == ["model-stage", "tp", "pp", "ep", "dp"]

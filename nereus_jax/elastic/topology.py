@@ -92,11 +92,11 @@ class Topology:
 
     @classmethod
     def of_job(cls, algorithm: str, *, reward_model: bool = False, ref: bool = True, asynchronous: bool = False,
-               batching: Batching | None = None, expert_parallel: bool = False) -> Topology:
+               batching: Batching | None = None, expert_parallel: bool = True) -> Topology:
         """What the job runs: actor- and critic-infer on the training units, every model-stage in turn,
         reward-infer only with a reward model, ref-infer unless the loss has no KL term (``ref``).
-        ``expert_parallel``: whether its plans may split experts (ep > 1); off until the runtime runs such
-        layouts, so a job's planner offers only what the job can run (the simulator turns it on)."""
+        ``expert_parallel``: whether its plans may split a mixture's experts (ep > 1, pp = 1, scoring and
+        training: what the runtime runs); a dense model's candidates have ep = 1 either way."""
         skip = tuple(s for s, keep in (("reward-infer", reward_model), ("ref-infer", ref)) if not keep)
         phases = _phases(algorithm, skip)
         present = {s for p in phases for s in p}

@@ -75,7 +75,7 @@ class Workload:
     state (ZeRO-1), which sets its resident bytes and adds an all-gather of the updated parameters.
     ``expert_load`` (mixture-of-experts models): the busiest expert's share of the step's routed token-expert
     pairs (0: balanced, 1 / num_experts each); with expert parallelism the device holding that expert computes
-    its tokens, so it sets the expert layers' time and activations on an ep group
+    its tokens, so it sets the expert layers' time on an ep group
     (``costs.counts.busiest_shard_share``). Dense models ignore it.
     """
 

@@ -129,7 +129,8 @@ class Adapter:
             return
         achieved = None if compiled else self.pricer.achieved_step_s()
         length = metrics["response_length_mean"] if metrics else (self.controller.reference_length or 1.0)
-        obs = self._observation(step, self.job, length, achieved)
+        obs = self._observation(step, self.job, length, achieved,
+                                metrics.get("router_busiest_expert_share") if metrics else None)
         checked = len(self.controller.move_checks)
         decision = self.controller.observe(obs)
         for check in self.controller.move_checks[checked:]:
@@ -316,13 +317,17 @@ class Adapter:
         target = align_ranks(self.job.plan, decision.target)
         return target, self.pricer.graph(self.job.plan, target)
 
-    def _observation(self, step: int, job: Job, length: float, achieved: float | None = None) -> Observation:
+    def _observation(self, step: int, job: Job, length: float, achieved: float | None = None,
+                     expert_load: float | None = None) -> Observation:
         """What the controller sees at ``step``: ``job``'s plan, the pool planned for, the mean response
-        length, the achieved step seconds (None: not measured) and the predicted peak against the trigger."""
+        length, the achieved step seconds (None: not measured), the predicted peak against the trigger and, for
+        a mixture of experts whose actor-infer read recorded routes, the busiest expert's share of the routed
+        pairs (``router_busiest_expert_share``; None otherwise)."""
         return Observation(step=step, plan=job.plan, devices=self.device_pool.planning(step),
                            response_length=length, step_seconds=achieved,
                            peak_memory_bytes=self.pricer.peak_bytes(job.plan),
-                           memory_cap_bytes=self.pricer.trigger_bytes, steps_left=max(1, job.cfg.trainer.steps - step))
+                           memory_cap_bytes=self.pricer.trigger_bytes, steps_left=max(1, job.cfg.trainer.steps - step),
+                           expert_load=expert_load)
 
     # ------------------------------------------------------------------------------------ log
     def _log_decision(self, d: Decision) -> None:

@@ -100,7 +100,8 @@ class JobPricer:
                                  mini_batches=job.cfg.trainer.mini_batches, epochs=job.cfg.trainer.ppo_epochs,
                                  pipeline_schedule=job.cfg.trainer.pipeline_schedule,
                                  vocab_chunk=job.cfg.trainer.vocab_chunk,
-                                 shard_optimizer=job.cfg.plan.shard_optimizer)
+                                 shard_optimizer=job.cfg.plan.shard_optimizer,
+                                 expert_load=metrics.get("router_busiest_expert_share", 0.0))
         if self.compiled_last_step:  # this step compiled its programs: time it, do not calibrate on it
             self._compile_step_s = metrics["step_seconds"]
             self._compile_stage_seconds = dict(metrics["stage_seconds"])

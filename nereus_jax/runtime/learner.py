@@ -195,12 +195,13 @@ class Learner:
         out = to_numpy(stages.run(key, lambda: stages.infer_program(ms, what, mesh), params, micro))
         if ms.kind == "infer":
             stages.park(ms)
-        out, *mismatch = out if routes else (out,)
+        out, *mismatch, counts = out if routes else (out, None)
         out = self._rows(out, order)
         if what == "scores":
             return out.reshape(self.rows).astype(np.float32)
         if routes:
             self.routing_metrics = _routing_metrics(*(self._rows(m, order) for m in mismatch), batch)
+            self.routing_metrics["router_busiest_expert_share"] = busiest_expert_share(counts.sum(axis=0))
         return out * batch.response_mask_br
 
     def _rows(self, out: np.ndarray, order: np.ndarray | None) -> np.ndarray:
@@ -385,6 +386,15 @@ def _advantage_program(scores, mask, old_logp, ref_logp, values, *, advantage: s
     rewards = alg.token_rewards(scores, mask, kl if kl_in_reward else None, kl_coef)
     out = alg.gae(rewards, values, mask, gamma, lam)
     return alg.Advantages(alg.masked_whiten(out.advantages_bt, mask), out.returns_bt)
+
+
+def busiest_expert_share(counts_le: np.ndarray) -> float:
+    """The busiest expert's share of a layer's routed token-expert pairs, averaged over the layers (each layer's
+    busiest expert sets that layer's expert time under expert parallelism, and the layers run in turn): what
+    ``Workload.expert_load`` and ``Observation.expert_load`` hold. ``counts_le`` [layers, experts]."""
+    counts = np.asarray(counts_le, dtype=np.float64)
+    totals = counts.sum(axis=-1)
+    return float(np.mean(counts.max(axis=-1) / np.maximum(totals, 1.0)))
 
 
 def _routing_metrics(mismatch_br: np.ndarray, own_br: np.ndarray, batch: RolloutBatch) -> dict[str, float]:

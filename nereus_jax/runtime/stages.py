@@ -351,7 +351,8 @@ def infer_program(cfg, prompt_len: int, what: str, forward_fn=forward, *, vocab_
     scores [accum, b]; log-probs over ``vocab_chunk``-wide vocabulary chunks. Log-probs of micro-batches that
     carry recorded routes (``routes``, a mixture-of-experts actor) are routed by them with ``replay`` and come
     with each response token's routing mismatches, ``(logprobs, mismatch, own mismatch)`` [accum, b, R] each
-    (:func:`~nereus_jax.runtime.losses.route_mismatch`)."""
+    (:func:`~nereus_jax.runtime.losses.route_mismatch`), and the token-expert pairs each expert got in each
+    layer, [accum, layers, experts] (``RouterStats.counts_le``: the expert load the controller watches)."""
     def one(params, mb):
         if what == "scores":
             return losses.stage_scores(params, cfg, mb, forward_fn)
@@ -360,7 +361,7 @@ def infer_program(cfg, prompt_len: int, what: str, forward_fn=forward, *, vocab_
         routed = "routes" in mb or "packed_routes" in mb
         out = losses.response_stats(params, cfg, mb, prompt_len, forward_fn, vocab_chunk=vocab_chunk,
                                     replay=replay, routing=routed)
-        return (out[0], *losses.route_mismatch(out[2])) if routed else out[0]
+        return (out[0], *losses.route_mismatch(out[2]), out[2].counts_le) if routed else out[0]
 
     def program(params, micro):
         return jax.lax.map(lambda mb: one(params, mb), micro)

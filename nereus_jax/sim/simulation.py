@@ -68,8 +68,7 @@ class Simulation:
     def __init__(self, trace: Trace):
         self.trace = trace
         self.hw = get_hardware(trace.hardware)
-        # the job with a reward model, its plans free to split a mixture's experts
-        self.topology = Topology.of_job(trace.algorithm, reward_model=True, expert_parallel=True)
+        self.topology = Topology.of_job(trace.algorithm, reward_model=True)  # the job with a reward model
         self.phases = self.topology.phases
         self.stages = list(self.topology.stages)
         roles = sorted({split_stage(s)[0] for s in self.stages})

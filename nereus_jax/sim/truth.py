@@ -110,8 +110,8 @@ class GroundTruth:
             rows = min(choice.micro_batch, wl.generated_sequences / choice.dp)  # decode rows per step
             length = wl.prompt_length.mean + wl.response_length.mean / 2
         else:
+            # every device of an expert group runs all of the call's rows (activations are whole over ep)
             rows = choice.micro_batch * tokens / max(1, min(choice.micro_batch, 4 * choice.pp))
-            rows = rows if choice.ep == 1 else rows / choice.ep  # an expert group's device runs 1/ep of the rows
             length = wl.prompt_length.p95 + wl.response_length.p95
         eff = {
             "gemm": GEMM_PEAK_EFFICIENCY * _saturating(rows, GEMM_HALF_ROWS)

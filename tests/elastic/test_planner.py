@@ -214,8 +214,6 @@ def _every_choice(problem):
                             continue
                         for mb in divisors(total // dp):
                             for remat in (False, True) if kind == "train" else (False,):
-                                if mb % ep:
-                                    continue
                                 row = price(cfg, stage, StageChoice(tp, pp, dp, mb, remat, ep), problem.workload,
                                             problem.cost_model)
                                 if row[2] + row[3] <= problem.usable_bytes:

@@ -23,6 +23,7 @@ from nereus_jax.runtime.checkpoint import Checkpointer, restore_job
 from nereus_jax.runtime.export import export_actor
 from nereus_jax.runtime.initial_plan import plan_from_config
 from nereus_jax.runtime.job import Job
+from nereus_jax.runtime.learner import busiest_expert_share
 from nereus_jax.sharding import Layout
 
 MOE = ["model.family=qwen3_moe", "model.qk_norm=true", "model.num_experts=4", "model.num_experts_per_tok=2",
@@ -65,6 +66,13 @@ def test_steps_train_every_expert_and_the_router(job):
         moved = np.abs(after["layers"]["moe"][name] - before["layers"]["moe"][name])
         axes = (0, 1) if name == "router" else (0, 2, 3)  # per expert (the router: its expert column)
         assert np.all(moved.max(axis=axes) > 0), f"{name}: an expert got no update"
+    for r in results:  # actor-infer's per-expert counts: between balanced (1/4) and every token on one (1/top-2)
+        assert 0.25 <= r.metrics["router_busiest_expert_share"] <= 0.5
+
+
+def test_busiest_expert_share_averages_each_layers_busiest_expert():
+    counts_le = np.array([[6, 2, 0, 0], [2, 2, 2, 2], [0, 0, 0, 0]])  # a layer that counted nothing: share 0
+    assert busiest_expert_share(counts_le) == pytest.approx((0.75 + 0.25 + 0.0) / 3)
 
 
 @pytest.mark.long  # ~55 s; the dense and LoRA jobs' random moves run in CI
@@ -132,7 +140,8 @@ def test_bf16_generation_mismatches_training_routes_unless_they_are_replayed(bf1
 @pytest.mark.long  # shares the bf16 fixture above; 1F1B replay: test_moe_losses
 def test_a_pipelined_actor_train_scores_and_replays_routes_as_one_stage_does(bf16_steps):
     one, two = bf16_steps["replayed"], bf16_steps["replayed_pp2"]
-    for key in ("router_mismatch_fraction", "router_own_mismatch_fraction", "router_compared_tokens"):
+    for key in ("router_mismatch_fraction", "router_own_mismatch_fraction", "router_compared_tokens",
+                "router_busiest_expert_share"):
         assert two[key] == one[key], key
     np.testing.assert_allclose(two["router_aux_loss"], one["router_aux_loss"], rtol=1e-5)
     np.testing.assert_allclose(two["loss"], one["loss"], rtol=1e-5, atol=1e-7)

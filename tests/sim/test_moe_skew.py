@@ -1,5 +1,7 @@
 """The ``moe_skew`` trace (SIMULATED, h100 table): expert-load skew is part of the workload, the planner moves ep
-when it grows, and nereus moves ep and beats the fixed layout over the trace (the last one is ``long``)."""
+when it grows, and nereus moves ep and beats the fixed layout over the trace (the last one is ``long``). The last
+two are expected failures since the cost model prices ep as the runtime runs it (activations whole on every
+expert rank, pp = 1): no ep > 1 is chosen on this trace (docs/results.md)."""
 
 import copy
 
@@ -38,6 +40,12 @@ def test_bad_expert_load_settings_name_the_key(edit, needle):
     assert needle in str(error.value)
 
 
+_NO_EP = ("with activations whole on every expert rank (the runtime's expert-parallel layer) and ep refused with "
+          "pp > 1, the planner picks ep 1 at every skew of this trace (actor-train tp4 pp16), so there is no ep move "
+          "to make; kept to show it if a cheaper ep (tokens split over the expert group) is built")
+
+
+@pytest.mark.xfail(strict=True, reason=_NO_EP)
 def test_the_planner_lowers_ep_when_the_busiest_expert_takes_more_tokens():
     """With the hardware table's priors, the first step's plan trains with ep 8; at the trace's end (every token
     routes to one expert) the best plan splits the experts over fewer devices per replica."""
@@ -51,6 +59,7 @@ def test_the_planner_lowers_ep_when_the_busiest_expert_takes_more_tokens():
 @pytest.mark.long  # 150 simulated steps of two policies (~1 min); CI covers the trigger and its Eq. 2 admission
 # (tests/elastic/test_controller.py), the planner's ep move under skew (above) and the EP cost model
 # (tests/elastic/test_expert_parallel.py)
+@pytest.mark.xfail(strict=True, reason=_NO_EP)
 def test_nereus_moves_ep_and_beats_the_fixed_layout_on_moe_skew():
     runs = Simulation(load_trace("moe_skew")).run(["fixed", "nereus"])
     fixed, nereus = runs["fixed"], runs["nereus"]

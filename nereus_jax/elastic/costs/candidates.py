@@ -7,8 +7,8 @@ for generation (the engine's rule); dp divides the stage's sequences (train: a m
 replica gets the same batch, and the micro-batch divides a replica's sequences (calls per update =
 gradient accumulation; the global batch never changes); dp x tp x pp fits the pool with whole tp groups
 inside nodes. A mixture of experts' scoring and training stages also take every ep that divides its experts
-(ep x tp x pp x dp fitting the pool) whose micro-batch divides by ep (the call's rows split over the ep
-group); generation and dense models keep ep = 1. Degrees need not be powers of two. Candidates that cannot
+(ep x tp x pp x dp fitting the pool; with pp = 1, as the runtime runs them); generation and dense models keep
+ep = 1. Degrees need not be powers of two. Candidates that cannot
 fit even alone (resident + working > usable) are dropped.
 
 Pricing is the cost model's pure functions, reorganised for speed: a call's cost does not depend on dp
@@ -291,7 +291,7 @@ class Pricer:
         for tp, pp, ep in shapes(cfg, stage, hw.devices_per_node, tp_capacity, expert_parallel):
             for dp in divisors(total):
                 mb = batching.micro_batch(kind, total, dp)
-                if tp * pp * ep * dp > tp_capacity(tp) or mb is None or mb % ep:
+                if tp * pp * ep * dp > tp_capacity(tp) or mb is None:
                     continue
                 choice = StageChoice(tp, pp, dp, mb, batching.remat and kind == "train", ep)
                 lat, devices, resident, working, raw = price(cfg, stage, choice, wl, self.cost_model)
@@ -354,7 +354,7 @@ class Pricer:
         remats = (False, True) if kind == "train" else (False,)
         dp_arr = np.array(dps)
         calls = (total // dp_arr)[:, None] / np.array(mbs)[None, :]  # [dp, mb]; fractional = not a divisor
-        valid = np.equal(np.mod(calls, 1), 0) & np.equal(np.mod(mbs, ep), 0)[None, :]  # ep splits a call's rows
+        valid = np.equal(np.mod(calls, 1), 0)
         if hw.shared_compute:  # a call's rate depends on how many devices share the host
             call = np.array([[self._calls_of(cfg, stage, tp, pp, ep, mbs, r, int(tp * pp * ep * dp)) for r in remats]
                              for dp in dps]).transpose(0, 2, 1)  # [dp, mb, remat]
@@ -378,7 +378,7 @@ class Pricer:
         if call is None:
             sizes = np.array(mbs)
             eff = self.cost_model.efficiency_at(*call_sizes(cfg, split_stage(stage)[1], tp, pp, 1, sizes,
-                                                            self.workload, ep))
+                                                            self.workload))
             call = self._calls[key] = call_latency(cfg, stage, tp, pp, sizes, remat, self.workload,
                                                    self.cost_model.hardware, eff, max(devices, tp * pp * ep), ep).total
         return call

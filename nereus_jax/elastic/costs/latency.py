@@ -25,15 +25,17 @@ memory-bound (decode, small calls) the roofline takes the larger side and charge
 
 TP all-reduces run inside a node; PP hand-offs cross nodes once a replica spans more than one node.
 
-Expert parallelism (mixture-of-experts scoring and training, ep > 1): a replica's rows split over its ep
-devices outside the expert layers (attention, router, head: 1/ep of the rows each); the routed experts split
-over the same devices, so each layer's grouped matmul takes as long as the busiest device's share of the
-call's token-expert pairs (``counts.busiest_shard_share`` of ``Workload.expert_load``: 1/ep when balanced),
-and each layer exchanges tokens with two all-to-alls a forward (dispatch, combine) and two a backward (each
-recomputed forward two more), the busiest device receiving its share of the call's top-k token copies, over
-the node's links while tp x ep fits a node, else at its share of the node's NICs. The gradients of the
-weights ep replicates are all-reduced over the ep group before the DP all-reduce. All of it is priced in the
-existing classes (GEMM, collective per link), so calibration fits it like any other work.
+Expert parallelism (mixture-of-experts scoring and training, ep > 1), as ``sharding.experts`` runs it: the
+activations stay whole on every device of a replica's ep group (the batch is not split over ``expert``), so
+attention, norms, router, embedding and head run on all of the call's rows on each of them (the dense work is
+done ep times over); the routed experts split over the group, so each layer's grouped matmul takes as long as
+the busiest device's share of the call's token-expert pairs (``counts.busiest_shard_share`` of
+``Workload.expert_load``: 1/ep when balanced); no token moves, and each layer sums the ranks' outputs with one
+all-reduce over the ep group of its [rows, hidden] output per forward (one more per backward: its input's
+cotangent), over the node's links while tp x ep fits a node, else at its share of the node's NICs. The dense
+weights' gradients come out identical on every rank (the same whole activations), so nothing else is reduced
+over the group. All of it is priced in the existing classes (GEMM, collective per link), so calibration fits it
+like any other work.
 On shared-compute hardware (cpu) the stage's devices split the host's FLOP/s and memory bandwidth, and
 every device adds launch and per-layer overhead. FLOPs follow the padded row length (``Workload.packed``
 False: rows padded to the step's longest sequence, as static-shape JAX programs are) or the mean.
@@ -90,11 +92,11 @@ def efficiency_vector(hw: Hardware, efficiency: dict[str, float] | None = None) 
 SIZE_TERMS = ("gemm_rows", "gemm_width", "attention_keys")
 
 
-def call_sizes(cfg: ModelConfig, kind: str, tp: int, pp: int, dp: int, micro_batch, workload: Workload,
-               ep: int = 1):
+def call_sizes(cfg: ModelConfig, kind: str, tp: int, pp: int, dp: int, micro_batch, workload: Workload):
     """(GEMM rows, GEMM width, attention keys) of one stage's typical call: an infer/train call's pipeline
-    micro-batch of tokens (padded or packed length; a device's 1/ep of them), a gen decode step's live rows;
-    the MLP width per tp shard. ``micro_batch`` may be an array (then rows is one)."""
+    micro-batch of tokens (padded or packed length; every device of an ep group runs all of them outside the
+    experts), a gen decode step's live rows; the MLP width per tp shard. ``micro_batch`` may be an array (then
+    rows is one)."""
     wl = workload
     width = counts.mlp_width(cfg) / tp
     if kind == "gen":
@@ -103,7 +105,7 @@ def call_sizes(cfg: ModelConfig, kind: str, tp: int, pp: int, dp: int, micro_bat
     tokens = wl.mean_tokens if wl.packed else wl.max_tokens
     keys = wl.prompt_length.p95 + wl.response_length.p95 if wl.packed else wl.max_tokens
     rows = micro_batch / pipeline_microbatches(micro_batch, pp) * tokens
-    return (rows if ep == 1 else rows / ep), width, keys
+    return rows, width, keys
 
 
 # ------------------------------------------------------------------------------------------ primitives
@@ -121,18 +123,6 @@ def allreduce_seconds(nbytes: float, members: int, link: str, hw: Hardware) -> f
     if members <= 1 or nbytes <= 0:
         return 0.0
     return 2.0 * (members - 1) / members * nbytes / bandwidth + 2.0 * (members - 1) * latency
-
-
-def all_to_all_seconds(nbytes, members: int, link: str, hw: Hardware):
-    """One all-to-all over ``members`` devices on a link in which the busiest device exchanges ``nbytes``
-    (its (n - 1) / n off-device at peak bandwidth) with n - 1 peer latencies; ``nbytes`` may be an array."""
-    if members <= 1:
-        return 0.0 * nbytes
-    if link == "intra":
-        bandwidth, latency = hw.intra_node_bandwidth, hw.intra_node_latency_s
-    else:
-        bandwidth, latency = hw.inter_node_bandwidth_per_device(), hw.inter_node_latency_s
-    return (members - 1) / members * nbytes / bandwidth + (members - 1) * latency
 
 
 def p2p_seconds(nbytes: float, link: str, hw: Hardware) -> float:
@@ -205,12 +195,8 @@ class _Ctx(NamedTuple):
     def layers(self) -> float:
         return self.cfg.num_layers / self.pp
 
-    def imbalance(self) -> float | None:
-        """ep > 1: how many times its even share of the routed tokens the busiest expert device computes."""
-        return None if self.ep == 1 else self.ep * counts.busiest_shard_share(self.cfg, self.ep, self.wl.expert_load)
-
     def ep_link(self) -> str:
-        """The all-to-all's link: inside a node while a replica's tp x ep devices fit one."""
+        """The expert group's all-reduce link: inside a node while a replica's tp x ep devices fit one."""
         return "intra" if self.tp * self.ep <= self.hw.devices_per_node else "inter"
 
     def rows_length(self) -> float:
@@ -263,21 +249,21 @@ def _forward_ticks(x: _Ctx, acc: _Acc, rows: float, ticks: float, passes: float,
 
 def _expert_parallel_ticks(x: _Ctx, acc: _Acc, rows: float, ticks: float, passes: float, allreduces: float,
                            weight_dtype: str) -> None:
-    """:func:`_forward_ticks` of an ep > 1 replica: its device runs 1/ep of the ``rows`` outside the experts and
-    the busiest device's share of the routed pairs in them; two all-to-alls per forward and per backward."""
+    """:func:`_forward_ticks` of an ep > 1 replica: each device runs all ``rows`` outside the experts and the
+    busiest device's share of the routed pairs in them; one all-reduce of the layer's output over the ep group
+    per forward pass and one per backward (``tools/ep_collectives.py``: 1 in the forward, 2 in the gradient)."""
     cfg, s = x.cfg, x.rows_length()
-    local, share = rows / x.ep, counts.busiest_shard_share(cfg, x.ep, x.wl.expert_load)
-    gemm = passes * s * x.layers * (local * counts.dense_flops_per_token(cfg, x.tp)
-                                    + rows * share * counts.expert_flops_per_token(cfg, x.tp))
-    attn = passes * local * x.layers * counts.attention_flops(cfg, x.tp, s, x.attention_keys(), x.hw.fused_attention)
+    share = counts.busiest_shard_share(cfg, x.ep, x.wl.expert_load)
+    gemm = passes * rows * s * x.layers * (counts.dense_flops_per_token(cfg, x.tp)
+                                           + share * counts.expert_flops_per_token(cfg, x.tp))
+    attn = passes * rows * x.layers * counts.attention_flops(cfg, x.tp, s, x.attention_keys(), x.hw.fused_attention)
     weights = x.layers * counts.layer_params_per_device(cfg, x.tp, x.ep) * counts.dtype_bytes(weight_dtype)
     acc.roofline(gemm, attn, passes * weights, x.rates, ticks)
-    hidden = local * s * cfg.hidden_size * x.act_bytes
+    hidden = rows * s * cfg.hidden_size * x.act_bytes
     acc.add(COLL_INTRA, allreduces * x.layers * allreduce_seconds(hidden, x.tp, "intra", x.hw), ticks)
-    received = rows * share * s * cfg.num_experts_per_tok * cfg.hidden_size * x.act_bytes
-    exchanges = 2.0 if passes == 1 else 2.0 * (passes - 1)  # forward: dispatch + combine; backward: their transposes
+    combines = 1.0 if passes == 1 else passes - 1.0  # every forward (recomputed ones too) and the backward
     link = x.ep_link()
-    acc.add(_COLL[link], exchanges * x.layers * all_to_all_seconds(received, x.ep, link, x.hw), ticks)
+    acc.add(_COLL[link], combines * x.layers * allreduce_seconds(hidden, x.ep, link, x.hw), ticks)
     if x.pp > 1:
         link = x.pp_link()
         acc.add(_COLL[link], (2.0 if passes > 1 else 1.0) * p2p_seconds(hidden, link, x.hw), ticks)
@@ -313,7 +299,7 @@ def chunked_head(cfg: ModelConfig, wl: Workload) -> bool:
     return 0 < wl.vocab_chunk < cfg.vocab_size
 
 
-def saved_activation_bytes(x: _Ctx, micro_batch, remat: bool, stash: bool = False, split=None) -> float:
+def saved_activation_bytes(x: _Ctx, micro_batch, remat: bool, stash: bool = False) -> float:
     """Bytes one device of a train call keeps from its forward for its backward: every layer's saved
     tensors (norm, SwiGLU and residual inputs; the [t, s] scores without a fused kernel) and the lm head's
     float32 logits over its positions (none over vocabulary chunks: the backward recomputes them); with
@@ -322,16 +308,16 @@ def saved_activation_bytes(x: _Ctx, micro_batch, remat: bool, stash: bool = Fals
     which scales with the call's tokens, not with parameters or replicas; an inference forward consumes
     its activations as it makes them. ``stash`` (1F1B): the stage's inputs are kept instead, its tensors
     written by the backward's recompute, and the last stage makes all the call's logits (GPipe: the stages
-    make them split as :func:`head_split` says; ``split`` gives it when ``micro_batch`` is an ep device's share)."""
+    make them split as :func:`head_split` says). ep does not change them: activations are whole on every device
+    of an ep group, and the experts' buffers are sized by all of the call's token-expert pairs (static shapes)."""
     s = x.rows_length()
-    per_row = s * counts.layer_activation_bytes_per_token(x.cfg, x.tp, x.cfg.compute_dtype, x.imbalance())
+    per_row = s * counts.layer_activation_bytes_per_token(x.cfg, x.tp, x.cfg.compute_dtype)
     if not x.hw.fused_attention:
         per_row += counts.attention_score_bytes(x.cfg, x.tp, s, x.attention_keys(), x.cfg.compute_dtype)
     if remat:
         per_row += s * x.cfg.hidden_size * x.act_bytes
     stage_input = s * x.cfg.hidden_size * x.act_bytes if stash else 0.0
-    split = head_split(micro_batch, x.pp) if split is None else split
-    logits = x.wl.head_tokens / (1 if stash else split) * x.cfg.vocab_size / x.tp * 4.0 \
+    logits = x.wl.head_tokens / (1 if stash else head_split(micro_batch, x.pp)) * x.cfg.vocab_size / x.tp * 4.0 \
         if x.head == "lm" and not chunked_head(x.cfg, x.wl) else 0.0  # chunked: recomputed in the backward
     return micro_batch * (x.layers * per_row + stage_input + logits)
 
@@ -345,7 +331,6 @@ def call_latency(cfg: ModelConfig, stage: str, tp: int, pp: int, micro_batch, re
     kind = split_stage(stage)[1]
     assert kind in ("infer", "train"), stage
     x = _context(cfg, stage, tp, pp, devices, workload, hw, ep)
-    local = micro_batch if ep == 1 else micro_batch / ep  # a device's rows outside the experts
     acc = _Acc(efficiency)
     recompute = kind == "train" and one_f_one_b(pp, workload)  # 1F1B: each backward reruns its stage's forward
     passes = 1.0 if kind == "infer" else 3.0 + (1.0 if remat else 0.0) + (1.0 if recompute else 0.0)
@@ -358,10 +343,9 @@ def call_latency(cfg: ModelConfig, stage: str, tp: int, pp: int, micro_batch, re
     ticks = m if recompute and hw.shared_compute else m + pp - 1
     _forward_ticks(x, acc, micro_batch / m, ticks, passes, allreduces, weight_dtype)
     head_passes = 1.0 if kind == "infer" else 4.0 if chunked_head(cfg, workload) else 3.0  # chunks: recomputed
-    _head_pass(x, acc, local, head_passes, 1 if recompute else head_split(micro_batch, pp), alone=recompute)
+    _head_pass(x, acc, micro_batch, head_passes, 1 if recompute else head_split(micro_batch, pp), alone=recompute)
     if kind == "train":
-        acc.add(MEM, 2.0 * saved_activation_bytes(x, local, remat, stash=recompute,
-                                                split=head_split(micro_batch, pp)) / x.rates[1])
+        acc.add(MEM, 2.0 * saved_activation_bytes(x, micro_batch, remat, stash=recompute) / x.rates[1])
     acc.add(OVERHEAD, x.launch)
     return acc.result()
 
@@ -369,9 +353,9 @@ def call_latency(cfg: ModelConfig, stage: str, tp: int, pp: int, micro_batch, re
 def step_terms_latency(cfg: ModelConfig, stage: str, tp: int, pp: int, dp, calls: float, workload: Workload,
                        hw: Hardware, efficiency: Sequence[float], ep: int = 1) -> Breakdown:
     """Once-per-step work of an infer/train stage besides its calls: the optimizer update, gradient
-    accumulation traffic and the DP gradient all-reduce (train; with ep > 1 the replicated weights' gradients
-    all-reduced over the ep group first); the actor's weight sync. ``dp`` may be an integer array (then so is
-    every field)."""
+    accumulation traffic and the DP gradient all-reduce (train; with ep > 1 a device's 1/ep of the experts' and
+    all of the dense weights', whose gradients its ep group computed alike); the actor's weight sync. ``dp`` may
+    be an integer array (then so is every field)."""
     if stage in _NO_STEP_TERMS:
         return Breakdown()
     x = _context(cfg, stage, tp, pp, tp * pp * ep * dp, workload, hw, ep)
@@ -385,10 +369,6 @@ def step_terms_latency(cfg: ModelConfig, stage: str, tp: int, pp: int, dp, calls
         update = params * (3 * pb + 2 * 8 + 2 * master) / shards
         acc.add(MEM, update / x.rates[1])
         acc.add(MEM, accumulation_seconds(cfg, stage, tp, pp, dp, hw, ep), max(0.0, calls - 1))
-        if ep > 1:
-            replicated = params - (0.0 if cfg.lora_rank else counts.expert_params_per_device(cfg, tp, pp, ep))
-            link = x.ep_link()
-            acc.add(_COLL[link], allreduce_seconds(replicated * pb, ep, link, hw))
         per_node, nodes = dp_group_links(dp, tp * pp * ep, hw)
         acc.add(COLL_INTRA, allreduce_seconds(params * pb, per_node, "intra", hw))
         acc.add(COLL_INTER, allreduce_seconds(params * pb / per_node, nodes, "inter", hw))

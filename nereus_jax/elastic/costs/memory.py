@@ -19,9 +19,9 @@ only while it runs.
   recomputes it), and the last stage runs the head one micro-batch at a time.
 
 Expert parallelism (ep > 1, scoring and training of a mixture of experts): a device keeps 1/ep of the
-routed experts (and of their gradients and Adam state); its calls hold 1/ep of the rows outside the experts
-and, inside them, the busiest device's share of the routed tokens with their dispatch buffers
-(``counts.layer_activation_bytes_per_token`` with the workload's ``expert_load``).
+routed experts (and of their gradients and Adam state); its calls' activations are those of ep = 1, since
+``sharding.experts`` keeps them whole on every device of the group and sizes the experts' buffers by all of
+the call's token-expert pairs (static shapes), whatever share of them the device computes.
 
 A device's peak is the resident state of every model-stage placed on it plus the largest working set
 among them (``device_peak_bytes``); the planner keeps that under capacity x (1 - headroom).
@@ -157,38 +157,31 @@ def _gen(cfg: ModelConfig, head: str, c: StageChoice, wl: Workload, hw: Hardware
 
 def call_working_bytes(cfg: ModelConfig, stage: str, tp: int, pp: int, micro_batch, remat: bool, workload: Workload,
                        hw: Hardware, accumulating: bool, ep: int = 1) -> float:
-    """Working bytes of an infer/train call of ``micro_batch`` sequences (an int, or an array of sizes); with
-    ep > 1 a device holds 1/ep of the rows (the busiest expert device's share inside the experts)."""
+    """Working bytes of an infer/train call of ``micro_batch`` sequences (an int, or an array of sizes); ep
+    only shrinks a training call's gradients (1/ep of the experts')."""
     kind, head = split_stage(stage)[1], stage_head(stage)
     assert kind in ("infer", "train"), stage
     rows = micro_batch / pipeline_microbatches(micro_batch, pp)
     fn = _infer if kind == "infer" else _train
-    split = head_split(micro_batch, pp)
-    if ep == 1:
-        return hw.workspace_bytes + fn(cfg, head, tp, pp, micro_batch, rows, split, remat, workload, hw, accumulating)
-    imbalance = ep * counts.busiest_shard_share(cfg, ep, workload.expert_load)
-    return hw.workspace_bytes + fn(cfg, head, tp, pp, micro_batch / ep, rows / ep, split, remat, workload, hw,
-                                   accumulating, ep, imbalance)
+    return hw.workspace_bytes + fn(cfg, head, tp, pp, micro_batch, rows, remat, workload, hw, accumulating, ep)
 
 
-def _infer(cfg, head, tp, pp, mb, rows, split, remat, wl: Workload, hw: Hardware, accumulating: bool, ep: int = 1,
-           imbalance: float | None = None):
+def _infer(cfg, head, tp, pp, mb, rows, remat, wl: Workload, hw: Hardware, accumulating: bool, ep: int = 1):
     s = wl.max_tokens
     hidden = mb * s * cfg.hidden_size * counts.dtype_bytes(cfg.compute_dtype)
-    layer = rows * s * counts.layer_activation_bytes_per_token(cfg, tp, cfg.compute_dtype, imbalance)
+    layer = rows * s * counts.layer_activation_bytes_per_token(cfg, tp, cfg.compute_dtype)
     if not hw.fused_attention:
         layer = layer + rows * counts.attention_score_bytes(cfg, tp, s, s, cfg.compute_dtype)
-    logits = head_bytes(cfg, head, mb * wl.head_tokens / split, tp, "infer", wl.vocab_chunk)
+    logits = head_bytes(cfg, head, mb * wl.head_tokens / head_split(mb, pp), tp, "infer", wl.vocab_chunk)
     return 2 * hidden + layer + logits
 
 
-def _train(cfg, head, tp, pp, mb, rows, split, remat, wl: Workload, hw: Hardware, accumulating: bool, ep: int = 1,
-           imbalance: float | None = None):
+def _train(cfg, head, tp, pp, mb, rows, remat, wl: Workload, hw: Hardware, accumulating: bool, ep: int = 1):
     s, layers, m = wl.max_tokens, cfg.num_layers / pp, mb / rows
     grads = counts.trainable_params_per_device(cfg, tp, pp, head, ep=ep) * counts.dtype_bytes(cfg.param_dtype)
     grads *= 2 if accumulating else 1  # this call's gradient and the running sum (accumulation_bytes)
     act = counts.dtype_bytes(cfg.compute_dtype)
-    per_token = counts.layer_activation_bytes_per_token(cfg, tp, cfg.compute_dtype, imbalance)
+    per_token = counts.layer_activation_bytes_per_token(cfg, tp, cfg.compute_dtype)
     scores = 0.0 if hw.fused_attention else counts.attention_score_bytes(cfg, tp, s, s, cfg.compute_dtype)
     layer_input = s * cfg.hidden_size * act  # one row's input to one layer (a stage input is one of these)
 
@@ -202,6 +195,6 @@ def _train(cfg, head, tp, pp, mb, rows, split, remat, wl: Workload, hw: Hardware
         logits = head_bytes(cfg, head, rows * wl.head_tokens, tp, "train", wl.vocab_chunk)
     else:  # GPipe, differentiated through: every tick's activations (bubble ticks' too) until the backward
         stored = activations(m + pp - 1)
-        logits = head_bytes(cfg, head, mb * wl.head_tokens / split, tp, "train", wl.vocab_chunk)
+        logits = head_bytes(cfg, head, mb * wl.head_tokens / head_split(mb, pp), tp, "train", wl.vocab_chunk)
     hidden = 2 * mb * s * cfg.hidden_size * act  # the stack's input and its cotangent (or output)
     return grads + stored + hidden + logits

@@ -157,7 +157,7 @@ class CostModel:
     def efficiency_for(self, cfg: ModelConfig, stage: str, choice: StageChoice, workload: Workload) -> tuple:
         """The efficiency vector of ``stage``'s calls under ``choice`` (:func:`call_sizes`)."""
         return self.efficiency_at(*call_sizes(cfg, split_stage(stage)[1], choice.tp, choice.pp, choice.dp,
-                                              choice.micro_batch, workload, choice.ep))
+                                              choice.micro_batch, workload))
 
     def stage_latency(self, cfg: ModelConfig, stage: str, choice: StageChoice, workload: Workload) -> Breakdown:
         """Predicted seconds per class of ``stage`` for one step."""
@@ -179,7 +179,7 @@ class CostModel:
         """The prediction's coefficients on :meth:`theta` (its roofline branches at the current values):
         ``features(...) @ theta()`` is ``stage_latency(...).total``."""
         rows, width, keys = call_sizes(cfg, split_stage(stage)[1], choice.tp, choice.pp, choice.dp,
-                                       choice.micro_batch, workload, choice.ep)
+                                       choice.micro_batch, workload)
         eff = self.efficiency_at(rows, width, keys)
         ideal = np.array(stage_latency(cfg, stage, choice, workload, self.hardware, eff).ideal(eff))
         return np.concatenate([ideal, [ideal[_G] / rows, ideal[_G] / width, ideal[_A] / keys]])
@@ -226,7 +226,7 @@ class CostModel:
         by_stage: dict[str, list[tuple[float, ...]]] = {}
         for m in items:
             sizes = call_sizes(m.model, split_stage(m.stage)[1], m.choice.tp, m.choice.pp, m.choice.dp,
-                               m.choice.micro_batch, m.workload, m.choice.ep)
+                               m.choice.micro_batch, m.workload)
             by_stage.setdefault(m.stage, []).append(tuple(float(np.asarray(v)) for v in sizes))
         out = set()
         for sizes in map(np.array, by_stage.values()):

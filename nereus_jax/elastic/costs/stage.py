@@ -16,9 +16,9 @@ class StageChoice:
     """How one model-stage runs: ``dp`` replicas of a (tp, pp, ep) layout, ``micro_batch`` sequences per
     forward/backward call (per replica; gen: concurrent decode slots per replica) and, for training,
     rematerialisation. Calls per step = sequences per replica / micro_batch (gradient accumulation).
-    ``ep`` (mixture-of-experts models, scoring and training): the experts split over ep devices, the call's
-    rows over the same ep devices outside the expert layers; last so that every (tp, pp, dp, micro_batch,
-    remat) choice reads as before."""
+    ``ep`` (mixture-of-experts models, scoring and training): the experts split over ep devices, each of which
+    runs the rest of the model on all of the call's rows; last so that every (tp, pp, dp, micro_batch, remat)
+    choice reads as before."""
 
     tp: int
     pp: int

@@ -32,8 +32,6 @@ def check_fixed(problem: Problem, stage: str, c: StageChoice) -> None:
         why = "generation runs with pp=1 and ep=1"
     if why is None and c.ep > 1 and problem.topology is not None and not problem.topology.expert_parallel:
         why = "this topology runs every model-stage with ep=1 (Topology.expert_parallel is off)"
-    if why is None and c.micro_batch % c.ep:
-        why = f"ep={c.ep} does not divide micro-batch={c.micro_batch} (a call's rows split over the ep group)"
     if why is None and c.devices > problem.tp_capacity(c.tp):
         why = f"{c.devices} devices in whole tp={c.tp} groups exceed the pool's {problem.tp_capacity(c.tp)}"
     if why is None and (total % c.dp or (total // c.dp) % c.micro_batch):
