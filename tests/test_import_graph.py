@@ -77,6 +77,10 @@ PUBLIC_HOME = {"ConfigError": "nereus_jax.config", **{name: MODEL_STAGE for name
 PRIVATE_TESTED = {
     ("tests/rl/test_rewards.py", "nereus_jax.rl.rewards", "_plain_verdict"):
         "the math-verify verdict parser's edge cases, tested on the helper itself",
+    ("tests/models/test_lora_dropout.py", "nereus_jax.runtime.stages", "_abstract_micro"):
+        "the ahead-of-time train inputs against the placed ones (with the dropout seed), helper against helper",
+    ("tests/models/test_lora_dropout.py", "nereus_jax.runtime.stages", "_put"):
+        "the placed train inputs the ahead-of-time signature must equal, helper against helper",
 }
 
 
