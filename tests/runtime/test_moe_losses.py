@@ -121,11 +121,13 @@ def test_packed_scoring_replays_and_compares_routes_as_padded(params):
     batch = _batch(seed=5)
     data = {k: batch[k] for k in ("tokens", "mask", "routes")}
     program = infer_program(MOE, P, "logprobs", replay=True)
-    padded = [np.asarray(x).reshape(B, R) for x in program(params, split_micro(data, 1))]
+    *padded, padded_counts = program(params, split_micro(data, 1))  # + each layer's per-expert pair counts
+    padded = [np.asarray(x).reshape(B, R) for x in padded]
     layout = packing.pack(data["tokens"], data["mask"], prompt_len=P, mini=1, dp=1, budget_rows=3)
     assert layout.accum > 1 or layout.rows < B  # rows were really packed
-    packed = [np.asarray(x).reshape(B, R)[np.argsort(layout.order)]
-              for x in program(params, split_packed(data, layout))]
+    *packed, packed_counts = program(params, split_packed(data, layout))
+    packed = [np.asarray(x).reshape(B, R)[np.argsort(layout.order)] for x in packed]
+    np.testing.assert_array_equal(np.sum(packed_counts, axis=0), np.sum(padded_counts, axis=0))  # the same load
     real = batch["response_mask"] > 0
     np.testing.assert_allclose(packed[0][real], padded[0][real], atol=1e-5, rtol=0)
     for a, b in zip(packed[1:], padded[1:], strict=True):
