@@ -205,19 +205,27 @@ def test_the_weight_sync_moves_only_the_adapters_and_equals_a_whole_sync(trained
     job.rollout.set_params()  # the engines adopt the synced units
 
 
+def _jobs(warm, variants: dict[str, tuple[str, ...]], run) -> tuple[dict, dict]:
+    """For each named variant (config overrides), a job from the warm start: ``run(name, job)``'s result and the
+    actor's host parameters after it, by name."""
+    runs, params = {}, {}
+    for name, extra in variants.items():
+        cfg = _cfg(*extra)
+        job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
+        try:
+            runs[name] = run(name, job)
+            params[name] = job.actor_host_params()
+        finally:
+            job.close()
+    return runs, params
+
+
 def test_pipelined_lora_steps_compute_what_unpipelined_ones_compute(warm):
     """actor-train with pp 2 (1F1B; its gradients of the frozen base are computed and dropped) against pp 1,
     two steps: the same rollouts, metrics (gradient norm included) within float reduction order, and the base
     bit for bit (as tests/runtime/test_pipeline_job.py compares dense pp 2 with pp 1)."""
-    runs, params = {}, {}
-    for name, extra in (("pp1", ()), ("pp2", ("plan.stages.actor-train.pp=2", "plan.stages.actor-train.dp=4"))):
-        cfg = _cfg(*extra)
-        job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
-        try:
-            runs[name] = [job.step(s) for s in range(2)]
-            params[name] = job.actor_host_params()
-        finally:
-            job.close()
+    runs, params = _jobs(warm, {"pp1": (), "pp2": ("plan.stages.actor-train.pp=2", "plan.stages.actor-train.dp=4")},
+                         lambda name, job: [job.step(s) for s in range(2)])
     for a, b in zip(runs["pp1"], runs["pp2"], strict=True):
         np.testing.assert_array_equal(a.batch.response_br, b.batch.response_br)
         for key in ("reward_mean", "kl", "loss", "policy_loss", "value_loss", "grad_norm"):
@@ -257,25 +265,21 @@ def test_async_lora_syncs_the_adapters_alone_and_with_staleness_0_computes_what_
     batch, metric and the trained adapters are the sync run's bit for bit; that sync moves the adapters only."""
     from nereus_jax.runtime.async_rl import AsyncRunner
 
-    runs, params = {}, {}
-    for mode in ("sync", "async"):
-        extra = ("trainer.mode=async", "trainer.max_staleness=0") if mode == "async" else ()
-        cfg = _cfg("plan.colocate=false", "plan.stages.actor-gen.dp=4", "algorithm.name=grpo", *extra)
-        job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
-        try:
-            if mode == "async":
-                runner = AsyncRunner(job, log=lambda _: None)
-                runs[mode] = list(runner.run(2))
-                sync, specs = runner.weight_sync, job.specs
-                whole = WeightSync(job.plan, specs[ACTOR_TRAIN], specs[ACTOR_GEN], keep_old=True, adapters_only=False)
-                assert sync.keep_old and sync.index
-                assert sync.moved_bytes_per_device == sync.sub_specs[ACTOR_GEN].bytes_per_device(
-                    job.plan[ACTOR_GEN].layout) < 0.5 * whole.moved_bytes_per_device
-            else:
-                runs[mode] = [job.step(s) for s in range(2)]
-            params[mode] = job.actor_host_params()
-        finally:
-            job.close()
+    def run(mode, job):
+        if mode == "sync":
+            return [job.step(s) for s in range(2)]
+        runner = AsyncRunner(job, log=lambda _: None)
+        results = list(runner.run(2))
+        sync, specs = runner.weight_sync, job.specs
+        whole = WeightSync(job.plan, specs[ACTOR_TRAIN], specs[ACTOR_GEN], keep_old=True, adapters_only=False)
+        assert sync.keep_old and sync.index
+        assert sync.moved_bytes_per_device == sync.sub_specs[ACTOR_GEN].bytes_per_device(
+            job.plan[ACTOR_GEN].layout) < 0.5 * whole.moved_bytes_per_device
+        return results
+
+    common = ("plan.colocate=false", "plan.stages.actor-gen.dp=4", "algorithm.name=grpo")
+    runs, params = _jobs(warm, {"sync": common, "async": (*common, "trainer.mode=async", "trainer.max_staleness=0")},
+                         run)
     for a, b in zip(runs["async"], runs["sync"], strict=True):
         np.testing.assert_array_equal(a.batch.response_br, b.batch.response_br)
         np.testing.assert_array_equal(a.batch.policy_version_b, b.batch.policy_version_b)
