@@ -44,6 +44,7 @@ from nereus_jax.elastic.workload import LengthStats, Workload
 from nereus_jax.model_stage import ACTOR_GEN
 from nereus_jax.runtime.initial_plan import job_pricing, plan_from_config
 from nereus_jax.runtime.job import Job, engine_replicas_across_processes
+from nereus_jax.runtime.stages import pipelined_dropout_stage
 
 
 class JobPricer:
@@ -234,7 +235,7 @@ class JobPricer:
         generation on devices of its own, and with LoRA dropout unpipelined training (pp = 1)."""
         if engine_replicas_across_processes(plan):
             return False
-        if self.job.cfg.model.lora_dropout and any(ms.kind == "train" and sp.layout.pp > 1 for ms, sp in plan.items()):
+        if pipelined_dropout_stage(plan, self.job.cfg) is not None:
             return False
         gen = set(plan[ACTOR_GEN].devices)
         return not (self.async_mode and any(gen & set(sp.devices) for ms, sp in plan.items() if ms != ACTOR_GEN))

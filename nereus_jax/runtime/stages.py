@@ -437,13 +437,19 @@ def _check_rows(plan: ExecutionPlan, rows: int, mini_rows: int | None = None) ->
                            "trainer.mini_batches")
 
 
-def _check_dropout(plan: ExecutionPlan, cfg: Config) -> None:
-    """Raises JobError if a training stage of ``plan`` pipelines (pp > 1) while ``model.lora_dropout`` > 0: the
-    pipeline schedules do not carry the dropout key."""
+def pipelined_dropout_stage(plan: ExecutionPlan, cfg: Config) -> ModelStage | None:
+    """A training stage of ``plan`` that pipelines (pp > 1) while ``model.lora_dropout`` > 0, which the job cannot
+    run (the pipeline schedules do not carry the dropout key); None if there is none."""
     if not cfg.model.lora_dropout:
-        return
-    for ms, sp in plan.items():
-        if ms.kind == "train" and sp.layout.pp > 1:
-            raise JobError(f"{ms}'s layout {sp.layout} has pp={sp.layout.pp} with model.lora_dropout="
-                           f"{cfg.model.lora_dropout}: dropout does not run in pipelined training yet; use pp=1 "
-                           "(tp or dp for a larger replica) or model.lora_dropout=0")
+        return None
+    return next((ms for ms, sp in plan.items() if ms.kind == "train" and sp.layout.pp > 1), None)
+
+
+def _check_dropout(plan: ExecutionPlan, cfg: Config) -> None:
+    """Raises JobError naming the fix if ``plan`` has a :func:`pipelined_dropout_stage`."""
+    ms = pipelined_dropout_stage(plan, cfg)
+    if ms is not None:
+        layout = plan[ms].layout
+        raise JobError(f"{ms}'s layout {layout} has pp={layout.pp} with model.lora_dropout={cfg.model.lora_dropout}: "
+                       "dropout does not run in pipelined training yet; use pp=1 (tp or dp for a larger replica) or "
+                       "model.lora_dropout=0")
