@@ -31,6 +31,7 @@ SEED = 0
 
 def _run(args: list[str], timeout: float) -> str:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the job sets its own device count
+    env["XLA_FLAGS"] = os.environ.get("NEREUS_TEST_XLA_FLAGS", "")
     proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"

@@ -198,7 +198,8 @@ def test_agent_tiny_learns_and_calls_the_calculator_more(tmp_path):
     import subprocess
     import sys
 
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8 "
+           + os.environ.get("NEREUS_TEST_XLA_FLAGS", "")}
     out = subprocess.run([sys.executable, "-m", "nereus_jax.train", "agent_tiny", "logging.progress=false",
                           "trainer.sft_control=false", "--run-dir", str(tmp_path / "run")], capture_output=True,
                          text=True, env=env, timeout=900)

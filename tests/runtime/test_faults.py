@@ -47,7 +47,8 @@ def jax_cache() -> str:
 
 def _env(jax_cache: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+    flags = "--xla_force_host_platform_device_count=8 " + os.environ.get("NEREUS_TEST_XLA_FLAGS", "")
+    return {**env, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu",
             "JAX_COMPILATION_CACHE_DIR": jax_cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
             "PYTHONPATH": str(ROOT)}
 

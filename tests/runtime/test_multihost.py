@@ -148,6 +148,7 @@ def _free_port() -> int:
 def _launch(out: Path, n: int = 2, local: int = 4) -> list[tuple[int, str, str]]:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # not the suite's 8 devices per process
+    env["XLA_FLAGS"] = os.environ.get("NEREUS_TEST_XLA_FLAGS", "")
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), NEREUS_COORDINATOR=f"127.0.0.1:{port}",
                NEREUS_NUM_PROCESSES=str(n), NEREUS_LOCAL_DEVICES=str(local),
                NEREUS_TEST_TARGET=json.dumps(plan_to_json(crossing_plan(load_config(None, BASE)))))
