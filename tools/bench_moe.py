@@ -254,8 +254,9 @@ def run(args: argparse.Namespace) -> dict:
                        "max_abs_grad_diff_blocked_vs_masked_dense": diffs["blocked"][1]})
     result["notes"] = [
         "not measured: the issue's second bench figure (the cost model's MAPE on held-out expert-parallel "
-        "layouts), because expert parallelism (Layout.ep) does not exist yet; this bench is one layer on one "
-        "device, no all-to-all",
+        "layouts); this bench is one layer on one device. Expert-parallel layers (Layout.ep) are checked for "
+        "what they compile by tools/ep_collectives.py; a fit of the cost model over ep layouts is tested on "
+        "simulated measurements only (tests/elastic/test_expert_parallel.py)",
         "goal: train_ratio = moe_train_tokens_per_s / dense_train_tokens_per_s >= goal_ratio_min; the dense "
         "layer has width top_k * moe_width, the same active matmul FLOPs per token (the router's are extra)",
         f"moe_impl {impl}: the grouped matmul nereus_jax runs on this backend (layers.grouped_impl)",
