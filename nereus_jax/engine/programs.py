@@ -75,7 +75,7 @@ class DecodePrograms:
                                        static_argnums=step, out_shardings=(state_sh, result_sh))
         if not self.paged:
             self.prefill_slots = jax.jit(self._traced("prefill_slots", self._prefill_slots_impl), donate_argnums=1,
-                                         static_argnums=6, out_shardings=(state_sh, result_sh))
+                                         out_shardings=(state_sh, result_sh))
             self.take_cache = jax.jit(self._traced("take_cache", self._take_cache_impl), static_argnums=2,
                                       out_shardings=prefix_sh.caches)
             self.put_cache = jax.jit(self._traced("put_cache", self._put_cache_impl), donate_argnums=0,
@@ -191,24 +191,23 @@ class DecodePrograms:
         return DecodeState(caches, put(state.tokens, tokens), put(state.lengths, lengths),
                            put(state.steps, jnp.ones_like(tokens)), put(state.active, placed), requests, pages)
 
-    def _prefill_slots_impl(self, params, state, slots, tokens_bt, true_b, requests, width):
+    def _prefill_slots_impl(self, params, state, slots, tokens_bt, true_b, requests):
         """Row b's tokens prefilled onto the cache in slot ``slots[b]`` (from its length on), its first token
         drawn, and the slot made live with the row's request; rows whose slot is out of range are padding
-        (nothing changes). Attention reads the rows' first ``width`` positions (a bucket holding every row's
-        length + the tokens' bucket; past the slot's end it is zeros, so a padded bucket never overruns the
-        slot: a clamped write would land on earlier positions). Rows are read one slice each (XLA:CPU's
-        gathers of whole windows are far slower) and only the new positions are written back, in place (a
-        write of whole windows read from the same buffer made XLA copy every cache)."""
+        (nothing changes). Attention reads each row's whole slot and t zeros past its end (so a padded chunk
+        never overruns the window: a clamped write would land on earlier positions); one width for every call
+        of a shape, whatever the rows' lengths, so the programs are one per (rows, t) bucket. Rows are read one
+        slice each (XLA:CPU's gathers of whole windows are far slower) and only the new positions are written
+        back, in place (a write of whole windows read from the same buffer made XLA copy every cache)."""
         rows, t = tokens_bt.shape
         start = state.lengths[jnp.minimum(slots, self._slots - 1)]
-        cut = min(width, self.max_target_length)
+        cut = self.max_target_length
         positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [rows, t] the tokens' places
 
-        def rows_of(c):  # [rows, kv, width, head_dim]; a padding row reads the last slot (clamped)
+        def rows_of(c):  # [rows, kv, cut + t, head_dim]; a padding row reads the last slot (clamped)
             out = jnp.concatenate([jax.lax.dynamic_slice(c, (slots[b], 0, 0, 0), (1,) + c.shape[1:2] + (cut,)
                                                          + c.shape[3:]) for b in range(rows)])
-            pad = jnp.zeros(out.shape[:2] + (width - cut,) + out.shape[3:], out.dtype)
-            return out if cut == width else jnp.concatenate([out, pad], axis=2)
+            return jnp.concatenate([out, jnp.zeros(out.shape[:2] + (t,) + out.shape[3:], out.dtype)], axis=2)
 
         def back(c, new):  # only the tokens' keys / values; padding rows and places past the slot are dropped
             fresh = jnp.take_along_axis(new, positions[:, None, :, None], axis=2).transpose(0, 2, 1, 3)
