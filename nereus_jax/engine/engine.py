@@ -25,6 +25,10 @@ more than that many tokens (its attention scores are chunk x context, not prompt
 ``record_routes=True`` (mixture-of-experts models) makes every result carry the router's top-k per layer of
 the tokens the call ran through the model (``ResultTokens.routes``: a prefill's prompt tokens, a decode step's
 fed tokens), for routing replay in training; a prefill then runs its last layer on every prompt token.
+:meth:`JaxEngine.prefill_slots` (a conversation's next turn onto the cache it left in its slot; contiguous
+engines) prefills in chunks of ``turn_chunk`` tokens (default ``min(64, max_prefill_length)``) over the whole
+slot, so its programs are one per (rows, chunk) bucket, :meth:`JaxEngine.turn_shapes`, whatever the sequences'
+lengths; :meth:`JaxEngine.warm_turns` compiles them all before the turns need them.
 
 Paged KV memory (opt-in, ``page_size=16`` say; ``nereus_jax.engine.paged``): keys and values live in a pool
 of ``kv_pages`` pages per layer (default: every slot's full ``max_target_length``; ``kv_bytes`` sizes it by a
