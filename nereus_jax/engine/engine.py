@@ -372,21 +372,23 @@ class JaxEngine:
         state, result = self._programs.prefill_slots(params, decode_state, slots, tokens_bt, true_b, requests)
         return state, jax.tree.map(lambda x: x[:rows], result)
 
-    def turn_shapes(self, max_rows: int | None = None) -> list[tuple[int, int]]:
+    def turn_shapes(self, max_rows: int | None = None, max_tokens: int | None = None) -> list[tuple[int, int]]:
         """The (rows, tokens) shapes of :meth:`prefill_slots`' programs: a row bucket of ``prefill_batches`` (up
-        to the one holding ``max_rows``, default all) x a chunk bucket of ``turn_lengths``. Each is one program;
-        every call runs one of them, whatever its rows' lengths (attention reads the whole slot, as a
-        contiguous engine's decode step does)."""
-        top = self.max_prefill_batch if max_rows is None else min(max(1, int(max_rows)), self.max_prefill_batch)
-        return [(r, t) for r in self.prefill_batches if r <= _bucket(top, self.prefill_batches)
-                for t in self.turn_lengths]
+        to the one holding ``max_rows``, default all) x a chunk bucket of ``turn_lengths`` (up to the one
+        holding ``max_tokens``, default all). Each is one program; every call runs one of them, whatever its
+        rows' lengths (attention reads the whole slot, as a contiguous engine's decode step does)."""
+        rows = _bucket(_at_most(max_rows, self.max_prefill_batch), self.prefill_batches)
+        tokens = _bucket(_at_most(max_tokens, self.turn_chunk), self.turn_lengths)
+        return [(r, t) for r in self.prefill_batches if r <= rows for t in self.turn_lengths if t <= tokens]
 
-    def warm_turns(self, params: Params, decode_state: DecodeState, max_rows: int | None = None) -> DecodeState:
+    def warm_turns(self, params: Params, decode_state: DecodeState, max_rows: int | None = None,
+                   max_tokens: int | None = None) -> DecodeState:
         """Compiles (by running, every row padding: nothing changes) each of :meth:`turn_shapes` not run yet,
         so that no conversation's turn waits for a compile; ``max_rows``: the most sequences one call will
-        continue (e.g. the conversations on this engine). ``decode_state`` is donated."""
+        continue (e.g. the conversations on this engine), ``max_tokens``: the most tokens a row will append.
+        ``decode_state`` is donated."""
         self._need_contiguous("warm_turns")
-        for rows, length in self.turn_shapes(max_rows):
+        for rows, length in self.turn_shapes(max_rows, max_tokens):
             if (rows, length) in self._turns_seen:
                 continue
             slots = np.full(rows, self._slots, np.int32)  # out of range: every row is padding
@@ -531,6 +533,11 @@ def _positive(name: str, value: int) -> int:
     if value < 1:
         raise EngineError(f"{name} must be >= 1, got {value}")
     return int(value)
+
+
+def _at_most(n: int | None, top: int) -> int:
+    """``n`` (at least 1) capped at ``top``; None: ``top``."""
+    return top if n is None else min(max(1, int(n)), top)
 
 
 def _buckets(top: int, smallest: int = _MIN_BUCKET) -> tuple[int, ...]:

@@ -194,20 +194,23 @@ class DecodePrograms:
     def _prefill_slots_impl(self, params, state, slots, tokens_bt, true_b, requests):
         """Row b's tokens prefilled onto the cache in slot ``slots[b]`` (from its length on), its first token
         drawn, and the slot made live with the row's request; rows whose slot is out of range are padding
-        (nothing changes). Attention reads each row's whole slot and t zeros past its end (so a padded chunk
-        never overruns the window: a clamped write would land on earlier positions); one width for every call
-        of a shape, whatever the rows' lengths, so the programs are one per (rows, t) bucket. Rows are read one
+        (nothing changes). The window is each row's whole slot and zeros past its end (at least t, so a padded
+        chunk never overruns it: a clamped write would land on earlier positions), one width for every call of
+        a shape, so the programs are one per (rows, t) bucket; attention reads it only up to the longest real
+        row's length + tokens (``decode.run``'s ``span``), so a call costs what its rows hold. Rows are read one
         slice each (XLA:CPU's gathers of whole windows are far slower) and only the new positions are written
         back, in place (a write of whole windows read from the same buffer made XLA copy every cache)."""
         rows, t = tokens_bt.shape
         start = state.lengths[jnp.minimum(slots, self._slots - 1)]
         cut = self.max_target_length
+        block = decode.span_block(cut + t)
+        width = -(-(cut + t) // block) * block
         positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [rows, t] the tokens' places
 
-        def rows_of(c):  # [rows, kv, cut + t, head_dim]; a padding row reads the last slot (clamped)
+        def rows_of(c):  # [rows, kv, width, head_dim]; a padding row reads the last slot (clamped)
             out = jnp.concatenate([jax.lax.dynamic_slice(c, (slots[b], 0, 0, 0), (1,) + c.shape[1:2] + (cut,)
                                                          + c.shape[3:]) for b in range(rows)])
-            return jnp.concatenate([out, jnp.zeros(out.shape[:2] + (t,) + out.shape[3:], out.dtype)], axis=2)
+            return jnp.concatenate([out, jnp.zeros(out.shape[:2] + (width - cut,) + out.shape[3:], out.dtype)], axis=2)
 
         def back(c, new):  # only the tokens' keys / values; padding rows and places past the slot are dropped
             fresh = jnp.take_along_axis(new, positions[:, None, :, None], axis=2).transpose(0, 2, 1, 3)
@@ -216,8 +219,9 @@ class DecodePrograms:
         # the windows are read before any cache is written (else XLA copies every cache to write it in place)
         old, cache_in = jax.lax.optimization_barrier((tuple((rows_of(k), rows_of(v)) for k, v in state.caches),
                                                       state.caches))
+        span = jnp.max(jnp.where(slots < self._slots, start + true_b, 0))
         hidden, new, *routes = decode.run(params, self.cfg, tokens_bt, start, old, only_b=true_b - 1,
-                                          record_routes=self.record_routes)
+                                          record_routes=self.record_routes, span=span)
         tokens, logprobs = sample_blocks(decode.logits(params, hidden[:, 0]), requests, jnp.zeros((rows,), jnp.int32))
         done = _is_done(tokens, jnp.ones_like(tokens), requests)
         caches = tuple((back(k, nk), back(v, nv)) for (k, v), (nk, nv) in zip(cache_in, new, strict=True))

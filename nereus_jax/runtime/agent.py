@@ -236,7 +236,7 @@ class _Turns:
 
         def run(gen):
             if keep:  # every later turn's prefill program compiled now, not when a turn first meets its shape
-                gen.warm_turns(max_rows=convs.count)
+                gen.warm_turns(max_rows=convs.count, max_tokens=max(self.limits[r] for r in rows))
             return convs.run(on_turn)
 
         return run

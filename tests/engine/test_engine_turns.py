@@ -229,6 +229,8 @@ def test_turns_of_any_length_run_a_bounded_set_of_prefill_programs_that_the_warm
     prompts = make_prompts(4, seed=3, low=3, high=9)
     gen = Generator(engine, engine.load_params(raw_params))
     assert engine.turn_shapes() == [(1, 16), (2, 16), (4, 16)] and engine.turn_shapes(max_rows=2)[-1] == (2, 16)
+    default = make_engine(devices, **ARGS)  # turn_chunk = max_prefill_length = 63: chunks of 16, 32 or 63 tokens
+    assert default.turn_shapes(max_rows=1, max_tokens=20) == [(1, 16), (1, 32)] and len(default.turn_shapes()) == 9
     program, runs = engine._programs.prefill_slots, []
     monkeypatch.setattr(engine._programs, "prefill_slots", lambda *a: runs.append(a[3].shape) or program(*a))
     turns, seqs, _, stats = _converse(gen, prompts, GREEDY, park=True, env=env)
