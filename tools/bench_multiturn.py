@@ -63,7 +63,9 @@ sampling is keyed by the data position, sample and turn, never by the schedule):
   each kind, then rounds of a call of each kind until two rounds in a row compile nothing, at most
   ``--warmup-rounds``: turns end at other moments each call, so prefills meet new shape buckets); the programs
   compiled by then.
-  ``traces_while_measuring``: programs compiled during the measured calls (should be 0).
+  ``traces_while_measuring``: programs compiled during the measured calls (should be 0), by program in
+  ``traces_while_measuring_by_program`` (``prefill`` / ``insert_many``: the re-prefill path's and the first turns'
+  shapes, which no warm-up enumerates; ``prefill_slots`` never, after ``warm_turns``).
 - ``cpu_seconds_kept`` / ``_latency`` / ``_reprefill``: the process's CPU seconds of a call (all threads,
   medians) and ``speedup_cpu`` = re-prefill / kept: the work each path does, which a machine shared with other
   jobs (whose load stretches wall times) changes less than the seconds above.
@@ -296,6 +298,7 @@ def run(args: argparse.Namespace) -> dict:
         seconds_full = statistics.median(again)
         measured_traces = sum(traces().values()) - sum(warm_traces.values())
         measured_prefill_slots = traces()["prefill_slots"] - warm_traces["prefill_slots"]
+        measured_by_program = dict(traces() - warm_traces)
     finally:
         job.close()
     flops, copy = matmul_flops_per_s(), copy_bytes_per_s()
@@ -316,6 +319,7 @@ def run(args: argparse.Namespace) -> dict:
         "engine_seconds_latency": phase_medians[1], "engine_seconds_reprefill": phase_medians[2],
         "engine_traces": dict(warm_traces),
         "traces_while_measuring": measured_traces,
+        "traces_while_measuring_by_program": measured_by_program,
         "collect_seconds": seconds, "collect_seconds_latency": seconds_latency,
         "latency_added_seconds": seconds_latency - seconds,
         "latency_floor_seconds": TOOL_TURNS * args.latency, "env_threads": threads,

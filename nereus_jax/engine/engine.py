@@ -26,7 +26,7 @@ more than that many tokens (its attention scores are chunk x context, not prompt
 the tokens the call ran through the model (``ResultTokens.routes``: a prefill's prompt tokens, a decode step's
 fed tokens), for routing replay in training; a prefill then runs its last layer on every prompt token.
 :meth:`JaxEngine.prefill_slots` (a conversation's next turn onto the cache it left in its slot; contiguous
-engines) prefills in chunks of ``turn_chunk`` tokens (default ``min(64, max_prefill_length)``) over the whole
+engines) prefills in chunks of ``turn_chunk`` tokens (default ``min(128, max_prefill_length)``) over the whole
 slot, so its programs are one per (rows, chunk) bucket, :meth:`JaxEngine.turn_shapes`, whatever the sequences'
 lengths; :meth:`JaxEngine.warm_turns` compiles them all before the turns need them.
 
@@ -115,7 +115,7 @@ class JaxEngine:
         self.prefill_lengths = _buckets(self._max_prefill)
         self.prefill_batches = _buckets(self.max_prefill_batch, smallest=1)
         self.slot_widths = _buckets(self.max_target_length)  # take_cache copies
-        self.turn_chunk = min(64, self._max_prefill) if turn_chunk is None else _positive("turn_chunk", turn_chunk)
+        self.turn_chunk = min(128, self._max_prefill) if turn_chunk is None else _positive("turn_chunk", turn_chunk)
         if self.turn_chunk > self._max_prefill:
             raise EngineError(f"turn_chunk ({self.turn_chunk}) must be <= max_prefill_length ({self._max_prefill})")
         self.turn_lengths = _buckets(self.turn_chunk)  # prefill_slots' chunk buckets
