@@ -23,7 +23,8 @@ KEYS = ("reprefill_tokens_per_s", "latency_tokens_per_s", "latency_throughput_ra
         "goal_latency_throughput_ratio", "turns_mean", "env_tokens_mean",
         "response_tokens_mean", "trajectories_truncated", "prefill_tokens_per_model_token", "model_tokens",
         "prefill_tokens", "rows", "tool_latency_s", "tool_seconds_latency", "machine_matmul_flops_per_s",
-        "machine_copy_bytes_per_s", "simulated", "device", "same_tokens_latency")
+        "machine_copy_bytes_per_s", "simulated", "device", "same_tokens_latency", "speedup_bound", "turn_programs",
+        "prefill_slots_traces", "warm_turns_seconds", "slots", "kv_cache_bytes")
 TEMPLATE = len("[result: ]")  # the plain format around a tool's output
 
 
@@ -74,6 +75,7 @@ def test_bench_multiturn_quick():
     assert r["reprefill_tokens_per_s"] > 0 and r["latency_tokens_per_s"] > 0 and r["kept_cache_tokens_per_s"] > 0
     assert r["latency_throughput_ratio"] == r["latency_tokens_per_s"] / r["kept_cache_tokens_per_s"]
     assert r["speedup"] == r["kept_cache_tokens_per_s"] / r["reprefill_tokens_per_s"]
+    assert r["speedup_bound"] > 0 and r["prefill_slots_traces"] == r["turn_programs"] > 0  # warmed: no new shape
     assert 0 < r["latency_throughput_ratio"] < 1.5
     # FixedToolEnv forces 4 turns, and the budget cuts no trajectory
     assert r["turns_mean"] == 4 and r["trajectories_truncated"] == 0

@@ -4,6 +4,7 @@
     python tools/bench_multiturn.py                     # 8 prompts x 2 samples, 3 repeats
     python tools/bench_multiturn.py --prompts 16 --repeats 5 --latency 0.2
     python tools/bench_multiturn.py --quick             # 4 prompts x 2 samples, 1 repeat, one engine (tests)
+    python tools/bench_multiturn.py --slots 4           # 4 decode slots an engine for its 8 conversations: evictions
 
 The job is the default tiny one (``model: tiny``, CPU, the character tokenizer, so ``task.tool_format`` is
 ``plain``) with ``rollout.max_prompt_length=12`` and actor-gen dp 2 (the tests' shape), built from random
@@ -44,13 +45,27 @@ sampling is keyed by the data position, sample and turn, never by the schedule):
   turns), prefilling and inserting (``prefill``), and waiting with nothing to decode (``wait``). Only
   ``prefill`` differs in kind between the kept cache and re-prefilling, so (decode + prefill) of re-prefill over
   decode alone bounds what keeping the cache can gain here.
+- ``speedup_bound``: (decode + prefill) of re-prefill over decode of the kept cache (engine seconds above, same
+  run): the speedup keeping the cache would reach if its prefills and hand-overs took no time at all; when it is
+  below the 2x goal, decode steps (which both paths run alike) are what keeps the goal out of reach.
+- ``turn_programs``: the ``prefill_slots`` programs an engine's later turns can run (``JaxEngine.turn_shapes``
+  for its conversations, summed over the engines), compiled before the first call by ``Generator.warm_turns``
+  in ``warm_turns_seconds``; ``prefill_slots_traces``: those compiled by the end of the run (the same number:
+  no turn met a shape outside the set).
+- ``--slots N``: each engine's decode slots (``rollout.max_concurrent_decodes``, default 32), which fixes its KV
+  memory (``kv_cache_bytes``: slots x (prompt + response) positions); with fewer slots than conversations, a
+  conversation whose answer comes while every slot is taken takes a parked one's slot, whose cache is copied to
+  host memory and put back when its own answer comes (``turns_evicted``, ``turns_restored``, of the kept-cache
+  calls). Compare ``kept_cache_tokens_per_s`` and ``cpu_seconds_kept`` with a default run for the cost of evicting.
 - ``turns_mean``, ``env_tokens_mean``, ``response_tokens_mean``, ``trajectories_truncated``: the agent's metrics
   of the first call (every call is the same).
 - ``first_call_seconds``, ``warmup_seconds`` and ``engine_traces``: the first call; the warm-up (the first call of
   each kind, then rounds of a call of each kind until two rounds in a row compile nothing, at most
   ``--warmup-rounds``: turns end at other moments each call, so prefills meet new shape buckets); the programs
   compiled by then.
-  ``traces_while_measuring``: programs compiled during the measured calls (should be 0).
+  ``traces_while_measuring``: programs compiled during the measured calls (should be 0), by program in
+  ``traces_while_measuring_by_program`` (``prefill`` / ``insert_many``: the re-prefill path's and the first turns'
+  shapes, which no warm-up enumerates; ``prefill_slots`` never, after ``warm_turns``).
 - ``cpu_seconds_kept`` / ``_latency`` / ``_reprefill``: the process's CPU seconds of a call (all threads,
   medians) and ``speedup_cpu`` = re-prefill / kept: the work each path does, which a machine shared with other
   jobs (whose load stretches wall times) changes less than the seconds above.
@@ -138,6 +153,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--dp", type=int, default=2, help="actor-gen replicas (engines), the tests' 2")
     p.add_argument("--warmup-rounds", type=int, default=20, help="warm-up rounds (a call of each kind) at most, "
                    "until two in a row compile nothing")
+    p.add_argument("--slots", type=int, default=None, help="decode slots an engine (rollout.max_concurrent_decodes; "
+                   "fewer than its conversations forces evictions)")
     p.add_argument("--quick", action="store_true", help="4 prompts, 1 repeat, one engine (half the compiles)")
     args = p.parse_args()
     if args.quick:
@@ -157,7 +174,8 @@ def overrides(args: argparse.Namespace) -> list[str]:
     return ["task.env=bench_multiturn:FixedToolEnv", f"rollout.max_turns={TOOL_TURNS + 1}",
             f"rollout.max_response_length={response_length(args.turn_tokens)}", "rollout.max_prompt_length=12",
             f"trainer.prompts_per_step={args.prompts}", f"rollout.samples_per_prompt={args.samples}",
-            "logging.progress=false", f"plan.stages.actor-gen.dp={args.dp}"]
+            "logging.progress=false", f"plan.stages.actor-gen.dp={args.dp}"] + \
+        ([] if args.slots is None else [f"rollout.max_concurrent_decodes={args.slots}"])
 
 
 def eos_policy(cfg, tok, prompts: list[list[int]], logit: float) -> dict:
@@ -236,7 +254,13 @@ def run(args: argparse.Namespace) -> dict:
                 cpu_s[(latency, keep)].append(time.process_time() - cpu)
 
         t = time.perf_counter()
-        batch, first_s = timed(0.0, True)  # compiles most programs
+        gens = [g for g in job.rollout.engines if g is not None]
+        rows_per_engine = -(-args.prompts // len(gens)) * n
+        for gen in gens:  # every later turn's prefill program, up front (the agent would at its first call)
+            gen.warm_turns(max_rows=rows_per_engine)
+        warm_turns_s = time.perf_counter() - t
+        turn_programs = sum(len(g.engine.turn_shapes(max_rows=rows_per_engine)) for g in gens)
+        batch, first_s = timed(0.0, True)  # compiles most other programs
         metrics = dict(agent.metrics)
         model_tokens = int(batch.response_mask_br.sum())
         full, _ = timed(0.0, False)  # and the re-prefilling path's
@@ -273,9 +297,12 @@ def run(args: argparse.Namespace) -> dict:
         seconds, seconds_latency = statistics.median(plain), statistics.median(slow)
         seconds_full = statistics.median(again)
         measured_traces = sum(traces().values()) - sum(warm_traces.values())
+        measured_prefill_slots = traces()["prefill_slots"] - warm_traces["prefill_slots"]
+        measured_by_program = dict(traces() - warm_traces)
     finally:
         job.close()
     flops, copy = matmul_flops_per_s(), copy_bytes_per_s()
+    kept_s, full_s = phase_medians[0], phase_medians[2]
     tps, tps_latency, tps_full = model_tokens / seconds, model_tokens / seconds_latency, model_tokens / seconds_full
     rows = len(problems) * n
     device = jax.devices()[0]
@@ -292,6 +319,7 @@ def run(args: argparse.Namespace) -> dict:
         "engine_seconds_latency": phase_medians[1], "engine_seconds_reprefill": phase_medians[2],
         "engine_traces": dict(warm_traces),
         "traces_while_measuring": measured_traces,
+        "traces_while_measuring_by_program": measured_by_program,
         "collect_seconds": seconds, "collect_seconds_latency": seconds_latency,
         "latency_added_seconds": seconds_latency - seconds,
         "latency_floor_seconds": TOOL_TURNS * args.latency, "env_threads": threads,
@@ -299,6 +327,12 @@ def run(args: argparse.Namespace) -> dict:
         "first_call_seconds": first_s, "warmup_seconds": warmup_s, "turns_evicted": metrics["turns_evicted"],
         "turns_restored": metrics["turns_restored"],
         "kept_cache_tokens_per_s": tps, "reprefill_tokens_per_s": tps_full,
+        "speedup_bound": (full_s["decode"] + full_s["prefill"]) / kept_s["decode"],
+        "turn_programs": turn_programs, "prefill_slots_traces": warm_traces["prefill_slots"] + measured_prefill_slots,
+        "warm_turns_seconds": warm_turns_s, "slots": gens[0].engine.max_concurrent_decodes,
+        "kv_cache_bytes": gens[0].engine.kv_cache_bytes,
+        "turns_evicted_latency": latency_metrics["turns_evicted"],
+        "turns_restored_latency": latency_metrics["turns_restored"],
         "speedup": tps / tps_full, "cpu_seconds_kept": cpu_kept, "cpu_seconds_latency": cpu_latency,
         "cpu_seconds_reprefill": cpu_full, "speedup_cpu": cpu_full / cpu_kept,
         "latency_tokens_per_s": tps_latency, "latency_throughput_ratio": tps_latency / tps,

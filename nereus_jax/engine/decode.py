@@ -41,7 +41,7 @@ def empty_caches(cfg: ModelConfig, batch: int, length: int, kv_heads: int, dtype
 
 
 def run(params: dict, cfg: ModelConfig, tokens_bt: jax.Array, start_b: jax.Array, caches: LayerCaches,
-        only_b: jax.Array | None = None, *, record_routes: bool = False):
+        only_b: jax.Array | None = None, *, record_routes: bool = False, span: jax.Array | None = None):
     """Runs row b's tokens at positions ``start_b[b] + 0..t-1``: writes their keys and values into the
     caches there and attends to cache entries at or before each token's position. Returns the final
     (normed) hidden states [b, t, embed] and the updated caches. The caller keeps positions in range.
@@ -51,7 +51,12 @@ def run(params: dict, cfg: ModelConfig, tokens_bt: jax.Array, start_b: jax.Array
     (a prefill needs nothing else; it saves most of a layer).
 
     ``record_routes`` (mixture-of-experts models) also returns every token's routes, the router's top-k per
-    layer ``[b, t, layers, k]`` int32 (the last layer then runs on every token, ``only_b`` or not)."""
+    layer ``[b, t, layers, k]`` int32 (the last layer then runs on every token, ``only_b`` or not).
+
+    With ``span`` (traced) attention reads only the caches' first ``span`` positions, in blocks (a loop whose
+    trip count is ``span`` over the block), so a cache much wider than the sequences costs what they hold; the
+    caches' length must be a multiple of :func:`span_block` of it. Tokens attending past ``span`` see only
+    what lies before it (give the longest row's length + tokens)."""
     positions_bt = start_b[:, None] + jnp.arange(tokens_bt.shape[1], dtype=jnp.int32)[None, :]
     length = caches[0][0].shape[2]
     mask_bts = jnp.arange(length, dtype=jnp.int32)[None, None, :] <= positions_bt[:, :, None]
@@ -61,7 +66,7 @@ def run(params: dict, cfg: ModelConfig, tokens_bt: jax.Array, start_b: jax.Array
     last = len(params["layers"]) - 1
     for i, (lp, (k_cache, v_cache)) in enumerate(zip(params["layers"], caches, strict=True)):
         x, k_cache, v_cache, routed = _layer(x, lp, cfg, positions_bt, start_b, inv_freq, mask_bts, k_cache,
-                                             v_cache, only_b if i == last and not record_routes else None)
+                                             v_cache, only_b if i == last and not record_routes else None, span)
         out.append((k_cache, v_cache))
         routes.append(routed)
     if record_routes and only_b is not None:
@@ -93,7 +98,7 @@ def logits(params: dict, x_bd: jax.Array) -> jax.Array:
     return constrain(out.astype(jnp.float32), ("batch", "vocab"))
 
 
-def _layer(x, lp, cfg, positions_bt, start_b, inv_freq, mask_bts, k_cache, v_cache, only_b=None):
+def _layer(x, lp, cfg, positions_bt, start_b, inv_freq, mask_bts, k_cache, v_cache, only_b=None, span=None):
     a = lp["attn"]
     h = rms_norm(x, lp["attn_norm"]["scale"], cfg.rms_norm_eps)
     k, v = _keys_values(h, a, cfg, positions_bt, inv_freq)
@@ -102,7 +107,12 @@ def _layer(x, lp, cfg, positions_bt, start_b, inv_freq, mask_bts, k_cache, v_cac
     if only_b is not None:  # from here on, only the selected token of each row
         x, h, positions_bt, mask_bts = (_pick(y, only_b) for y in (x, h, positions_bt, mask_bts))
     q = _queries(h, a, cfg, positions_bt, inv_freq)
-    out = attention(q, k_cache, v_cache, mask_bts) if q.shape[1] > 1 else _attend_one(q, k_cache, v_cache, mask_bts)
+    if span is not None:
+        out = _attend_span(q, k_cache, v_cache, positions_bt, span)
+    elif q.shape[1] > 1:
+        out = attention(q, k_cache, v_cache, mask_bts)
+    else:
+        out = _attend_one(q, k_cache, v_cache, mask_bts)
     x, routed = _finish(x, out, lp, cfg)
     return x, k_cache, v_cache, routed
 
@@ -163,6 +173,44 @@ def _attend_one(q_b1he: jax.Array, k_bkse: jax.Array, v_bkse: jax.Array, mask_b1
     scores = jnp.where(mask_b1s[:, None, :, :], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_bkse.dtype)
     return jnp.einsum("bkgs,bkse->bkge", probs, v_bkse).reshape(b, 1, h, e)
+
+
+def span_block(length: int) -> int:
+    """Key positions :func:`run` reads a loop step with ``span``: 256 (fewer steps: XLA:CPU pays per step), or all
+    of a shorter cache."""
+    return min(256, length)
+
+
+def _attend_span(q_bthe: jax.Array, k_bkse: jax.Array, v_bkse: jax.Array, positions_bt: jax.Array,
+                 span: jax.Array) -> jax.Array:
+    """``layers.attention`` (causal by ``positions_bt``) over the first ``span`` key positions only, a block at a
+    time: one pass for the scores' maximum, one for the softmax's sum and the values it weights (divided at
+    the end), so the work follows ``span``, not the caches' length. Returns [b, t, h, e]."""
+    b, t, h, e = q_bthe.shape
+    kv, g = k_bkse.shape[1], h // k_bkse.shape[1]
+    block = span_block(k_bkse.shape[2])
+    q = q_bthe.reshape(b, t, kv, g, e)
+    steps = (jnp.maximum(span, 1) + block - 1) // block
+
+    def scores(i):  # [b, kv, g, t, block] float32, masked
+        keys = jax.lax.dynamic_slice_in_dim(k_bkse, i * block, block, axis=2)
+        s = jnp.einsum("btkge,bkse->bkgts", q, keys).astype(jnp.float32) / np.float32(math.sqrt(e))
+        place = i * block + jnp.arange(block, dtype=jnp.int32)
+        return jnp.where(place[None, None, None, None, :] <= positions_bt[:, None, None, :, None], s, _MASK_VALUE)
+
+    top = jax.lax.fori_loop(0, steps, lambda i, m: jnp.maximum(m, scores(i).max(-1)),
+                            jnp.full((b, kv, g, t), _MASK_VALUE, jnp.float32))
+
+    def add(i, carry):
+        total, out = carry
+        p = jnp.exp(scores(i) - top[..., None])
+        values = jax.lax.dynamic_slice_in_dim(v_bkse, i * block, block, axis=2)
+        return total + p.sum(-1), out + jnp.einsum("bkgts,bkse->bkgte", p.astype(v_bkse.dtype), values)
+
+    zeros = (jnp.zeros_like(top), jnp.zeros((b, kv, g, t, e), v_bkse.dtype))
+    total, out = jax.lax.fori_loop(0, steps, add, zeros)
+    out = out / total[..., None].astype(out.dtype)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, e)
 
 
 def _write_rows(cache_bkse: jax.Array, new_btke: jax.Array, start_b: jax.Array) -> jax.Array:

@@ -117,6 +117,12 @@ class Generator:
             else:
                 (self._params, self.version), self._pending = pending, None
 
+    def warm_turns(self, max_rows: int | None = None, max_tokens: int | None = None) -> None:
+        """Compiles every program a conversation's later turns prefill with (:meth:`JaxEngine.warm_turns`: at most
+        ``max_rows`` sequences a call, ``max_tokens`` new tokens a sequence) on this generator's parameters and
+        decode state, before a run needs them; call it between runs."""
+        self._state = self.engine.warm_turns(self._params, self._state, max_rows, max_tokens)
+
     def rollouts(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
                  forced_lengths: Sequence[int] | None = None, refill: Refill = "continuous",
                  on_step: Callable[[Generator, int], None] | None = None,

@@ -25,6 +25,10 @@ more than that many tokens (its attention scores are chunk x context, not prompt
 ``record_routes=True`` (mixture-of-experts models) makes every result carry the router's top-k per layer of
 the tokens the call ran through the model (``ResultTokens.routes``: a prefill's prompt tokens, a decode step's
 fed tokens), for routing replay in training; a prefill then runs its last layer on every prompt token.
+:meth:`JaxEngine.prefill_slots` (a conversation's next turn onto the cache it left in its slot; contiguous
+engines) prefills in chunks of ``turn_chunk`` tokens (default ``min(128, max_prefill_length)``) over the whole
+slot, so its programs are one per (rows, chunk) bucket, :meth:`JaxEngine.turn_shapes`, whatever the sequences'
+lengths; :meth:`JaxEngine.warm_turns` compiles them all before the turns need them.
 
 Paged KV memory (opt-in, ``page_size=16`` say; ``nereus_jax.engine.paged``): keys and values live in a pool
 of ``kv_pages`` pages per layer (default: every slot's full ``max_target_length``; ``kv_bytes`` sizes it by a
@@ -85,7 +89,8 @@ class JaxEngine:
                  max_prefill_length: int = 128, max_target_length: int | None = None,
                  max_prefill_batch: int = 8, max_stop_tokens: int = 4, tokenizer: Any = None,
                  decode_steps_per_call: int = 1, page_size: int | None = None, kv_pages: int | None = None,
-                 kv_bytes: int | None = None, max_prompt_length: int | None = None, record_routes: bool = False):
+                 kv_bytes: int | None = None, max_prompt_length: int | None = None, record_routes: bool = False,
+                 turn_chunk: int | None = None):
         # A model with LoRA adapters generates with them merged into its weights (once per load/adopt); the
         # engine itself runs the base architecture.
         self.adapters_cfg = cfg if cfg.lora_rank else None
@@ -109,7 +114,12 @@ class JaxEngine:
         self.dtype = jnp.dtype(cfg.compute_dtype)
         self.prefill_lengths = _buckets(self._max_prefill)
         self.prefill_batches = _buckets(self.max_prefill_batch, smallest=1)
-        self.slot_widths = _buckets(self.max_target_length + self._max_prefill)  # prefill_slots' attention spans
+        self.slot_widths = _buckets(self.max_target_length)  # take_cache copies
+        self.turn_chunk = min(128, self._max_prefill) if turn_chunk is None else _positive("turn_chunk", turn_chunk)
+        if self.turn_chunk > self._max_prefill:
+            raise EngineError(f"turn_chunk ({self.turn_chunk}) must be <= max_prefill_length ({self._max_prefill})")
+        self.turn_lengths = _buckets(self.turn_chunk)  # prefill_slots' chunk buckets
+        self._turns_seen: set[tuple[int, int]] = set()  # prefill_slots shapes run (compiled) so far
         self.traces: collections.Counter[str] = collections.Counter()
         self._tokenizer = tokenizer
         self._stored_shapes: tuple[ModelConfig, dict] | None = None
@@ -314,9 +324,11 @@ class JaxEngine:
         ``true_length`` [rows]) are prefilled onto slot ``slots[i]``'s cache from its length on, row i's first
         token is drawn under ``requests`` row i (as token 0 of a response), and the slot decodes on from it
         with that request; a first token that ends the request leaves the slot inactive. Many sequences in
-        one call (rows, length and the attended span padded to their buckets: ``prefill_batches``,
-        ``prefill_lengths``, ``slot_widths``), so a conversation's next turn is neither a prefill of the whole
-        conversation nor a copy of its cache. Results ``[rows, 1]``. ``decode_state`` is donated."""
+        one call, so a conversation's next turn is neither a prefill of the whole conversation nor a copy of
+        its cache. The tokens go in chunks of at most ``turn_chunk`` (one program call per chunk, the rows
+        still holding tokens; a chunk's draw is kept only for the rows it ends), each padded to one of the
+        :meth:`turn_shapes`: a bounded set of programs, all compiled up front by :meth:`warm_turns`. Results
+        ``[rows, 1]``. ``decode_state`` is donated."""
         self._need_contiguous("prefill_slots")
         tokens_bt, true_b = self._check_prompts(padded_tokens, true_length)
         slots = np.asarray(slots, np.int32).reshape(-1)
@@ -329,15 +341,62 @@ class JaxEngine:
             raise EngineError(f"{rows} requests needed, and each slot's length + tokens + limit <= "
                               f"max_target_length={self.max_target_length}; got lengths {start.tolist()}, tokens "
                               f"{true_b.tolist()}, limits {requests.limit.tolist()}")
+        if self.record_routes and true_b.max() > self.turn_chunk:
+            raise EngineError(f"recording routes, prefill_slots takes at most turn_chunk={self.turn_chunk} tokens a "
+                              f"row (got {int(true_b.max())}): build the engine with a larger turn_chunk")
+        parts = []  # (rows the chunk ended, their results)
+        for at in range(0, int(true_b.max()), self.turn_chunk):
+            take = np.flatnonzero(true_b > at)
+            n = np.minimum(true_b[take] - at, self.turn_chunk)
+            decode_state, result = self._prefill_chunk(params, decode_state, slots[take],
+                                                       tokens_bt[take, at:at + int(n.max())], n,
+                                                       Requests(*[x[take] for x in requests]))
+            ends = np.flatnonzero(true_b[take] - at <= self.turn_chunk)
+            parts.append((take[ends], result if ends.size == take.size else _rows(result, ends)))
+        if len(parts) == 1:
+            return decode_state, parts[0][1]
+        order = np.argsort(np.concatenate([ended for ended, _ in parts]))
+        return decode_state, jax.tree.map(lambda *x: jnp.concatenate(x)[order], *[r for _, r in parts])
+
+    def _prefill_chunk(self, params: Params, decode_state: DecodeState, slots: np.ndarray, tokens_bt: np.ndarray,
+                       true_b: np.ndarray, requests: Requests) -> tuple[DecodeState, ResultTokens]:
+        """One :meth:`prefill_slots` program call: rows and tokens padded to their buckets."""
+        rows = tokens_bt.shape[0]
         padded = _bucket(rows, self.prefill_batches)
-        length = _bucket(tokens_bt.shape[1], self.prefill_lengths)
+        length = _bucket(tokens_bt.shape[1], self.turn_lengths)
+        self._turns_seen.add((padded, length))
         tokens_bt = np.pad(tokens_bt, ((0, padded - rows), (0, length - tokens_bt.shape[1])))
         true_b = np.pad(true_b, (0, padded - rows), constant_values=1)
         slots = np.pad(slots, (0, padded - rows), constant_values=self._slots)  # out of range: dropped
         requests = Requests(*[np.concatenate([x, np.repeat(x[-1:], padded - rows, axis=0)]) for x in requests])
-        width = _bucket(int(np.max(start)) + length, self.slot_widths)
-        state, result = self._programs.prefill_slots(params, decode_state, slots, tokens_bt, true_b, requests, width)
+        state, result = self._programs.prefill_slots(params, decode_state, slots, tokens_bt, true_b, requests)
         return state, jax.tree.map(lambda x: x[:rows], result)
+
+    def turn_shapes(self, max_rows: int | None = None, max_tokens: int | None = None) -> list[tuple[int, int]]:
+        """The (rows, tokens) shapes of :meth:`prefill_slots`' programs: a row bucket of ``prefill_batches`` (up
+        to the one holding ``max_rows``, default all) x a chunk bucket of ``turn_lengths`` (up to the one
+        holding ``max_tokens``, default all). Each is one program; every call runs one of them, whatever its
+        rows' lengths (attention reads the whole slot, as a contiguous engine's decode step does)."""
+        rows = _bucket(_at_most(max_rows, self.max_prefill_batch), self.prefill_batches)
+        tokens = _bucket(_at_most(max_tokens, self.turn_chunk), self.turn_lengths)
+        return [(r, t) for r in self.prefill_batches if r <= rows for t in self.turn_lengths if t <= tokens]
+
+    def warm_turns(self, params: Params, decode_state: DecodeState, max_rows: int | None = None,
+                   max_tokens: int | None = None) -> DecodeState:
+        """Compiles (by running, every row padding: nothing changes) each of :meth:`turn_shapes` not run yet,
+        so that no conversation's turn waits for a compile; ``max_rows``: the most sequences one call will
+        continue (e.g. the conversations on this engine), ``max_tokens``: the most tokens a row will append.
+        ``decode_state`` is donated."""
+        self._need_contiguous("warm_turns")
+        for rows, length in self.turn_shapes(max_rows, max_tokens):
+            if (rows, length) in self._turns_seen:
+                continue
+            slots = np.full(rows, self._slots, np.int32)  # out of range: every row is padding
+            decode_state, _ = self._programs.prefill_slots(params, decode_state, slots,
+                                                           np.zeros((rows, length), np.int32), np.ones(rows, np.int32),
+                                                           make_requests(rows, self.max_stop_tokens))
+            self._turns_seen.add((rows, length))
+        return decode_state
 
     def take_cache(self, decode_state: DecodeState, slot: int, length: int) -> tuple:
         """A copy of slot ``slot``'s first ``length`` cache positions (padded to a width in
@@ -476,6 +535,11 @@ def _positive(name: str, value: int) -> int:
     return int(value)
 
 
+def _at_most(n: int | None, top: int) -> int:
+    """``n`` (at least 1) capped at ``top``; None: ``top``."""
+    return top if n is None else min(max(1, int(n)), top)
+
+
 def _buckets(top: int, smallest: int = _MIN_BUCKET) -> tuple[int, ...]:
     """``smallest`` times powers of two below ``top``, then ``top``."""
     out, b = [], smallest
@@ -487,6 +551,10 @@ def _buckets(top: int, smallest: int = _MIN_BUCKET) -> tuple[int, ...]:
 
 def _bucket(n: int, buckets: Sequence[int]) -> int:
     return next(b for b in buckets if b >= n)
+
+
+def _rows(result: ResultTokens, rows: np.ndarray) -> ResultTokens:
+    return jax.tree.map(lambda x: x[rows], result)
 
 
 def _item_buckets(smallest: int, top: int) -> tuple[int, ...]:

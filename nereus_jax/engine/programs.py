@@ -75,7 +75,7 @@ class DecodePrograms:
                                        static_argnums=step, out_shardings=(state_sh, result_sh))
         if not self.paged:
             self.prefill_slots = jax.jit(self._traced("prefill_slots", self._prefill_slots_impl), donate_argnums=1,
-                                         static_argnums=6, out_shardings=(state_sh, result_sh))
+                                         out_shardings=(state_sh, result_sh))
             self.take_cache = jax.jit(self._traced("take_cache", self._take_cache_impl), static_argnums=2,
                                       out_shardings=prefix_sh.caches)
             self.put_cache = jax.jit(self._traced("put_cache", self._put_cache_impl), donate_argnums=0,
@@ -191,24 +191,26 @@ class DecodePrograms:
         return DecodeState(caches, put(state.tokens, tokens), put(state.lengths, lengths),
                            put(state.steps, jnp.ones_like(tokens)), put(state.active, placed), requests, pages)
 
-    def _prefill_slots_impl(self, params, state, slots, tokens_bt, true_b, requests, width):
+    def _prefill_slots_impl(self, params, state, slots, tokens_bt, true_b, requests):
         """Row b's tokens prefilled onto the cache in slot ``slots[b]`` (from its length on), its first token
         drawn, and the slot made live with the row's request; rows whose slot is out of range are padding
-        (nothing changes). Attention reads the rows' first ``width`` positions (a bucket holding every row's
-        length + the tokens' bucket; past the slot's end it is zeros, so a padded bucket never overruns the
-        slot: a clamped write would land on earlier positions). Rows are read one slice each (XLA:CPU's
-        gathers of whole windows are far slower) and only the new positions are written back, in place (a
-        write of whole windows read from the same buffer made XLA copy every cache)."""
+        (nothing changes). The window is each row's whole slot and zeros past its end (at least t, so a padded
+        chunk never overruns it: a clamped write would land on earlier positions), one width for every call of
+        a shape, so the programs are one per (rows, t) bucket; attention reads it only up to the longest real
+        row's length + tokens (``decode.run``'s ``span``), so a call costs what its rows hold. Rows are read one
+        slice each (XLA:CPU's gathers of whole windows are far slower) and only the new positions are written
+        back, in place (a write of whole windows read from the same buffer made XLA copy every cache)."""
         rows, t = tokens_bt.shape
         start = state.lengths[jnp.minimum(slots, self._slots - 1)]
-        cut = min(width, self.max_target_length)
+        cut = self.max_target_length
+        block = decode.span_block(cut + t)
+        width = -(-(cut + t) // block) * block
         positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [rows, t] the tokens' places
 
         def rows_of(c):  # [rows, kv, width, head_dim]; a padding row reads the last slot (clamped)
             out = jnp.concatenate([jax.lax.dynamic_slice(c, (slots[b], 0, 0, 0), (1,) + c.shape[1:2] + (cut,)
                                                          + c.shape[3:]) for b in range(rows)])
-            pad = jnp.zeros(out.shape[:2] + (width - cut,) + out.shape[3:], out.dtype)
-            return out if cut == width else jnp.concatenate([out, pad], axis=2)
+            return jnp.concatenate([out, jnp.zeros(out.shape[:2] + (width - cut,) + out.shape[3:], out.dtype)], axis=2)
 
         def back(c, new):  # only the tokens' keys / values; padding rows and places past the slot are dropped
             fresh = jnp.take_along_axis(new, positions[:, None, :, None], axis=2).transpose(0, 2, 1, 3)
@@ -217,8 +219,9 @@ class DecodePrograms:
         # the windows are read before any cache is written (else XLA copies every cache to write it in place)
         old, cache_in = jax.lax.optimization_barrier((tuple((rows_of(k), rows_of(v)) for k, v in state.caches),
                                                       state.caches))
+        span = jnp.max(jnp.where(slots < self._slots, start + true_b, 0))
         hidden, new, *routes = decode.run(params, self.cfg, tokens_bt, start, old, only_b=true_b - 1,
-                                          record_routes=self.record_routes)
+                                          record_routes=self.record_routes, span=span)
         tokens, logprobs = sample_blocks(decode.logits(params, hidden[:, 0]), requests, jnp.zeros((rows,), jnp.int32))
         done = _is_done(tokens, jnp.ones_like(tokens), requests)
         caches = tuple((back(k, nk), back(v, nv)) for (k, v), (nk, nv) in zip(cache_in, new, strict=True))

@@ -232,7 +232,14 @@ class _Turns:
                 self.abort(e)
                 raise
 
-        return lambda gen: convs.run(on_turn)
+        keep = self.agent.keeps_cache()
+
+        def run(gen):
+            if keep:  # every later turn's prefill program compiled now, not when a turn first meets its shape
+                gen.warm_turns(max_rows=convs.count, max_tokens=max(self.limits[r] for r in rows))
+            return convs.run(on_turn)
+
+        return run
 
     def _env_step(self, convs: Conversations, conversation: int, row: int, text: str, stopped: bool) -> None:
         try:

@@ -28,7 +28,7 @@ def _turn_id(conversation: int, turn: int) -> int:
     return 100 * turn + conversation
 
 
-def _converse(gen, prompts, sampling, park, hold=None, defer=False, max_saved_bytes=None, latency=None):
+def _converse(gen, prompts, sampling, park, hold=None, defer=False, max_saved_bytes=None, latency=None, env=ENV):
     """Every conversation answered with ENV's tokens after each turn, then closed; ``hold``: a conversation
     whose first answer waits until every other conversation is closed; ``defer``: each answer waits until
     the next turn of another conversation ends (while one is decoding), so conversations sit parked while
@@ -43,15 +43,15 @@ def _converse(gen, prompts, sampling, park, hold=None, defer=False, max_saved_by
 
     def answer(c):
         k = len(turns[c])
-        if k > len(ENV):
+        if k > len(env):
             convs.close(c)
             closed.add(c)
             if hold is not None and hold not in closed and len(closed) == len(seqs) - 1:
                 answer(hold)  # every other conversation is over: the held one goes on
             return
-        seqs[c] += ENV[k - 1].tolist()
+        seqs[c] += env[k - 1].tolist()
         busy.add(c)
-        convs.answer(c, ENV[k - 1], limit=sampling.max_new_tokens, prompt_id=_turn_id(c, k))
+        convs.answer(c, env[k - 1], limit=sampling.max_new_tokens, prompt_id=_turn_id(c, k))
 
     def on_turn(turn):
         c = turn.conversation
@@ -111,7 +111,7 @@ def _assert_same_turns(turns, reference, atol):
             np.testing.assert_allclose(turn.logprobs, logprobs, atol=atol, rtol=0)
 
 
-def _assert_greedy(raw_params, prompts, turns, seqs, n=1):
+def _assert_greedy(raw_params, prompts, turns, seqs, n=1, env=ENV):
     """Each turn's tokens are the argmax after everything before them (one forward over each conversation)."""
     width = max(len(s) for s in seqs)
     logits = np.asarray(forward(raw_params, TINY, jnp.asarray([s + [0] * (width - len(s)) for s in seqs])))
@@ -120,7 +120,7 @@ def _assert_greedy(raw_params, prompts, turns, seqs, n=1):
         for k, turn in enumerate(conv):
             m = turn.tokens.size
             np.testing.assert_array_equal(turn.tokens, np.argmax(logits[c, at - 1:at - 1 + m], -1))
-            at += m + (ENV[k].size if k < len(ENV) else 0)
+            at += m + (env[k].size if k < len(env) else 0)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -218,7 +218,35 @@ def test_tools_of_different_latencies_interleave_turns_with_the_same_tokens(devi
     assert any(order[:third_of_0].count(c) == len(ENV) + 1 for c in range(2, len(seqs))), order
 
 
+def test_turns_of_any_length_run_a_bounded_set_of_prefill_programs_that_the_warm_up_compiles(devices, raw_params,
+                                                                                           monkeypatch):
+    """Answers of 2 to 24 tokens onto parked caches, one to four conversations a call, with ``turn_chunk=16`` (the
+    longest answer goes in two chunks): every call runs one of ``turn_shapes`` (3 programs: 1, 2 or 4 rows x
+    16 tokens), whatever the lengths; ``warm_turns`` compiles the ones the run did not meet, and a second run
+    compiles nothing. Each turn is the argmax after the whole conversation (one uncached forward)."""
+    env = [np.arange(20, 43), np.array([5]), np.arange(60, 69)]  # + the last drawn token: 24, 2 and 10 tokens
+    engine = make_engine(devices, turn_chunk=16, **ARGS)
+    prompts = make_prompts(4, seed=3, low=3, high=9)
+    gen = Generator(engine, engine.load_params(raw_params))
+    assert engine.turn_shapes() == [(1, 16), (2, 16), (4, 16)] and engine.turn_shapes(max_rows=2)[-1] == (2, 16)
+    default = make_engine(devices, **ARGS)  # turn_chunk = max_prefill_length = 63: chunks of 16, 32 or 63 tokens
+    assert default.turn_shapes(max_rows=1, max_tokens=20) == [(1, 16), (1, 32)] and len(default.turn_shapes()) == 9
+    program, runs = engine._programs.prefill_slots, []
+    monkeypatch.setattr(engine._programs, "prefill_slots", lambda *a: runs.append(a[3].shape) or program(*a))
+    turns, seqs, _, stats = _converse(gen, prompts, GREEDY, park=True, env=env)
+    assert stats["continued"] == 4 * len(env)
+    assert len(runs) > stats["prefill_slots_calls"] and set(runs) <= set(engine.turn_shapes())  # 24 tokens: 2 runs
+    assert 0 < engine.traces["prefill_slots"] <= len(engine.turn_shapes())
+    _assert_greedy(raw_params, prompts, turns, seqs, env=env)
+    gen.warm_turns()
+    assert engine.traces["prefill_slots"] == len(engine.turn_shapes())
+    again, again_seqs, _, _ = _converse(gen, prompts, GREEDY, park=True, env=env)
+    assert engine.traces["prefill_slots"] == len(engine.turn_shapes()) and again_seqs == seqs
+
+
 def test_conversations_refuse_what_cannot_work(devices, raw_params):
+    with pytest.raises(EngineError, match="turn_chunk"):
+        make_engine(devices, turn_chunk=64, **ARGS)  # a chunk longer than max_prefill_length
     paged = make_engine(devices, page_size=8, **ARGS)
     with pytest.raises(EngineError, match="contiguous KV cache"):
         Conversations(Generator(paged, paged.load_params(raw_params)), make_prompts(1), GREEDY, park=True)
