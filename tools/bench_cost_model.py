@@ -2,7 +2,7 @@
 
     .venv312/bin/python tools/bench_cost_model.py                 # 10 layouts (~10-15 min on 2 shared CPU cores)
     .venv312/bin/python tools/bench_cost_model.py --layouts 1x1,2x2,1x2,2x1,1x4,4x1,1x8,2x4,1x1x2,1x2x4
-    .venv312/bin/python tools/bench_cost_model.py --moe           # tiny Qwen3-MoE over 7 ep layouts (~10 min)
+    .venv312/bin/python tools/bench_cost_model.py --moe           # tiny Qwen3-MoE over 7 ep layouts (~7 min)
 
 Each layout ``TPxDP`` or ``TPxDPxPP`` runs the job's own stage computations of :mod:`nereus_jax.runtime.losses`
 as jitted SPMD programs over a ("dp", "pp", "tp") mesh, exactly as ``runtime.job`` builds them (parameters
@@ -81,8 +81,8 @@ from nereus_jax.sharding import Layout, make_mesh, shard_params  # noqa: E402
 # ~20M parameters: 4 layers of ~3M plus 2 x 4.2M embedding / lm head.
 BENCH_MODEL = ModelConfig(name="bench-cost-20m", vocab_size=8192, hidden_size=512, num_layers=4, num_heads=8,
                           num_kv_heads=2, intermediate_size=1536, max_position_embeddings=512)
-# Qwen3-MoE, ~2.7M parameters: 2 layers of 8 experts (width 256, top-2) and attention over hidden 256, so the
-# experts are ~80% of the layers' weights and the routed pairs ~half the layers' matmul FLOPs per token.
+# Qwen3-MoE, ~4.6M parameters: 2 layers of 8 experts (width 256, top-2) and attention over hidden 256, so the
+# experts are ~89% of the layers' weights and the routed pairs ~2/3 of the layers' matmul FLOPs per token.
 BENCH_MOE = ModelConfig(name="bench-cost-moe", family="qwen3_moe", qk_norm=True, vocab_size=2048, hidden_size=256,
                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=512,
                         moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2,

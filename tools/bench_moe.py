@@ -6,7 +6,7 @@ then the grouped matmul nereus_jax uses on this backend, ``layers.grouped_impl()
     python tools/bench_moe.py --tokens 4096    # a realistic micro-batch per device (4x the time on CPU)
     python tools/bench_moe.py --qwen3-30b      # qwen3-30b-a3b.yaml's layer, 256 tokens (for a GPU; CPU: --tokens 16)
     python tools/bench_moe.py --quick          # a tiny shape, 2 repeats (tests)
-    python tools/bench_moe.py --ep-mape        # also the cost model's MAPE on held-out ep layouts (~10 min more)
+    python tools/bench_moe.py --ep-mape        # also the cost model's MAPE on held-out ep layouts (~7 min more)
 
 The two layers: the MoE layer routes every token to ``top_k`` of ``experts`` SwiGLU experts of width
 ``moe_width`` (Qwen3-MoE's router: float32 softmax, top-k, renormalised); the dense layer is one SwiGLU of width
@@ -90,7 +90,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--qwen3-30b", action="store_true",
                    help=f"configs/models/{QWEN3_30B}.yaml's hidden, experts, top-k, width and norm_topk")
     p.add_argument("--ep-mape", action="store_true", help="also run tools/bench_cost_model.py --moe (the cost "
-                                                          "model's MAPE on held-out ep layouts; ~10 min on CPU)")
+                                                          "model's MAPE on held-out ep layouts; ~7 min on CPU)")
     p.add_argument("--ep-layouts", default=None, help="with --ep-mape: its --layouts (TPxDPxPPxEP, comma-separated)")
     p.add_argument("--quick", action="store_true", help="256 tokens, hidden 128, 8 experts, top-2, width 64, "
                                                         "block 16, 2 repeats")
