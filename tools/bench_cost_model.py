@@ -2,6 +2,7 @@
 
     .venv312/bin/python tools/bench_cost_model.py                 # 10 layouts (~10-15 min on 2 shared CPU cores)
     .venv312/bin/python tools/bench_cost_model.py --layouts 1x1,2x2,1x2,2x1,1x4,4x1,1x8,2x4,1x1x2,1x2x4
+    .venv312/bin/python tools/bench_cost_model.py --moe           # tiny Qwen3-MoE over 7 ep layouts (~7 min)
 
 Each layout ``TPxDP`` or ``TPxDPxPP`` runs the job's own stage computations of :mod:`nereus_jax.runtime.losses`
 as jitted SPMD programs over a ("dp", "pp", "tp") mesh, exactly as ``runtime.job`` builds them (parameters
@@ -20,6 +21,16 @@ actor-gen is skipped: the engine decodes in a host-driven loop of per-token prog
 on sampling, which ``gen_latency`` prices with assumptions (slots, steps) this benchmark cannot pin down
 in the time budget; the JSON says so.
 
+``--moe`` runs the same calibration for a tiny Qwen3-MoE (``BENCH_MOE``: 8 experts, top-2) over expert-parallel
+layouts written ``TPxDPxPPxEP`` (missing trailing degrees are 1: ``1x8`` is ``1x8x1x1``). A replica with
+ep > 1 has mesh axes ("pp", "expert", "tp") and its MoE layers run expert-parallel
+(:mod:`nereus_jax.sharding.experts`: each expert rank computes its local experts' pairs, then a psum; the
+rest of the layer runs whole on every expert rank), which ``job.stage_forward`` installs for such a mesh.
+pp must be 1 when ep > 1 (the runtime refuses ep x pp) and ep must divide the model's 8 experts. The
+workload's ``expert_load`` is the busiest expert's share of the batch's routed pairs (averaged over layers),
+as the job measures it, from a forward of the initial parameters. ``ep_mape_by_stage`` / ``ep_mape`` are the
+errors over the held-out layouts with ep > 1 alone.
+
 Each program is compiled and run once (warm-up), then run ``--reps`` times in each of ``--rounds`` passes
 over all layouts (interleaved, so a burst of load from other processes does not land on one layout only).
 Two stage times are kept: wall seconds (the least disturbed run) and host-seconds, this process's CPU time
@@ -33,6 +44,7 @@ reported too.
 
 Prints one JSON object on its last line: ``layouts_measured``, ``layouts_calibrated``, ``mape_by_stage``,
 ``mape``, ``target_met_by_stage``, ``pp_mape_by_stage`` (the held-out pp > 1 layouts alone),
+``ep_mape_by_stage`` and ``ep_mape`` (the held-out ep > 1 layouts alone; ``--moe``), ``expert_load``,
 ``wall_mape_by_stage``, ``rows`` (layout, stage, measured_s (host-seconds), predicted_s, prior_s, calibrated,
 wall_min_s, wall_median_s),
 ``efficiency`` (the fitted classes), ``matmul_flops_per_s`` (measured in this run) and ``skipped``.
@@ -60,20 +72,67 @@ from nereus_jax.config import AlgorithmConfig, ModelConfig  # noqa: E402
 from nereus_jax.elastic.costs import CostModel, Measurement, StageChoice  # noqa: E402
 from nereus_jax.elastic.topology import accumulation_steps  # noqa: E402
 from nereus_jax.elastic.workload import Workload  # noqa: E402
-from nereus_jax.models import count_params, init_params  # noqa: E402
+from nereus_jax.models import count_params, forward, init_params  # noqa: E402
 from nereus_jax.runtime import losses  # noqa: E402
 from nereus_jax.runtime.job import stage_forward, stage_value_and_grad  # noqa: E402
+from nereus_jax.runtime.learner import busiest_expert_share  # noqa: E402
 from nereus_jax.sharding import Layout, make_mesh, shard_params  # noqa: E402
 
 # ~20M parameters: 4 layers of ~3M plus 2 x 4.2M embedding / lm head.
 BENCH_MODEL = ModelConfig(name="bench-cost-20m", vocab_size=8192, hidden_size=512, num_layers=4, num_heads=8,
                           num_kv_heads=2, intermediate_size=1536, max_position_embeddings=512)
+# Qwen3-MoE, ~4.6M parameters: 2 layers of 8 experts (width 256, top-2) and attention over hidden 256, so the
+# experts are ~89% of the layers' weights and the routed pairs ~2/3 of the layers' matmul FLOPs per token.
+BENCH_MOE = ModelConfig(name="bench-cost-moe", family="qwen3_moe", qk_norm=True, vocab_size=2048, hidden_size=256,
+                        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=512,
+                        moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2,
+                        max_position_embeddings=512)
 ROWS, PROMPT, RESPONSE = 16, 64, 64
 MICRO_BATCH_TOKENS = 1024  # -> 8 rows per call: 2 calls per replica at dp=1, 1 call at dp>=2
 STAGES = ("ref-infer", "critic-infer", "actor-train", "critic-train")
 DEFAULT_LAYOUTS = "1x1,2x2,1x2,2x1,1x4,4x1,1x1x2,2x1x2,1x2x4,1x1x4"  # TPxDP[xPP]; the first --calibrate calibrate
+# TPxDPxPPxEP: calibrate on an ep=1 and an ep=2 layout; hold out ep 1/2/4/8 at tp 1/2 (every ep > 1 one differs)
+MOE_LAYOUTS = "1x8x1x1,1x4x1x2,1x2x1x4,2x2x1x2,1x1x1x8,2x4x1x1,2x1x1x4"
 TARGET = 0.15
+EP_TARGET = 0.10
+DEVICES = 8
 ALGO = AlgorithmConfig()
+
+
+def parse_layouts(spec: str, cfg: ModelConfig) -> list[tuple[int, int, int, int]]:
+    """``--layouts`` as (tp, dp, pp, ep) tuples: each ``TPxDP[xPP[xEP]]`` (missing degrees 1); ValueError naming
+    the layout and the fix for one this benchmark cannot build on its 8 devices or the runtime refuses."""
+    out = []
+    for raw in spec.split(","):
+        parts = raw.strip().split("x")
+        if not 2 <= len(parts) <= 4 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+            raise ValueError(f"--layouts entry {raw!r}: write TPxDP, TPxDPxPP or TPxDPxPPxEP with degrees >= 1")
+        tp, dp, pp, ep = (*(int(p) for p in parts), 1, 1)[:4]
+        if ep > 1 and not cfg.num_experts:
+            raise ValueError(f"--layouts entry {raw!r}: ep={ep} needs a mixture-of-experts model; pass --moe")
+        if ep > 1 and cfg.num_experts % ep:
+            raise ValueError(f"--layouts entry {raw!r}: ep={ep} must divide the model's {cfg.num_experts} experts")
+        if ep > 1 and pp > 1:
+            raise ValueError(f"--layouts entry {raw!r}: ep > 1 needs pp = 1 (the runtime refuses ep x pp)")
+        if tp * dp * pp * ep > DEVICES:
+            raise ValueError(f"--layouts entry {raw!r}: tp*dp*pp*ep = {tp * dp * pp * ep} exceeds the {DEVICES} "
+                             "virtual devices; use smaller degrees")
+        out.append((tp, dp, pp, ep))
+    return out
+
+
+def layout_key(tp: int, dp: int, pp: int, ep: int) -> str:
+    """A layout's name in the JSON: ``tp1xdp4`` (ep > 1 appends ``xep2``, pp > 1 ``xpp2``)."""
+    return f"tp{tp}xdp{dp}" + (f"xpp{pp}" if pp > 1 else "") + (f"xep{ep}" if ep > 1 else "")
+
+
+def routed_expert_load(cfg: ModelConfig, params: dict, tokens_bt: np.ndarray) -> float:
+    """The busiest expert's share of the batch's routed pairs, averaged over the layers (what the job hands the
+    cost model as ``Workload.expert_load``); 0 for a dense model."""
+    if not cfg.num_experts:
+        return 0.0
+    _, stats = jax.jit(lambda p, t: forward(p, cfg, t, return_routing=True))(params, tokens_bt)
+    return busiest_expert_share(np.asarray(stats.counts_le))
 
 
 def timed(fn, reps: int) -> float:
@@ -127,14 +186,15 @@ def put(micro: dict, mesh) -> dict:
 
 
 def build_layout(cfg: ModelConfig, tp: int, dp: int, host: dict, base: dict,
-                 pp: int = 1) -> tuple[dict, StageChoice]:
-    """The stage programs of one (dp, pp, tp) mesh as ``stage -> prepare``: ``prepare()`` lays out fresh
-    parameters (and optimizer state) and returns a zero-argument runner of one step of the stage. The
-    jitted programs live as long as the dict, so later rounds do not recompile."""
-    layout = Layout(tp=tp, pp=pp)
-    mesh = make_mesh(jax.devices()[: tp * pp * dp], layout, dp=dp)
+                 pp: int = 1, ep: int = 1) -> tuple[dict, StageChoice]:
+    """The stage programs of one (dp, pp, tp) mesh (("dp", "pp", "expert", "tp") with ep > 1) as
+    ``stage -> prepare``: ``prepare()`` lays out fresh parameters (and optimizer state) and returns a
+    zero-argument runner of one step of the stage. The jitted programs live as long as the dict, so later
+    rounds do not recompile."""
+    layout = Layout(tp=tp, pp=pp, ep=ep)
+    mesh = make_mesh(jax.devices()[: layout.size * dp], layout, dp=dp)
     accum = accumulation_steps(ROWS, dp, PROMPT + RESPONSE, MICRO_BATCH_TOKENS)
-    choice = StageChoice(tp=tp, pp=pp, dp=dp, micro_batch=ROWS // dp // accum)
+    choice = StageChoice(tp=tp, pp=pp, dp=dp, micro_batch=ROWS // dp // accum, ep=ep)
     micro = put(losses.split_micro(host, accum), mesh)
     out = {}
     for model, head in (("ref", "lm"), ("critic", "value")):
@@ -210,28 +270,54 @@ def calibrate(cfg: ModelConfig, workload: Workload, choices: dict, measured: dic
     return cm, errors, prior_errors, rows
 
 
-def main() -> None:
+def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layouts", default=DEFAULT_LAYOUTS, help="comma-separated TPxDP or TPxDPxPP")
+    ap.add_argument("--moe", action="store_true", help="the tiny Qwen3-MoE (BENCH_MOE) over ep layouts")
+    ap.add_argument("--layouts", default=None,
+                    help=f"comma-separated TPxDP[xPP[xEP]] (default {DEFAULT_LAYOUTS}; --moe {MOE_LAYOUTS})")
     ap.add_argument("--calibrate", type=int, default=2, help="how many of the first layouts calibrate")
     ap.add_argument("--rounds", type=int, default=2, help="passes over all layouts (interleaved)")
-    ap.add_argument("--reps", type=int, default=2, help="timed runs per program per round")
-    args = ap.parse_args()
-    layouts = [(*(int(v) for v in s.split("x")), 1)[:3] for s in args.layouts.split(",")]
-    cfg = BENCH_MODEL
+    ap.add_argument("--reps", type=int, default=None, help="timed runs per program per round (default 2; "
+                                                              "--moe 1: its training steps are slow on CPU)")
+    args = ap.parse_args(argv)
+    args.cfg = BENCH_MOE if args.moe else BENCH_MODEL
+    args.reps = args.reps or (1 if args.moe else 2)
+    try:
+        args.layouts = parse_layouts(args.layouts or (MOE_LAYOUTS if args.moe else DEFAULT_LAYOUTS), args.cfg)
+    except ValueError as e:
+        ap.error(str(e))
+    if not 1 <= args.calibrate < len(args.layouts):
+        ap.error(f"--calibrate={args.calibrate} must be in 1..{len(args.layouts) - 1} (the layouts after the "
+                 "calibrated ones are the held-out ones)")
+    return args
+
+
+def _mape(rows: list[dict], choices: dict, keep) -> dict[str, float]:
+    """Mean relative error per stage over the held-out rows whose layout's choice passes ``keep``."""
+    errs: dict[str, list[float]] = {}
+    for r in rows:
+        if not r["calibrated"] and keep(choices[r["layout"]]):
+            errs.setdefault(r["stage"], []).append(abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"])
+    return {s: round(float(np.mean(v)), 4) for s, v in errs.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse(argv)
+    cfg = args.cfg
     t0 = time.perf_counter()
     flops = matmul_flops_per_s()
     print(f"matmul: {flops / 1e9:.1f} GFLOP/s", file=sys.stderr)
     base = {"lm": init_params(cfg, seed=0), "value": init_params(cfg, seed=1, head="value")}
     base = {k: jax.tree.map(np.asarray, v) for k, v in base.items()}
     host = host_batch(cfg)
-    workload = Workload.fixed(ROWS, PROMPT, RESPONSE)
+    load = routed_expert_load(cfg, base["lm"], host["tokens"])
+    workload = Workload.fixed(ROWS, PROMPT, RESPONSE, expert_load=load)
 
     programs: dict[str, dict] = {}
     choices: dict[str, StageChoice] = {}
-    for tp, dp, pp in layouts:
-        key = f"tp{tp}xdp{dp}" + (f"xpp{pp}" if pp > 1 else "")
-        programs[key], choices[key] = build_layout(cfg, tp, dp, host, base, pp)
+    for tp, dp, pp, ep in args.layouts:
+        key = layout_key(tp, dp, pp, ep)
+        programs[key], choices[key] = build_layout(cfg, tp, dp, host, base, pp, ep)
     times = measure(programs, args.rounds, args.reps)
     cores = len(os.sched_getaffinity(0))
     host_s = {k: {stage: min(c for _, c in v) / cores for stage, v in t.items()} for k, t in times.items()}
@@ -248,8 +334,9 @@ def main() -> None:
         row["wall_min_s"] = round(wall_s[row["layout"]][row["stage"]], 5)
         row["wall_median_s"] = round(statistics.median(w for w, _ in times[row["layout"]][row["stage"]]), 5)
     mape_by_stage = {s: round(float(np.mean(v)), 4) for s, v in errors.items() if v}
-    pipelined = {s: [abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in rows
-                     if r["stage"] == s and not r["calibrated"] and choices[r["layout"]].pp > 1] for s in STAGES}
+    ep_mape_by_stage = _mape(rows, choices, lambda c: c.ep > 1)
+    ep_err = [abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in rows
+              if not r["calibrated"] and choices[r["layout"]].ep > 1]
     all_err = [e for v in errors.values() for e in v]
     result = {
         "model": cfg.name, "params": count_params(base["lm"]), "batch": f"{ROWS} rows x {PROMPT + RESPONSE} tokens",
@@ -257,7 +344,10 @@ def main() -> None:
         "layouts_measured": keys, "layouts_calibrated": calib,
         "mape_by_stage": mape_by_stage, "mape": round(float(np.mean(all_err)), 4) if all_err else None,
         "target": TARGET, "target_met_by_stage": {s: v <= TARGET for s, v in mape_by_stage.items()},
-        "pp_mape_by_stage": {s: round(float(np.mean(v)), 4) for s, v in pipelined.items() if v},
+        "pp_mape_by_stage": _mape(rows, choices, lambda c: c.pp > 1),
+        "ep_mape_by_stage": ep_mape_by_stage, "ep_mape": round(float(np.mean(ep_err)), 4) if ep_err else None,
+        "ep_target": EP_TARGET, "ep_target_met": bool(ep_err) and float(np.mean(ep_err)) <= EP_TARGET,
+        "expert_load": round(load, 4),
         "prior_mape_by_stage": {s: round(float(np.mean(v)), 4) for s, v in prior_errors.items() if v},
         "efficiency": {c: round(v, 4) for c, v in cm.efficiency.items()},
         "wall_mape_by_stage": {s: round(float(np.mean(v)), 4) for s, v in wall_errors.items() if v},
