@@ -461,3 +461,31 @@ def test_the_checks_catch_what_they_look_for():
     clean = ImportGraph("pkg", {"pkg": ("", True), "pkg.a": ("import numpy\n", False),
                                 "pkg.b": ("from pkg.a import f\n", False)})
     assert not clean.cycles() and clean.reaches_jax("pkg.b") is None and not clean.private_imports()
+
+
+UNIT_OWNER = "nereus_jax.runtime.stages"  # StageState: the one writer of the stages' units
+
+
+def unit_writes(tree: ast.AST) -> list[int]:
+    """Lines that assign, augment or delete ``<anything>.units`` or ``<anything>.units[...]``."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign | ast.Delete):
+            targets = node.targets if isinstance(node, ast.Assign | ast.Delete) else [node.target]
+            for t in targets:
+                base = t.value if isinstance(t, ast.Subscript) else t
+                if isinstance(base, ast.Attribute) and base.attr == "units":
+                    lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_stage_owner_writes_the_stages_units():
+    """No runtime module but runtime/stages.py assigns a model-stage's units: moves, training steps and weight
+    syncs hand theirs to ``StageState.replace``. (elastic/ has a transition graph's own ``units`` table.)"""
+    # the scan itself: it sees the three forms a writer would use, and not a read
+    sample = "job.units[ms] = u\nself.stages.units = {}\ndel job.units[ms]\nx = job.units[ms]\n"
+    assert unit_writes(ast.parse(sample)) == [1, 2, 3]
+    bad = {m: lines for m, tree in GRAPH.trees.items()
+           if under(m, "nereus_jax.runtime") and m != UNIT_OWNER and (lines := unit_writes(tree))}
+    assert not bad, f"modules writing a stage's units outside {UNIT_OWNER} (call StageState.replace): {bad}"
+    assert unit_writes(GRAPH.trees[UNIT_OWNER]), "the owner no longer writes units: update UNIT_OWNER"

@@ -98,7 +98,7 @@ class AsyncRunner:
 
     def _adopt(self, units, version: int) -> None:
         job = self.job
-        job.units[ACTOR_GEN] = units
+        job.stages.replace(ACTOR_GEN, units)
         for gen, unit in zip(job.rollout.engines, units, strict=True):
             gen.set_params(gen.engine.adopt_params(unit.params), version=version)
 

@@ -260,7 +260,7 @@ class Job:
         return self.rollout.texts(batch)
 
     def _weight_sync(self) -> None:
-        self.units[ACTOR_GEN] = self.sync(self.stages.use(ACTOR_TRAIN), self.units[ACTOR_GEN])
+        self.stages.replace(ACTOR_GEN, self.sync(self.stages.use(ACTOR_TRAIN), self.units[ACTOR_GEN]))
         self.park(ACTOR_TRAIN)
         self.version += 1
         self.rollout.set_params()

@@ -289,7 +289,7 @@ class Learner:
         leaves, mesh, key, micro, layout = stages.stage_inputs(ms, data, ("train", ms), self.cfg.trainer.mini_batches)
         self._packed(layout)
         new_leaves, metrics = stages.run(key, lambda: stages.train_program(ms, spec, mesh), leaves, micro)
-        stages.units[ms] = split_replicas(new_leaves, mesh, ms, spec)
+        stages.replace(ms, split_replicas(new_leaves, mesh, ms, spec))
         self.updates[ms] = self.updates.get(ms, 0) + 1
         if ms != ACTOR_TRAIN:  # the actor's state is read again by the weight sync
             stages.park(ms)

@@ -144,13 +144,13 @@ def _take(job: Job, graph: TransitionGraph) -> dict[ModelStage, list[EMU]]:
             picked.append(emu)
         taken[ms] = picked
     for ms in taken:
-        job.units[ms] = InMove(ms)  # in place: another thread reading other stages sees no change
+        job.stages.replace(ms, InMove(ms))  # in place: another thread reading other stages sees no change
     return taken
 
 
 def _put(job: Job, units: Mapping[ModelStage, list[EMU]]) -> None:
     for ms, us in units.items():
-        job.units[ms] = list(us)
+        job.stages.replace(ms, list(us))
 
 
 def _give_back(job: Job, graph: TransitionGraph, units: dict[ModelStage, list[EMU]], plan: ExecutionPlan,

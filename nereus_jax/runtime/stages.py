@@ -162,6 +162,13 @@ class StageState:
                            f"{sorted(map(str, self.units))}")
         self.units, self.version = dict(units), version
 
+    def replace(self, ms: ModelStage, units: list[EMU] | Any) -> None:
+        """Replaces ``ms``'s units in the current plan: a training step's new state, the generation units a weight
+        sync built, a move's placeholder and its result. The runtime writes a stage's units only here (placement,
+        :meth:`adopt` and :meth:`load_state` replace them all); tests/test_import_graph.py checks the code for
+        other writers."""
+        self.units[ms] = units
+
     # ------------------------------------------------------------------------------ parking
     def use(self, ms: ModelStage) -> list[EMU]:
         """The stage's units on device, onloading them first if they are parked."""
