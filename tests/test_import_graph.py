@@ -489,3 +489,20 @@ def test_only_the_stage_owner_writes_the_stages_units():
            if under(m, "nereus_jax.runtime") and m != UNIT_OWNER and (lines := unit_writes(tree))}
     assert not bad, f"modules writing a stage's units outside {UNIT_OWNER} (call StageState.replace): {bad}"
     assert unit_writes(GRAPH.trees[UNIT_OWNER]), "the owner no longer writes units: update UNIT_OWNER"
+
+
+def test_only_rollout_gives_engines_parameters():
+    """Engines get parameters when Rollout builds them and in ``Rollout.set_params`` (sync and async weight syncs,
+    moves): no other runtime module calls a generator's ``set_params`` or an engine's ``adopt_params``."""
+    owner = "nereus_jax.runtime.rollout"
+
+    def calls(tree: ast.AST) -> list[int]:
+        return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                and n.func.attr in ("set_params", "adopt_params") and not (
+                    isinstance(n.func.value, ast.Attribute) and n.func.value.attr == "rollout")]
+
+    assert calls(ast.parse("gen.set_params(p)\nself.job.rollout.set_params(3)\ne.adopt_params(x)\n")) == [1, 3]
+    bad = {m: lines for m, tree in GRAPH.trees.items()
+           if under(m, "nereus_jax.runtime") and m != owner and (lines := calls(tree))}
+    assert not bad, f"modules giving engines parameters outside {owner} (call Rollout.set_params): {bad}"
+    assert calls(GRAPH.trees[owner]), "the owner no longer gives engines parameters: update the owner"

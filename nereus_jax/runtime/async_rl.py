@@ -97,10 +97,8 @@ class AsyncRunner:
         self._adopt(units, version)
 
     def _adopt(self, units, version: int) -> None:
-        job = self.job
-        job.stages.replace(ACTOR_GEN, units)
-        for gen, unit in zip(job.rollout.engines, units, strict=True):
-            gen.set_params(gen.engine.adopt_params(unit.params), version=version)
+        self.job.stages.replace(ACTOR_GEN, units)
+        self.job.rollout.set_params(version)
 
     @property
     def weight_sync(self) -> WeightSync | None:

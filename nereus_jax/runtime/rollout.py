@@ -141,11 +141,14 @@ class Rollout:
             return
         self.set_params()
 
-    def set_params(self) -> None:
-        """Every local engine loads its actor-gen unit's parameters, tagged with the policy version."""
+    def set_params(self, version: int | None = None) -> None:
+        """Every local engine loads its actor-gen unit's parameters, tagged with the policy ``version`` (default
+        the stages' current one; async mode's double buffer adopts an older sync's). The one place the runtime
+        gives engines parameters after building them."""
+        version = self.stages.version if version is None else version
         for gen, unit in zip(self._engines, self.stages.units[ACTOR_GEN], strict=True):
             if gen is not None:
-                gen.set_params(gen.engine.adopt_params(unit.params), version=self.stages.version)
+                gen.set_params(gen.engine.adopt_params(unit.params), version=version)
 
     # ------------------------------------------------------------------------------ generation
     def collect(self, problems: Sequence[Problem], positions: np.ndarray, temperature: float,
