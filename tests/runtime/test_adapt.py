@@ -4,6 +4,7 @@ on the smaller pool computes; an announced leave is compiled ahead, so the move 
 
 import numpy as np
 import pytest
+from jobs import TINY_JOB
 from plans import units_from_host
 
 from nereus_jax.config import load_config
@@ -17,9 +18,7 @@ from nereus_jax.runtime.job import Job
 from nereus_jax.runtime.job_pricer import compile_by_stage, partial_moves
 from nereus_jax.sharding import Layout
 
-BASE = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=16",
-        "rollout.samples_per_prompt=2", "trainer.actor_lr=1e-3", "trainer.critic_lr=1e-3", "logging.progress=false",
-        "task.num_digits=1", "task.eval_size=16", "plan.stages.actor-gen.dp=2"]
+BASE = TINY_JOB
 STEPS = 4
 
 

@@ -4,6 +4,7 @@ exactly once, stale rows are importance-weighted, and a transition at a weight s
 
 import numpy as np
 import pytest
+from jobs import TINY_JOB
 
 from nereus_jax.config import load_config
 from nereus_jax.elastic.graph import TransitionGraph
@@ -15,9 +16,7 @@ from nereus_jax.runtime.async_rl import AsyncRunner
 from nereus_jax.runtime.job import Job, JobError
 from nereus_jax.runtime.run import rl_steps
 
-BASE = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=16",
-        "rollout.samples_per_prompt=2", "trainer.actor_lr=1e-3", "trainer.critic_lr=1e-3", "logging.progress=false",
-        "task.num_digits=1", "task.eval_size=16", "plan.colocate=false", "plan.stages.actor-gen.dp=4"]
+BASE = TINY_JOB + ["plan.colocate=false", "plan.stages.actor-gen.dp=4"]
 STEPS = 3
 
 

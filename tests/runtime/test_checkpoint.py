@@ -12,6 +12,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
+from jobs import TINY_JOB
 
 from nereus_jax.config import load_config
 from nereus_jax.elastic.emu import stage_checksum
@@ -25,9 +26,7 @@ from nereus_jax.runtime.job import Job
 
 pytestmark = pytest.mark.resume
 
-BASE = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=16",
-        "rollout.samples_per_prompt=2", "trainer.actor_lr=1e-3", "trainer.critic_lr=1e-3", "logging.progress=false",
-        "task.num_digits=1", "task.eval_size=16", "plan.stages.actor-gen.dp=2"]
+BASE = TINY_JOB
 B, N = 16, 2  # prompts a step, samples a prompt
 KEYS = ("reward_mean", "kl", "loss", "policy_loss", "value_loss", "response_length_mean", "policy_version")
 # Across plans (dp 8 vs 4) only the reduction order of the gradient all-reduce and of the micro-batch sums

@@ -9,6 +9,7 @@ import types
 import jax
 import numpy as np
 import pytest
+from jobs import TINY_JOB
 
 from nereus_jax.config import load_config
 from nereus_jax.model_stage import ACTOR_TRAIN
@@ -20,9 +21,7 @@ from nereus_jax.rl.tokenizer import CharTokenizer
 from nereus_jax.runtime.job import EXTRA_INDEX_OFFSET, Job
 from nereus_jax.runtime.learner import Learner
 
-BASE = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=16",
-        "rollout.samples_per_prompt=2", "trainer.actor_lr=1e-3", "trainer.critic_lr=1e-3", "logging.progress=false",
-        "task.num_digits=1", "task.eval_size=16", "plan.stages.actor-gen.dp=2"]  # the warm fixture's job
+BASE = TINY_JOB  # the warm fixture's job
 BF16 = ["model.compute_dtype=bfloat16", "algorithm.name=grpo"]
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from jobs import TINY_JOB
 
 from nereus_jax.config import load_config
 from nereus_jax.elastic.costs.calibration_file import read_calibration
@@ -33,9 +34,7 @@ from nereus_jax.runtime.recovery import recover_from_device_loss, training_snaps
 pytestmark = pytest.mark.fault
 
 ROOT = Path(__file__).resolve().parents[2]
-BASE = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=16",
-        "rollout.samples_per_prompt=2", "trainer.actor_lr=1e-3", "trainer.critic_lr=1e-3", "logging.progress=false",
-        "task.num_digits=1", "task.eval_size=16", "plan.stages.actor-gen.dp=2"]
+BASE = TINY_JOB
 KEYS = ("reward_mean", "kl", "loss", "policy_loss", "value_loss", "response_length_mean", "policy_version")
 
 

@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 from _tb_events import read_scalars
+from jobs import TINY_JOB
 
 from nereus_jax.config import load_config
 from nereus_jax.model_stage import REWARD_INFER
@@ -18,9 +19,7 @@ from nereus_jax.runtime.report import scalars
 from nereus_jax.runtime.run import run_job
 from nereus_jax.train import main
 
-BASE = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=16",
-        "rollout.samples_per_prompt=2", "trainer.actor_lr=1e-3", "trainer.critic_lr=1e-3", "logging.progress=false",
-        "task.num_digits=1", "task.eval_size=16", "plan.stages.actor-gen.dp=2"]
+BASE = TINY_JOB
 
 
 def _three_steps(overrides, warm):

@@ -16,6 +16,7 @@ import random
 import jax
 import numpy as np
 import pytest
+from jobs import TINY_JOB
 from plans import host_state, random_plan
 
 from nereus_jax.config import load_config
@@ -36,9 +37,7 @@ from nereus_jax.runtime.move import InMove, move
 from nereus_jax.runtime.recovery import training_snapshot
 from nereus_jax.sharding import Layout, device_index
 
-BASE = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=16",
-        "rollout.samples_per_prompt=2", "trainer.actor_lr=1e-3", "trainer.critic_lr=1e-3", "logging.progress=false",
-        "task.num_digits=1", "task.eval_size=16", "plan.stages.actor-gen.dp=2"]
+BASE = TINY_JOB
 PAIRS = 6  # feasible random plan pairs in the memory test
 
 
