@@ -292,13 +292,18 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _mape(rows: list[dict], choices: dict, keep) -> dict[str, float]:
-    """Mean relative error per stage over the held-out rows whose layout's choice passes ``keep``."""
+def _held_out_errors(rows: list[dict], choices: dict, keep) -> dict[str, list[float]]:
+    """Relative errors per stage over the held-out rows whose layout's choice passes ``keep``."""
     errs: dict[str, list[float]] = {}
     for r in rows:
         if not r["calibrated"] and keep(choices[r["layout"]]):
             errs.setdefault(r["stage"], []).append(abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"])
-    return {s: round(float(np.mean(v)), 4) for s, v in errs.items()}
+    return errs
+
+
+def _mape(rows: list[dict], choices: dict, keep) -> dict[str, float]:
+    """Mean relative error per stage over the held-out rows whose layout's choice passes ``keep``."""
+    return {s: round(float(np.mean(v)), 4) for s, v in _held_out_errors(rows, choices, keep).items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -334,9 +339,9 @@ def main(argv: list[str] | None = None) -> None:
         row["wall_min_s"] = round(wall_s[row["layout"]][row["stage"]], 5)
         row["wall_median_s"] = round(statistics.median(w for w, _ in times[row["layout"]][row["stage"]]), 5)
     mape_by_stage = {s: round(float(np.mean(v)), 4) for s, v in errors.items() if v}
-    ep_mape_by_stage = _mape(rows, choices, lambda c: c.ep > 1)
-    ep_err = [abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in rows
-              if not r["calibrated"] and choices[r["layout"]].ep > 1]
+    ep_errors = _held_out_errors(rows, choices, lambda c: c.ep > 1)
+    ep_mape_by_stage = {s: round(float(np.mean(v)), 4) for s, v in ep_errors.items()}
+    ep_err = [e for v in ep_errors.values() for e in v]
     all_err = [e for v in errors.values() for e in v]
     result = {
         "model": cfg.name, "params": count_params(base["lm"]), "batch": f"{ROWS} rows x {PROMPT + RESPONSE} tokens",
