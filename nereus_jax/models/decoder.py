@@ -27,11 +27,13 @@ Usage::
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from nereus_jax.config import ModelConfig
@@ -41,6 +43,7 @@ from nereus_jax.models.layers import (
     apply_rope,
     attention,
     constrain,
+    current_replication,
     project_heads,
     rms_norm,
     rope_inv_freq,
@@ -253,10 +256,38 @@ def routing_inputs(cfg: ModelConfig, tokens_bt: jax.Array, attention_mask_bt: ja
 
 def embed_tokens(params: dict, tokens_bt: jax.Array) -> jax.Array:
     """Token embeddings [b, t, embed]."""
+    # the replication hook is read now: the backward rule is traced later, outside its context
+    return constrain(_lookup(params["embed"]["embedding"], tokens_bt, current_replication()),
+                     ("batch", "length", "embed"))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _lookup(table_vd: jax.Array, ids_bt: jax.Array, replicate) -> jax.Array:
     # mode="clip": an id past the vocabulary reads the last row instead of jnp.take's NaN fill, which would
     # poison every later position through attention (the job also checks ids against vocabularies up front)
-    return constrain(jnp.take(params["embed"]["embedding"], tokens_bt, axis=0, mode="clip"),
-                     ("batch", "length", "embed"))
+    return jnp.take(table_vd, ids_bt, axis=0, mode="clip")
+
+
+def _lookup_fwd(table_vd, ids_bt, replicate):
+    return _lookup(table_vd, ids_bt, replicate), (table_vd, ids_bt)  # the table: a reference, not a copy
+
+
+def _lookup_bwd(replicate, residuals, g_btd):
+    """The table's gradient: the rows' cotangents scatter-added at their ids. With fewer tokens in the
+    (global) batch than vocabulary rows, the ids and cotangents are first made whole on every data-parallel
+    replica (an all-gather of tokens x embed values), so the scatter yields the summed gradient directly:
+    no table-sized partial sum to all-reduce, and XLA folds the scatter into the output head's gradient of
+    a tied embedding (one table-sized buffer in the backward instead of three). With more tokens than rows
+    the scatter stays on each replica's tokens and the partitioner all-reduces its table-sized result."""
+    table_vd, ids_bt = residuals
+    vocab = table_vd.shape[0]
+    if replicate is not None and ids_bt.size < vocab:
+        ids_bt, g_btd = replicate(ids_bt), replicate(g_btd)
+    grad = jnp.zeros_like(table_vd).at[jnp.clip(ids_bt, 0, vocab - 1)].add(g_btd.astype(table_vd.dtype))
+    return grad, np.zeros(ids_bt.shape, jax.dtypes.float0)
+
+
+_lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 
 def causal_mask(t: int, attention_mask_bt: jax.Array | None, segment_ids_bt: jax.Array | None = None) -> jax.Array:

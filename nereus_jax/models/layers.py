@@ -21,6 +21,9 @@ import numpy as np
 _CONSTRAIN: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("nereus_constrain", default=None)
 # A hook running the routed experts expert-parallel (same signature as experts_mlp), installed likewise.
 _EXPERTS: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("nereus_experts", default=None)
+# A hook array -> array making a (small) value whole on every device of the mesh, installed likewise: the
+# embedding lookup's backward gathers its tokens' cotangents with it (models/decoder.py).
+_REPLICATE: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("nereus_replicate", default=None)
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
@@ -32,6 +35,22 @@ def activation_constraints(fn: Callable[[jax.Array, Sequence[str | None]], jax.A
         yield
     finally:
         _CONSTRAIN.reset(token)
+
+
+@contextlib.contextmanager
+def replication(fn: Callable[[jax.Array], jax.Array]) -> Iterator[None]:
+    """Within this context, :func:`current_replication` is ``fn`` (x -> x whole on every device)."""
+    token = _REPLICATE.set(fn)
+    try:
+        yield
+    finally:
+        _REPLICATE.reset(token)
+
+
+def current_replication() -> Callable[[jax.Array], jax.Array] | None:
+    """The active :func:`replication` hook, or None: read by a custom VJP's forward, since JAX traces its
+    backward rule later, outside the context."""
+    return _REPLICATE.get()
 
 
 @contextlib.contextmanager

@@ -72,7 +72,7 @@ from nereus_jax.models.decoder import (
     output_head,
     routing_inputs,
 )
-from nereus_jax.models.layers import activation_constraints
+from nereus_jax.models.layers import activation_constraints, replication
 from nereus_jax.models.routing import with_mismatch
 from nereus_jax.sharding.experts import expert_degree, expert_parallel_layer
 from nereus_jax.sharding.layout import LayoutError, logical_to_spec
@@ -144,7 +144,7 @@ def pipeline_forward_fn(mesh: Mesh, microbatches: int | Callable[[int, int], int
     programs whose batch size varies (packed rows)."""
     axis = pipeline_axis(mesh, kind)
     if axis is None:
-        return _with_experts(mesh, forward)
+        return _with_experts(mesh, _with_replication(mesh, forward))
     if not callable(microbatches):
         return _with_experts(mesh, functools.partial(pipeline_forward, mesh=mesh, microbatches=microbatches,
                                                      kind=kind))
@@ -155,6 +155,19 @@ def pipeline_forward_fn(mesh: Mesh, microbatches: int | Callable[[int, int], int
         return pipeline_forward(params, cfg, tokens_bt, *args, mesh=mesh, microbatches=m, kind=kind, **kwargs)
 
     return _with_experts(mesh, fn)
+
+
+def _with_replication(mesh: Mesh, fn: ForwardFn) -> ForwardFn:
+    """``fn`` traced with :func:`~nereus_jax.models.layers.replication` making a value whole on all of
+    ``mesh`` (the embedding lookup's backward gathers its tokens' cotangents over dp with it, models/decoder.py)."""
+    whole = NamedSharding(mesh, PartitionSpec())
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with replication(lambda x: lax.with_sharding_constraint(x, whole)):
+            return fn(*args, **kwargs)
+
+    return wrapped
 
 
 def _with_experts(mesh: Mesh, fn: ForwardFn) -> ForwardFn:
