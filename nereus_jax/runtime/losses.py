@@ -321,6 +321,8 @@ def make_train_step(loss_fn: LossFn | None, optimizer: optax.GradientTransformat
         keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
         trainable, opt_state = jax.tree.map(keep, new_params, trainable), jax.tree.map(keep, new_opt, opt_state)
         params = join(trainable, frozen)
+        if param_shardings is not None:  # whole on the way out too: a loop over updates carries whole parameters
+            params = jax.lax.with_sharding_constraint(params, param_shardings)
         out = {"loss": loss, "grad_norm": norm, "nonfinite": (~ok).astype(jnp.float32),
                **{k: _REDUCE.get(k.rsplit("_", 1)[-1], jnp.sum)(v) for k, v in metrics.items()}}
         return params, opt_state, out
