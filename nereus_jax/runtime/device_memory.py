@@ -8,6 +8,8 @@ plus its temporaries and the outputs that do not reuse a donated input (:func:`p
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -34,6 +36,28 @@ def device_bytes_in_use(devices: Sequence[jax.Device]) -> dict[int, int]:
                 seen.add((device, pointer))
                 held[device] += nbytes
     return held
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None (another C library). The process's own symbols: ctypes.util.find_library
+    would run ldconfig in a child process, a fork of a process holding gigabytes."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def release_host_memory(devices: Sequence[jax.Device]) -> None:
+    """Before a program with a large working set runs on CPU devices (whose memory is the host's): hands the
+    pages the C allocator keeps from freed buffers (earlier programs' temporaries) back to the system, so the
+    process's peak resident memory is what is live plus this program's working set. glibc keeps freed blocks
+    under its mmap threshold (which grows to 32 MiB) for reuse; a job of many programs otherwise holds
+    hundreds of MB it does not use (docs/results.md, issue 32's RSS). No-op on GPU/TPU devices and without glibc;
+    one call takes up to ~0.1 s with a large heap."""
+    trim = _malloc_trim()
+    if trim is not None and devices and all(d.platform == "cpu" for d in devices):
+        trim(0)
 
 
 def program_extra_bytes(compiled) -> int:

@@ -37,7 +37,7 @@ from nereus_jax.models.peft import adapter_source
 from nereus_jax.models.vocab import DEFAULT_VOCAB_CHUNK
 from nereus_jax.rl import packing
 from nereus_jax.runtime import losses
-from nereus_jax.runtime.device_memory import device_bytes_in_use, program_extra_bytes
+from nereus_jax.runtime.device_memory import device_bytes_in_use, program_extra_bytes, release_host_memory
 from nereus_jax.runtime.initial_plan import job_stages, predicted_peak
 from nereus_jax.sharding import device_index, make_mesh
 from nereus_jax.sharding.pipeline import check_schedule, pipeline_axis, pipeline_forward_fn
@@ -242,7 +242,10 @@ class StageState:
             program = self.programs[key] = build().lower(*args).compile()
         if key not in self._extra_bytes:
             self._extra_bytes[key] = program_extra_bytes(program)
-        held = device_bytes_in_use([self.devices[i] for i in key[3]])
+        devices = [self.devices[i] for i in key[3]]
+        if key[0] == "train":  # the step's largest working set: CPU devices start it without the allocator's idle pages
+            release_host_memory(devices)
+        held = device_bytes_in_use(devices)
         self.peak_bytes = max(self.peak_bytes, max(held.values(), default=0) + self._extra_bytes[key])
         return program(*args)
 

@@ -1,9 +1,14 @@
-"""Counting a device's live bytes while another thread deletes arrays (async generation, a move) must not raise."""
+"""Counting a device's live bytes while another thread deletes arrays (async generation, a move) must not raise;
+releasing the host allocator's freed pages before a CPU program shrinks the process's resident memory."""
 
 from __future__ import annotations
 
+import gc
+import os
+
 import jax
 import jax.numpy as jnp
+import pytest
 
 from nereus_jax.runtime import device_memory
 
@@ -30,3 +35,37 @@ def test_arrays_deleted_mid_count_are_skipped_and_the_rest_counted(monkeypatch):
                                                      *real()])
     assert device_memory.device_bytes_in_use([device])[device.id] == base
     assert base >= kept.nbytes
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm") or device_memory._malloc_trim() is None,
+                    reason="reads Linux's /proc and needs glibc's malloc_trim")
+def test_releasing_host_memory_returns_freed_heap_pages_on_cpu():
+    """Blocks under glibc's mmap threshold (64 KiB here), freed below one still in use, stay in the process's
+    resident memory until trimmed: the reference is the RSS with them freed but kept."""
+    blocks = [bytearray(b"x" * 65536) for _ in range(3000)]  # ~190 MiB from the heap, every page touched
+    pin = bytearray(b"y" * 65536)  # above them: free() alone cannot shrink the heap's top
+    del blocks
+    gc.collect()
+    kept = _rss_bytes()
+    device_memory.release_host_memory([jax.devices("cpu")[0]])
+    assert kept - _rss_bytes() > 100 * 2**20, (kept, _rss_bytes())
+    del pin
+
+
+def test_releasing_host_memory_skips_accelerators(monkeypatch):
+    """Device memory is not the host's on GPU/TPU: nothing is trimmed (a trim costs up to ~0.1 s)."""
+    calls = []
+    monkeypatch.setattr(device_memory, "_malloc_trim", lambda: calls.append)
+
+    class Gpu:
+        platform = "gpu"
+
+    device_memory.release_host_memory([Gpu()])
+    device_memory.release_host_memory([])
+    device_memory.release_host_memory(jax.devices("cpu")[:1])
+    assert calls == [0]
