@@ -141,7 +141,7 @@ def test_a_predicted_memory_violation_is_an_urgent_trigger_toward_a_plan_that_fi
     between the cap less the headroom and the cap): the controller admits, without the profitability test,
     a plan whose predicted peak per device fits the cap less the headroom, and the move runs at the next
     boundary (it does not wait for a compile to finish in the background)."""
-    job = _job(["cluster.device_memory_bytes=70500000", "controller.memory_headroom=0.0"])
+    job = _job(["cluster.device_memory_bytes=20168352", "controller.memory_headroom=0.0"])
     adapter = Adapter(job, log=lambda _: None)
     try:
         metrics = None
@@ -150,7 +150,7 @@ def test_a_predicted_memory_violation_is_an_urgent_trigger_toward_a_plan_that_fi
             if s < 2:
                 metrics = job.step(s).metrics
         pricer = adapter.pricer
-        assert pricer.peak_bytes(job.plan) > pricer.pricing.trigger_bytes(70.5e6) == pricer.memory_cap_bytes
+        assert pricer.peak_bytes(job.plan) > pricer.pricing.trigger_bytes(20168352) == pricer.memory_cap_bytes
         decision = next(e for e in adapter.events if e["event"] == "decision")
         assert decision["trigger"] == "memory" and decision["urgent"] and decision["admitted"], \
             (decision["reason"], decision["rejected"])
