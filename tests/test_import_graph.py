@@ -506,3 +506,23 @@ def test_only_rollout_gives_engines_parameters():
            if under(m, "nereus_jax.runtime") and m != owner and (lines := calls(tree))}
     assert not bad, f"modules giving engines parameters outside {owner} (call Rollout.set_params): {bad}"
     assert calls(GRAPH.trees[owner]), "the owner no longer gives engines parameters: update the owner"
+
+
+def test_actor_gen_units_change_only_with_the_engines_parameters():
+    """A weight sync replaces actor-gen's units and the engines' parameters in one call
+    (``Rollout.load_units``): no other runtime module calls ``replace(ACTOR_GEN, ...)``, so no path can leave the
+    engines generating from parameters the units no longer hold. (Moves replace every stage's units, then
+    ``Rollout.adopt`` gives the engines theirs.)"""
+    owner = "nereus_jax.runtime.rollout"
+
+    def calls(tree: ast.AST) -> list[int]:
+        return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                and n.func.attr == "replace" and n.args and isinstance(n.args[0], ast.Name)
+                and n.args[0].id == "ACTOR_GEN"]
+
+    sample = "self.stages.replace(ACTOR_GEN, u)\nstages.replace(ms, u)\nx.replace(ACTOR_GEN)\n"
+    assert calls(ast.parse(sample)) == [1, 3]
+    bad = {m: lines for m, tree in GRAPH.trees.items()
+           if under(m, "nereus_jax.runtime") and m != owner and (lines := calls(tree))}
+    assert not bad, f"modules replacing actor-gen's units outside {owner} (call Rollout.load_units): {bad}"
+    assert calls(GRAPH.trees[owner]), "the owner no longer replaces actor-gen's units: update the owner"

@@ -97,8 +97,7 @@ class AsyncRunner:
         self._adopt(units, version)
 
     def _adopt(self, units, version: int) -> None:
-        self.job.stages.replace(ACTOR_GEN, units)
-        self.job.rollout.set_params(version)
+        self.job.rollout.load_units(units, version)
 
     @property
     def weight_sync(self) -> WeightSync | None:

@@ -260,10 +260,10 @@ class Job:
         return self.rollout.texts(batch)
 
     def _weight_sync(self) -> None:
-        self.stages.replace(ACTOR_GEN, self.sync(self.stages.use(ACTOR_TRAIN), self.units[ACTOR_GEN]))
+        units = self.sync(self.stages.use(ACTOR_TRAIN), self.units[ACTOR_GEN])
         self.park(ACTOR_TRAIN)
         self.version += 1
-        self.rollout.set_params()
+        self.rollout.load_units(units)
 
     # ----------------------------------------------------------------------------------- evaluation
     def evaluate(self, problems: Sequence[Problem], samples: int = 1) -> dict[str, float]:

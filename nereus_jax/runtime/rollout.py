@@ -141,6 +141,13 @@ class Rollout:
             return
         self.set_params()
 
+    def load_units(self, units, version: int | None = None) -> None:
+        """A weight sync's result: actor-gen's new units (``StageState.replace``), and every local engine loads
+        them (:meth:`set_params`, tagged with ``version``). Sync mode's sync and async mode's double-buffer
+        adopt both go through here, so the generation units and the engines' parameters never differ."""
+        self.stages.replace(ACTOR_GEN, units)
+        self.set_params(version)
+
     def set_params(self, version: int | None = None) -> None:
         """Every local engine loads its actor-gen unit's parameters, tagged with the policy ``version`` (default
         the stages' current one; async mode's double buffer adopts an older sync's). The one place the runtime
