@@ -206,11 +206,11 @@ def test_pipeline_training_memory_follows_the_schedule():
 
 
 def test_head_working_set_follows_the_vocabulary_chunk():
-    """Over vocabulary chunks the head holds [positions, chunk width / tp] arrays (2 scoring, 4 training: see
+    """Over vocabulary chunks the head holds [positions, chunk width / tp] arrays (2 scoring, 3 training: see
     memory._HEAD_ARRAYS), not [positions, vocab]: for Llama 3.1's 128,256 ids at the default 8,192, 8,016-id
     chunks. The difference between chunked and whole-vocabulary working sets is exactly the head's."""
     hw, choice = get_hardware("h100"), StageChoice(2, 1, 1, 8)
-    for stage, arrays in (("actor-infer", (1, 2)), ("actor-train", (3, 4))):
+    for stage, arrays in (("actor-infer", (1, 2)), ("actor-train", (3, 3))):
         whole, chunked = (working_bytes(LLAMA8B, stage, choice, Workload.fixed(8, 512, 1024, vocab_chunk=c), hw)
                           for c in (0, 8192))
         positions = 8 * 1024  # the response positions of the call's 8 rows

@@ -49,9 +49,10 @@ from nereus_jax.vocab_chunks import chunk_width
 # float32 [positions, vocab columns] arrays the lm head holds at once (XLA:CPU buffer assignment of the job's
 # programs, compiled memory_analysis: tools/bench_vocab.py): whole logits: the scoring forward 1 (log-softmax
 # and the gather fuse into it), the training step 3 (logits, their softmax, the gradient); over chunks: 2 in
-# a scoring forward (a chunk's logits, their exponent), 4 in the backward (logits recomputed, probabilities,
-# the cotangent, its transposed copy for the kernel's gradient).
-_HEAD_ARRAYS = {("infer", False): 1, ("train", False): 3, ("infer", True): 2, ("train", True): 4}
+# a scoring forward (a chunk's logits, their exponent), 3 in the backward (of the recomputed logits, their
+# probabilities, the cotangent and its transposed copy for the kernel's gradient, the job's train programs at
+# issue 32's two shapes hold 3 and 2 at their peak; bench_vocab's one-device step about 3.6: docs/results.md).
+_HEAD_ARRAYS = {("infer", False): 1, ("train", False): 3, ("infer", True): 2, ("train", True): 3}
 
 
 class StageMemory(NamedTuple):
