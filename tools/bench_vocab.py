@@ -11,8 +11,9 @@ program (``response_stats``: the log-prob of every response token). Training: on
 update of the PPO actor loss with the entropy bonus (AdamW). Peak bytes per device come from XLA's buffer
 assignment of each compiled program (``memory_analysis``: arguments + temporaries + outputs that do not
 reuse a donated input), the exact figure XLA allocates; the peak of a mode is the larger of its two
-programs. Seconds are the median of ``--repeats`` calls after a warm-up. The machine's limits are measured
-in the same run: float32 matmul FLOP/s (a square matmul) and copy bandwidth (a large array copy); the head's
+programs. Seconds are the median of ``--repeats`` rounds after a warm-up, each round calling the four programs
+in turn (so both modes see the same moments of a shared host's load). The machine's limits are measured in the
+same run: float32 matmul FLOP/s (a square matmul) and copy bandwidth (a large array copy); the head's
 achieved FLOP/s is reported against the first. Prints one JSON object on its last line.
 """
 
@@ -23,7 +24,7 @@ import json
 
 import jax
 import numpy as np
-from machine_limits import actor_batch, copy_bytes_per_s, matmul_flops_per_s, median_seconds, peak_bytes
+from machine_limits import actor_batch, copy_bytes_per_s, interleaved_median_seconds, matmul_flops_per_s, peak_bytes
 
 from nereus_jax.config import AlgorithmConfig, ModelConfig
 from nereus_jax.models import init_params
@@ -71,16 +72,17 @@ def run(args: argparse.Namespace) -> dict:
     params = init_params(cfg, seed=0)
     opt_state = losses.make_optimizer(1e-5).init(params)
     batch = actor_batch(cfg.vocab_size, rows, args.prompt, args.response)
-    out, logp = {}, {}
+    logp, calls, out = {}, {}, {}
     for name, chunk in (("chunked", args.chunk), ("unchunked", 0)):
         score, train, mb, micro = _programs(cfg, chunk, params, opt_state, batch, args.prompt)
         logp[name] = np.asarray(score(params, mb))
         new_params = train(params, opt_state, micro)[0]
         logp[name + "_trained"] = np.asarray(losses.response_stats(new_params, cfg, mb, args.prompt, vocab_chunk=0)[0])
-        s_score = median_seconds(lambda score=score, mb=mb: score(params, mb), args.repeats)
-        s_train = median_seconds(lambda train=train, micro=micro: train(params, opt_state, micro), args.repeats)
-        out[name] = {"score_peak_bytes": peak_bytes(score), "train_peak_bytes": peak_bytes(train),
-                     "score_seconds": s_score, "train_seconds": s_train}
+        calls[name, "score"] = lambda score=score, mb=mb: score(params, mb)
+        calls[name, "train"] = lambda train=train, micro=micro: train(params, opt_state, micro)
+        out[name] = {"score_peak_bytes": peak_bytes(score), "train_peak_bytes": peak_bytes(train)}
+    for (name, what), seconds in interleaved_median_seconds(calls, args.repeats).items():
+        out[name][what + "_seconds"] = seconds
     flops, gbps = matmul_flops_per_s(), copy_bytes_per_s()
     head_flops = 2.0 * args.tokens * cfg.hidden_size * cfg.vocab_size  # one pass of the head over the tokens
     c, u = out["chunked"], out["unchunked"]

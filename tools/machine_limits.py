@@ -45,6 +45,21 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def interleaved_median_seconds(fns: dict, repeats: int) -> dict:
+    """Median wall seconds of each of ``fns`` (name -> call, blocked until ready) over ``repeats`` rounds after
+    one warm-up round, every round calling each once in turn: a baseline and its rival see the same moments
+    of a shared host's load, where timing one after the other compares different loads."""
+    for fn in fns.values():
+        jax.block_until_ready(fn())
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def matmul_flops_per_s(n: int = 2048, repeats: int = 3) -> float:
     """float32 FLOP/s of a square n x n matmul."""
     a = jnp.asarray(np.random.default_rng(1).normal(size=(n, n)), jnp.float32)
