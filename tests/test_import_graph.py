@@ -526,3 +526,19 @@ def test_actor_gen_units_change_only_with_the_engines_parameters():
            if under(m, "nereus_jax.runtime") and m != owner and (lines := calls(tree))}
     assert not bad, f"modules replacing actor-gen's units outside {owner} (call Rollout.load_units): {bad}"
     assert calls(GRAPH.trees[owner]), "the owner no longer replaces actor-gen's units: update the owner"
+
+
+def test_only_the_stage_owner_builds_weight_syncs():
+    """``StageState.weight_sync`` is the one place the runtime builds an actor-train -> actor-gen WeightSync (sync
+    mode's, a move's check, async mode's double buffer): no other runtime module calls ``WeightSync(...)``, so the
+    caps and specs a sync is built with cannot drift between modes."""
+    def calls(tree: ast.AST) -> list[int]:
+        return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and (
+            isinstance(n.func, ast.Name) and n.func.id == "WeightSync"
+            or isinstance(n.func, ast.Attribute) and n.func.attr == "WeightSync")]
+
+    assert calls(ast.parse("WeightSync(p)\nx.weight_sync(p)\nws.WeightSync(p)\nWeightSync\n")) == [1, 3]
+    bad = {m: lines for m, tree in GRAPH.trees.items()
+           if under(m, "nereus_jax.runtime") and m != UNIT_OWNER and (lines := calls(tree))}
+    assert not bad, f"modules building a WeightSync outside {UNIT_OWNER} (call StageState.weight_sync): {bad}"
+    assert calls(GRAPH.trees[UNIT_OWNER]), "the owner no longer builds weight syncs: update the test"

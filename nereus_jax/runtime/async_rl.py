@@ -133,8 +133,7 @@ class AsyncRunner:
             job.park(ACTOR_TRAIN)
             return
         if self._sync_plan is not job.plan:
-            self._sync = WeightSync(job.plan, job.specs[ACTOR_TRAIN], job.specs[ACTOR_GEN],
-                                    caps=job.cfg.cluster.device_memory_bytes, keep_old=True)
+            self._sync = job.stages.weight_sync(job.plan, keep_old=True)
             self._sync_plan = job.plan
         units = self._sync(job.stages.use(ACTOR_TRAIN), job.units[ACTOR_GEN])
         job.park(ACTOR_TRAIN)

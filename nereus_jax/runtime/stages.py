@@ -93,8 +93,14 @@ class StageState:
             replicas = [[self.devices[i] for i in r] for r in sp.replicas]
             units[ms] = units_from_source(ms, self.unit_spec(ms), sp.layout, replicas, sources[ms])
         self.units = units
-        self.sync = WeightSync(self.plan, self.specs[ACTOR_TRAIN], self.specs[ACTOR_GEN],
-                               caps=self.cfg.cluster.device_memory_bytes)
+        self.sync = self.weight_sync(self.plan)
+
+    def weight_sync(self, plan: ExecutionPlan, keep_old: bool = False) -> WeightSync:
+        """The actor-train -> actor-gen weight sync of ``plan`` under the cluster's memory caps; ``keep_old``
+        (async mode's double buffer) keeps the generating units intact while the new ones are derived. The one
+        place the runtime builds one (sync mode's, a move's check, async mode's per plan)."""
+        return WeightSync(plan, self.specs[ACTOR_TRAIN], self.specs[ACTOR_GEN],
+                          caps=self.cfg.cluster.device_memory_bytes, keep_old=keep_old)
 
     def unit_spec(self, ms: ModelStage, plan: ExecutionPlan | None = None) -> StateSpec:
         """What each unit of ``ms`` holds in ``plan`` (default: the current one): its StateSpec, with the
@@ -117,8 +123,7 @@ class StageState:
         if plan[ACTOR_GEN].layout.pp != 1:
             raise JobError(f"actor-gen's layout {plan[ACTOR_GEN].layout} has pp={plan[ACTOR_GEN].layout.pp}: the "
                            "engines generate with pp=1; use tp for a larger actor-gen replica")
-        return WeightSync(plan, self.specs[ACTOR_TRAIN], self.specs[ACTOR_GEN],
-                          caps=self.cfg.cluster.device_memory_bytes)
+        return self.weight_sync(plan)
 
     def prepare_programs(self, plan: ExecutionPlan, changed_only: bool = True) -> dict[Any, Any]:
         """The training and scoring programs ``plan`` needs, lowered and compiled for its shardings ahead of
