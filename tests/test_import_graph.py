@@ -466,6 +466,12 @@ def test_the_checks_catch_what_they_look_for():
 UNIT_OWNER = "nereus_jax.runtime.stages"  # StageState: the one writer of the stages' units
 
 
+def outside(owner: str, lines_of) -> dict[str, list[int]]:
+    """Runtime modules other than ``owner`` where ``lines_of(tree)`` finds lines: {module: lines}."""
+    return {m: lines for m, tree in GRAPH.trees.items()
+            if under(m, "nereus_jax.runtime") and m != owner and (lines := lines_of(tree))}
+
+
 def unit_writes(tree: ast.AST) -> list[int]:
     """Lines that assign, augment or delete ``<anything>.units`` or ``<anything>.units[...]``."""
     lines = []
@@ -485,8 +491,7 @@ def test_only_the_stage_owner_writes_the_stages_units():
     # the scan itself: it sees the three forms a writer would use, and not a read
     sample = "job.units[ms] = u\nself.stages.units = {}\ndel job.units[ms]\nx = job.units[ms]\n"
     assert unit_writes(ast.parse(sample)) == [1, 2, 3]
-    bad = {m: lines for m, tree in GRAPH.trees.items()
-           if under(m, "nereus_jax.runtime") and m != UNIT_OWNER and (lines := unit_writes(tree))}
+    bad = outside(UNIT_OWNER, unit_writes)
     assert not bad, f"modules writing a stage's units outside {UNIT_OWNER} (call StageState.replace): {bad}"
     assert unit_writes(GRAPH.trees[UNIT_OWNER]), "the owner no longer writes units: update UNIT_OWNER"
 
@@ -502,8 +507,7 @@ def test_only_rollout_gives_engines_parameters():
                     isinstance(n.func.value, ast.Attribute) and n.func.value.attr == "rollout")]
 
     assert calls(ast.parse("gen.set_params(p)\nself.job.rollout.set_params(3)\ne.adopt_params(x)\n")) == [1, 3]
-    bad = {m: lines for m, tree in GRAPH.trees.items()
-           if under(m, "nereus_jax.runtime") and m != owner and (lines := calls(tree))}
+    bad = outside(owner, calls)
     assert not bad, f"modules giving engines parameters outside {owner} (call Rollout.set_params): {bad}"
     assert calls(GRAPH.trees[owner]), "the owner no longer gives engines parameters: update the owner"
 
@@ -522,8 +526,7 @@ def test_actor_gen_units_change_only_with_the_engines_parameters():
 
     sample = "self.stages.replace(ACTOR_GEN, u)\nstages.replace(ms, u)\nx.replace(ACTOR_GEN)\n"
     assert calls(ast.parse(sample)) == [1, 3]
-    bad = {m: lines for m, tree in GRAPH.trees.items()
-           if under(m, "nereus_jax.runtime") and m != owner and (lines := calls(tree))}
+    bad = outside(owner, calls)
     assert not bad, f"modules replacing actor-gen's units outside {owner} (call Rollout.load_units): {bad}"
     assert calls(GRAPH.trees[owner]), "the owner no longer replaces actor-gen's units: update the owner"
 
@@ -538,7 +541,6 @@ def test_only_the_stage_owner_builds_weight_syncs():
             or isinstance(n.func, ast.Attribute) and n.func.attr == "WeightSync")]
 
     assert calls(ast.parse("WeightSync(p)\nx.weight_sync(p)\nws.WeightSync(p)\nWeightSync\n")) == [1, 3]
-    bad = {m: lines for m, tree in GRAPH.trees.items()
-           if under(m, "nereus_jax.runtime") and m != UNIT_OWNER and (lines := calls(tree))}
+    bad = outside(UNIT_OWNER, calls)
     assert not bad, f"modules building a WeightSync outside {UNIT_OWNER} (call StageState.weight_sync): {bad}"
     assert calls(GRAPH.trees[UNIT_OWNER]), "the owner no longer builds weight syncs: update the test"

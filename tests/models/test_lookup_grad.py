@@ -61,34 +61,35 @@ def dp8():
     return mesh, params, tokens, whole, rows
 
 
-def _compiled(mesh, params, tokens, whole, rows, forward_fn):
-    return jax.jit(jax.grad(_loss(forward_fn)), in_shardings=(whole, rows), out_shardings=whole).lower(
-        params, tokens).compile()
+@pytest.fixture(scope="module")
+def programs(dp8):
+    """The dp 8 gradient program through autodiff's gather ("plain") and through the stage forward, which
+    gathers the lookup's cotangents ("gathered"), compiled once."""
+    mesh, params, tokens, whole, rows = dp8
+    return {name: jax.jit(jax.grad(_loss(fn)), in_shardings=(whole, rows), out_shardings=whole).lower(
+        params, tokens).compile() for name, fn in (("plain", forward), ("gathered", pipeline_forward_fn(mesh, 1)))}
 
 
-def test_dp_gradients_with_the_gathered_lookup_equal_autodiffs(dp8):
+def test_dp_gradients_with_the_gathered_lookup_equal_autodiffs(dp8, programs):
     """Against the same dp program differentiated through the gather (each replica's partial table summed over
     dp): equal but for the order of the table's sums (within 1e-6 of values up to ~5); and no farther from
     the single-device gradient than that program is, give or take one float32 rounding of the largest value."""
-    mesh, params, tokens, whole, rows = dp8
+    _, params, tokens, _, _ = dp8
     single = jax.jit(jax.grad(_loss(forward)))(params, tokens)
-    plain = _compiled(mesh, params, tokens, whole, rows, forward)(params, tokens)
-    grads = _compiled(mesh, params, tokens, whole, rows, pipeline_forward_fn(mesh, 1))(params, tokens)
+    plain, grads = (programs[name](params, tokens) for name in ("plain", "gathered"))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=0), grads, plain)
     for ours, theirs, ref in zip(*map(jax.tree.leaves, (grads, plain, single)), strict=True):
         ulp = np.spacing(np.max(np.abs(ref)))
         assert np.max(np.abs(ours - ref)) <= np.max(np.abs(theirs - ref)) + ulp
 
 
-def test_the_gathered_lookup_saves_a_vocabulary_sized_buffer(dp8):
+def test_the_gathered_lookup_saves_a_vocabulary_sized_buffer(programs):
     """Without the gather, each replica scatters its own tokens into a table-sized partial sum that is then
     all-reduced and added to the head's gradient; with it, the scatter adds into the head's gradient in place."""
-    mesh, params, tokens, whole, rows = dp8
     table = QWEN3_VOCAB * CFG.hidden_size * 4
-    temp = {name: _compiled(mesh, params, tokens, whole, rows, fn).memory_analysis().temp_size_in_bytes
-            for name, fn in (("plain", forward), ("gathered", pipeline_forward_fn(mesh, 1)))}
+    temp = {name: c.memory_analysis().temp_size_in_bytes for name, c in programs.items()}
     assert temp["plain"] - temp["gathered"] >= table, (temp, table)
-    assert _gathers_ids(_compiled(mesh, params, tokens, whole, rows, pipeline_forward_fn(mesh, 1)).as_text())
+    assert _gathers_ids(programs["gathered"].as_text())
 
 
 def _gathers_ids(hlo: str) -> bool:
@@ -108,9 +109,9 @@ def test_a_batch_with_more_tokens_than_rows_keeps_the_per_replica_scatter(dp8):
         return lambda p, t: jnp.sum(forward_fn(p, small, t, return_hidden=True) ** 2)
 
     def grad(forward_fn):
-        return jax.jit(jax.grad(loss(forward_fn)), in_shardings=(whole, rows), out_shardings=whole)
+        return jax.jit(jax.grad(loss(forward_fn)), in_shardings=(whole, rows), out_shardings=whole).lower(
+            params, tokens).compile()
 
     fn = grad(pipeline_forward_fn(mesh, 1))
-    hlo = fn.lower(params, tokens).compile().as_text()
     jax.tree.map(np.testing.assert_array_equal, fn(params, tokens), grad(forward)(params, tokens))
-    assert not _gathers_ids(hlo)  # ids stay split; the same check sees the gather in the case above
+    assert not _gathers_ids(fn.as_text())  # ids stay split; the same check sees the gather in the case above
