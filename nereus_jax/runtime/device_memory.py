@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import sys
 from collections.abc import Sequence
 
 import jax
@@ -58,6 +59,17 @@ def release_host_memory(devices: Sequence[jax.Device]) -> None:
     trim = _malloc_trim()
     if trim is not None and devices and all(d.platform == "cpu" for d in devices):
         trim(0)
+
+
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident memory so far (the kernel's high-water mark), or None where the platform
+    keeps none (Windows). On CPU devices it covers their arrays and programs' temporaries too."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
 
 
 def program_extra_bytes(compiled) -> int:

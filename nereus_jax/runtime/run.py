@@ -38,6 +38,7 @@ from nereus_jax.runtime.checkpoint import (
     restore_job,
     stop_agreed,
 )
+from nereus_jax.runtime.device_memory import peak_rss_bytes
 from nereus_jax.runtime.distributed import is_primary
 from nereus_jax.runtime.export import export_actor
 from nereus_jax.runtime.initial_plan import AUTO_MICRO_BATCH_TOKENS, predicted_peak, with_micro_batch_tokens
@@ -320,7 +321,7 @@ def _run(cfg: Config, run_dir: str, inputs: Inputs, report: RunReport, started: 
                "controller_events": adapter.events, "tokens_per_s": tokens / max(step_s, 1e-9),
                "rl_seconds": rl_s, "warm_start_seconds": sft_s, "warm_start_cache_hit": hit,
                "hf_export": str(exported) if exported else None,
-               "plan": repr(job.plan), "wall_s": time.perf_counter() - started}
+               "plan": repr(job.plan), "peak_rss_bytes": peak_rss_bytes(), "wall_s": time.perf_counter() - started}
     _save_calibration(cfg, adapter, report, cfg.trainer.steps)
     report.finish(summary)
     job.close()

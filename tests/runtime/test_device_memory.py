@@ -69,3 +69,15 @@ def test_releasing_host_memory_skips_accelerators(monkeypatch):
     device_memory.release_host_memory([])
     device_memory.release_host_memory(jax.devices("cpu")[:1])
     assert calls == [0]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's /proc")
+def test_peak_rss_is_the_kernels_high_water_mark():
+    """Reference: VmHWM of /proc/self/status, read just before and after (the peak can only grow)."""
+    def hwm() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+    before = hwm()
+    peak = device_memory.peak_rss_bytes()
+    assert before <= peak <= hwm()

@@ -83,6 +83,7 @@ def test_run_writes_metrics_summary_and_tensorboard(tmp_path, monkeypatch):
     for key in ("accuracy_before", "accuracy_after", "accuracy_sft_control", "steps", "wall_s", "transitions",
                 "tokens_per_s"):
         assert key in saved
+    assert saved["peak_rss_bytes"] >= 2**20 * 100  # the process's high-water mark: jax alone holds more
     assert saved == json.loads(json.dumps(summary)) and 0 <= saved["accuracy_after"] <= 1
     cost = adapters[0].pricer.cost  # the cost model the controller calibrated, as it was at the end of the run
     assert json.loads((tmp_path / "run" / "calibration.json").read_text()) == {
