@@ -544,3 +544,40 @@ def test_only_the_stage_owner_builds_weight_syncs():
     bad = outside(UNIT_OWNER, calls)
     assert not bad, f"modules building a WeightSync outside {UNIT_OWNER} (call StageState.weight_sync): {bad}"
     assert calls(GRAPH.trees[UNIT_OWNER]), "the owner no longer builds weight syncs: update the test"
+
+
+def test_device_loss_recovery_is_one_policy_and_never_replaces_the_job():
+    """``runtime/recovery.py`` holds the one device-loss policy: no other runtime module checks what survived
+    (``surviving_state``), restores a checkpoint onto a plan (``restore_onto``) or builds a ``Recovery``; and no
+    runtime module assigns a ``.job`` attribute outside a constructor, so no loop holding a job can be left
+    running one that was replaced (a restore after a loss happens inside the same Job)."""
+    owner = "nereus_jax.runtime.recovery"
+
+    def calls(tree: ast.AST) -> list[int]:
+        names = ("surviving_state", "restore_onto", "Recovery")
+        return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and (
+            isinstance(n.func, ast.Name) and n.func.id in names
+            or isinstance(n.func, ast.Attribute) and n.func.attr in names)]
+
+    def job_swaps(tree: ast.AST) -> list[int]:
+        lines = []
+        for fn in ast.walk(tree):
+            if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef) and fn.name != "__init__":
+                for node in ast.walk(fn):
+                    targets = node.targets if isinstance(node, ast.Assign) else (
+                        [node.target] if isinstance(node, ast.AnnAssign | ast.AugAssign) else [])
+                    for t in targets:
+                        for x in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                            if isinstance(x, ast.Attribute) and x.attr == "job":
+                                lines.append(node.lineno)
+        return sorted(set(lines))
+
+    sample = "surviving_state(j)\nx.restore_onto(j, p)\nRecovery('a')\nrestore_job(c)\n"
+    assert calls(ast.parse(sample)) == [1, 2, 3]
+    swap = "class A:\n    def __init__(self, j):\n        self.job = j\n    def f(self, r):\n        self.job = self.p.job = r\n"
+    assert job_swaps(ast.parse(swap)) == [5]
+    bad = outside(owner, calls)
+    assert not bad, f"device-loss recovery outside {owner} (call recovery.recover): {bad}"
+    assert calls(GRAPH.trees[owner]), "the owner no longer recovers: update the test"
+    swaps = {m: lines for m, tree in GRAPH.trees.items() if under(m, "nereus_jax.runtime") and (lines := job_swaps(tree))}
+    assert not swaps, f"runtime modules replacing a .job outside a constructor: {swaps}"

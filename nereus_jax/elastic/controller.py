@@ -77,6 +77,15 @@ class Observation:
     memory_cap_bytes: float | None = None
     steps_left: int | None = None     # steps the run has left including this one (None: unknown)
     expert_load: float | None = None  # mixture of experts: the busiest expert's share of routed tokens (None: dense)
+    # a device failed during the step: moves start from ``survivors``, the plan of the units that survived on the
+    # remaining devices (None: they are not one consistent state, so no live move exists), not from ``plan``
+    failed: bool = False
+    survivors: Plan | None = None
+
+    @property
+    def moves_from(self) -> Plan | None:
+        """Where a move would start: the current plan, or after a failure the survivors' (None: no live move)."""
+        return self.survivors if self.failed else self.plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,8 +307,9 @@ class Controller:
         if urgent and self.error_margin:  # no gain to check: prefer what the model is sure of (risk-adjusted)
             candidates.sort(key=lambda c: c.step_latency_s + UNCERTAINTY_Z * c.uncertainty_s)
         rejected: list[tuple[Plan, str]] = []
+        source = obs.moves_from
         for c in candidates:
-            priced = self.transition_fn(obs.plan, c.plan)
+            priced = None if source is None else self.transition_fn(source, c.plan)
             if priced is None:
                 rejected.append((c.plan, "no live transition reaches it"))
                 continue

@@ -49,9 +49,9 @@ from nereus_jax.elastic.recipe import align_ranks
 from nereus_jax.runtime.distributed import agree, all_processes
 from nereus_jax.runtime.job import Job, Prepared
 from nereus_jax.runtime.job_pricer import JobPricer
-from nereus_jax.runtime.move import MoveError, move
+from nereus_jax.runtime.move import move
 from nereus_jax.runtime.pool import DevicePool
-from nereus_jax.runtime.recovery import Recovery, recover_from_device_loss, restore_after_loss, surviving_state
+from nereus_jax.runtime.recovery import Recovery, recover
 
 _MEASURED = ("step_seconds", "stage_seconds", "response_length_mean", "response_length_p95")  # clock/length reads
 _MISMATCH = ("mismatch_kl", "mismatch_ratio_max", "mismatch_outside_fraction")  # logged before/after a move
@@ -180,62 +180,45 @@ class Adapter:
         self.log(f"transition requested ({reason}) -> {_short(target)}")
 
     def lose(self, devices, step: int, before: dict[str, int], checkpoint_dir: str | None) -> Recovery:
-        """Recovers from ``devices`` failing during ``step`` (``before``: ``training_snapshot`` at its start)
-        and returns how (the job to run from now on is ``self.job`` = the recovery's job). The devices leave
-        the pool for good and a pending move is dropped (it may target them). With the controller on, the
-        recovery takes the path of a device leaving with notice: the controller observes the pool without
-        the failed devices (an urgent trigger) and picks its target among the same candidates, priced from
-        the units that survived; the admitted move runs like any other (``move``). The last checkpoint is
-        restored, onto the controller's target (or its best candidate), only when no live move exists:
-        no consistent copy of every model-stage survived, or no transition reaches a candidate, or the move
-        failed. With the controller off, or not yet calibrated (no candidate), the config's plan on the
-        survivors is the target. The next step's programs compile (its time is not a step's)."""
+        """Recovers the job in place from ``devices`` failing during ``step`` (``before``: ``training_snapshot``
+        at its start) through the one policy, :func:`nereus_jax.runtime.recovery.recover`, and returns how. The
+        devices leave the pool for good and a pending move is dropped (it may target them). With the controller
+        on, the decision is the path of a device leaving with notice: the controller observes the pool without
+        the failed devices (an urgent trigger), its moves priced from the units that survived (the survivors'
+        plan is part of the observation), and picks its target among the same candidates; the last checkpoint is
+        restored onto that target only when no live move exists. With the controller off, or not yet
+        calibrated (no candidate), the config's plan on the survivors is the target. The next step's programs
+        compile (its time is not a step's)."""
         lost = {int(d) for d in devices}
         if self.pending is not None:
             self.pending.future.cancel()
             self.pending = None
             self.controller.forget_move()
-        job = self.job
         self.device_pool.remove(lost)
-        rec = self._recover(job, lost, step, before, checkpoint_dir) if self.enabled else None
-        if rec is None:
-            rec = recover_from_device_loss(job, lost, step, before, checkpoint_dir)
+        decided = []
+
+        def decide(survivors: ExecutionPlan | None) -> Decision | None:
+            length = self.pricer.response_length or self.controller.reference_length or 1.0
+            obs = dataclasses.replace(self._observation(step, self.job, length), failed=True, survivors=survivors)
+            decision = self.controller.observe(obs)
+            if decision is not None:
+                self._log_decision(decision)
+            decided.append(decision)
+            return decision
+
+        rec = recover(self.job, lost, step, before, checkpoint_dir, decide=decide if self.enabled else None)
+        if not self.enabled or (decided and (decided[0] is None or not (decided[0].admitted or decided[0].rejected))):
             self.controller.devices = self.device_pool.planning(step)  # re-planned for this pool already
+        if rec.how == "checkpoint":
+            self.controller.forget_move()  # what ran is a restore, not the controller's move
+        if rec.moved is not None:
+            self.transitions += 1
+            self.log(f"step {step}: recovery move -> {_short(rec.plan)}: data movement {rec.moved.movement_s:.3g} s, "
+                     f"switch {rec.moved.switch_s:.3g} s")
         self.events.append({"event": "recovery", "step": step, "lost": sorted(lost), "how": rec.how,
-                            "reason": rec.reason, "plan": _short(rec.job.plan)})
-        self.job = self.pricer.job = rec.job
+                            "reason": rec.reason, "plan": _short(rec.plan)})
         self.pricer.plan_changed()
         return rec
-
-    def _recover(self, job: Job, lost: set[int], step: int, before: dict[str, int],
-                 checkpoint_dir: str | None) -> Recovery | None:
-        """The controller's urgent path after a failure (see :meth:`lose`); None: it has no candidate."""
-        left, reason = surviving_state(job, lost, step, before)
-        obs = self._observation(step, job, self.pricer.response_length or self.controller.reference_length or 1.0)
-        with self.pricer.survivors(job.plan, left):  # moves out of the job's plan start from the survivors
-            decision = self.controller.observe(obs)
-        if decision is not None:
-            self._log_decision(decision)
-        if decision is not None and decision.admitted and left is not None:
-            try:
-                graph = decision.move
-                if not (isinstance(graph, TransitionGraph) and graph.old_plan == left):  # priced without a graph
-                    graph = self.pricer.graph(left, align_ranks(left, decision.target))
-                moved = move(job, graph)
-            except (TransitionFailed, MoveError, ValueError) as e:  # ValueError: Infeasible, a plan it cannot run
-                self.controller.forget_move()
-                reason = f"{reason}, but the live move failed ({type(e).__name__}: {e})"
-                return restore_after_loss(job, decision.target, step, reason, checkpoint_dir)
-            self.transitions += 1
-            self.log(f"step {step}: recovery move -> {_short(moved.plan)}: data movement {moved.movement_s:.3g} s, "
-                     f"switch {moved.switch_s:.3g} s")
-            return Recovery(job, "survivors", step, f"{reason}; moved to the controller's urgent target")
-        if left == job.plan:  # the failed devices held none of the job's units: nothing needs to move
-            return Recovery(job, "survivors", step, f"{reason}; none of them held the job's state")
-        if decision is None or not decision.rejected:
-            return None  # no candidate (e.g. not calibrated yet): the config's plan on the survivors
-        reason = reason if left is None else f"{reason}, but no live transition reaches a candidate"
-        return restore_after_loss(job, decision.rejected[0][0], step, reason, checkpoint_dir)
 
     def close(self) -> None:
         """Stops taking work; a compile still running finishes in the background (its result is unused)."""

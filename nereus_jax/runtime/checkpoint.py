@@ -344,11 +344,28 @@ def restore_job(cfg: Config, task, tokenizer, path: str, *, plan: ExecutionPlan 
     ``path`` a checkpoint root: its newest complete step, and if that one is damaged (unreadable files, or an
     array that does not match its checksum) the one before, with a warning through ``log``, unless
     ``checkpoint.strict_resume`` (then the damage is the error). A step folder: that step only."""
+    return _newest_readable(cfg, path, log, lambda where: _restore_step(cfg, task, tokenizer, where, plan, devices,
+                                                                      rewarder))
+
+
+def restore_onto(job: Job, path: str, plan: ExecutionPlan, *, log=None) -> dict[str, Any]:
+    """Restores the checkpoint at ``path`` (as :func:`restore_job` picks its step) into ``job`` itself, laid out
+    in ``plan`` on the job's devices: device-loss recovery's fallback, so no loop holding the job ever sees
+    it replaced. The job adopts ``plan`` (engines rebuilt where actor-gen's devices or layout change) and the
+    checkpoint's policy version; returns the metadata (``meta["step"]``: the next step). Either the job runs
+    ``plan`` with the checkpoint's state, or, on an error (a damaged checkpoint, a plan it cannot run), it is
+    left as it was."""
+    return _newest_readable(job.cfg, path, log, lambda where: _restore_step_onto(job, where, plan))
+
+
+def _newest_readable(cfg: Config, path: str, log, read):
+    """``read(step_dir)`` of the newest complete step under the root ``path`` (the one before it, with a warning
+    through ``log``, when it is damaged, unless ``checkpoint.strict_resume``); a step folder: that step only."""
     root, step = locate(path)
     steps = [step] if os.path.basename(os.path.abspath(path)) == str(step) else _complete_steps(root)
     for i, candidate in enumerate(steps):
         try:
-            return _restore_step(cfg, task, tokenizer, os.path.join(root, str(candidate)), plan, devices, rewarder)
+            return read(os.path.join(root, str(candidate)))
         except DamagedCheckpoint as e:
             if cfg.checkpoint.strict_resume or i == len(steps) - 1:
                 raise
@@ -382,8 +399,31 @@ def _restore_step(cfg, task, tokenizer, path, plan, devices, rewarder) -> tuple[
 def restore_into(job: Job, meta: Mapping[str, Any]) -> None:
     """Reads the checkpoint described by ``meta`` into ``job``'s current plan. Either every model-stage's
     state is replaced (and the engines see the new parameters), or, on an error, nothing is."""
+    install(job, _read_units(job, meta, job.plan), int(meta["policy_version"]))
+
+
+def _restore_step_onto(job: Job, path: str, plan: ExecutionPlan) -> dict[str, Any]:
+    meta = read_metadata(path)
+    check_compatible(job.cfg, meta)
+    _check_plan_fits(plan, len(job.devices), meta["_step_dir"])
+    sync = job.check_plan(plan)
+    units = _read_units(job, meta, plan)  # nothing of the job changes before this has read every array
+    old = job.version
+    job.version = int(meta["policy_version"])  # before adopt: engines built there are tagged with it
+    try:
+        job.adopt(plan, units, sync=sync)
+    except BaseException:
+        job.version = old
+        raise
+    job.learner.nonfinite, job.learner.nonfinite_since = 0, None  # the steps of a streak are redone
+    return meta
+
+
+def _read_units(job: Job, meta: Mapping[str, Any], plan: ExecutionPlan) -> dict[ModelStage, list[EMU]]:
+    """The checkpoint described by ``meta`` read into units laid out in ``plan`` (checked against its
+    checksums); the job is not touched."""
     root, step = meta["_root"], meta["step"]
-    targets = {str(ms): _targets(job, ms) for ms in job.units}
+    targets = {str(ms): _targets(job, ms, plan) for ms in job.units}
     abstract = {k: [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s)
                     for leaf, s in zip(job.specs[ModelStage.parse(k)].leaves, sh, strict=True)]
                 for k, (sh, _) in targets.items()}
@@ -399,8 +439,7 @@ def restore_into(job: Job, meta: Mapping[str, Any]) -> None:
     finally:
         manager.close()
     _verify(meta, state, job)
-    units = {ms: _units(job, ms, state[str(ms)], targets[str(ms)][1]) for ms in job.units}
-    install(job, units, int(meta["policy_version"]))
+    return {ms: _units(job, ms, state[str(ms)], targets[str(ms)][1], plan) for ms in job.units}
 
 
 def restore_actor(path: str) -> tuple[Any, dict, dict[str, Any]]:
@@ -514,9 +553,9 @@ def load_controller(adapter, job: Job, meta: Mapping[str, Any]) -> bool:
     return True
 
 
-def _targets(job: Job, ms: ModelStage) -> tuple[list[NamedSharding], Any]:
-    """Shardings to read each canonical leaf into (on the stage's (dp, pp, tp) mesh) and the mesh."""
-    sp, spec = job.plan[ms], job.unit_spec(ms)
+def _targets(job: Job, ms: ModelStage, plan: ExecutionPlan) -> tuple[list[NamedSharding], Any]:
+    """Shardings to read each canonical leaf into (on the stage's (dp, pp, tp) mesh in ``plan``) and the mesh."""
+    sp, spec = plan[ms], job.unit_spec(ms, plan)
     mesh = make_mesh([job.devices[i] for i in sp.devices], sp.layout, dp=sp.dp)
     if spec.repeat(sp.layout) == 1:
         return spec.shardings(mesh), mesh
@@ -536,8 +575,8 @@ def _check_shapes(meta: Mapping[str, Any], abstract: Mapping[str, list]) -> None
                                   " it was written by another model or optimizer; resume with that config")
 
 
-def _units(job: Job, ms: ModelStage, leaves: list[jax.Array], mesh) -> list[EMU]:
-    sp, spec = job.plan[ms], job.unit_spec(ms)
+def _units(job: Job, ms: ModelStage, leaves: list[jax.Array], mesh, plan: ExecutionPlan) -> list[EMU]:
+    sp, spec = plan[ms], job.unit_spec(ms, plan)
     rep = spec.repeat(sp.layout)
     if rep > 1:
         leaves = _repeat_kv(spec, 1, rep, leaves, spec.shardings(mesh))

@@ -28,7 +28,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import statistics
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from nereus_jax.config import ConfigError
@@ -76,9 +76,6 @@ class JobPricer:
         # the priced stages' measured seconds per step (since the last plan change), for the efficiency
         # trigger: their median over a few steps, because single steps on a shared host are noisy
         self._priced_s: collections.deque[float] = collections.deque(maxlen=5)
-        # during a device-loss recovery: (the job's plan, the plan of its surviving units or None when they are
-        # not one consistent state); moves out of that plan start from the survivors
-        self._failed: tuple[ExecutionPlan, ExecutionPlan | None] | None = None
 
     @property
     def cost(self) -> CostModel:
@@ -247,28 +244,16 @@ class JobPricer:
         return TransitionGraph.build(old, new, self.job.specs, caps=self.job.cfg.cluster.device_memory_bytes,
                                      bandwidth=bw, latency=lat)
 
-    @contextlib.contextmanager
-    def survivors(self, plan: ExecutionPlan, left: ExecutionPlan | None) -> Iterator[None]:
-        """Within: moves out of ``plan`` are priced from ``left``, the units that survived a device loss
-        (None: they are not one consistent state, so no live move exists)."""
-        self._failed = (plan, left)
-        try:
-            yield
-        finally:
-            self._failed = None
-
     def transition_seconds(self, old: ExecutionPlan, new: ExecutionPlan) -> Priced | None:
         """The predicted seconds of the move to ``new`` (ranks aligned to where it starts), with that target
-        and its graph, which an admitted decision carries to the move; None when no transition reaches it."""
-        source = self._failed[1] if self._failed is not None and old == self._failed[0] else old
-        if source is None:
-            return None
-        target = align_ranks(source, new)
+        and its graph, which an admitted decision carries to the move; None when no transition reaches it.
+        ``old`` is where the move starts: after a device failure, the survivors' plan (``Observation.moves_from``)."""
+        target = align_ranks(old, new)
         try:
-            graph = self.graph(source, target)
+            graph = self.graph(old, target)
         except ValueError:
             return None
-        compile_s = self.move_compile_s(source, target) if self.cost.hardware.shared_compute else 0.0
+        compile_s = self.move_compile_s(old, target) if self.cost.hardware.shared_compute else 0.0
         return Priced(self.movement_s(graph) + compile_s * self.compile_contention, target, graph)
 
     def move_compile_s(self, source: ExecutionPlan, target: ExecutionPlan) -> float:

@@ -1,44 +1,53 @@
-"""Coming back from a device failing mid-step: from the units that survived on the remaining devices (a
-live move, no checkpoint read) when they are one complete state as of the step's start, else from the
-last checkpoint on a plan for the survivors. The controller's path (``Adapter.lose``) picks the target;
-without it, the config's plan on the survivors."""
+"""Coming back from a device failing mid-step, as one policy (:func:`recover`): one decision picks the target
+plan (the controller's urgent choice, with the survivors' plan in its observation; without a controller, or
+before it has a candidate, the config's plan on the survivors), then the job moves there from the units that
+survived (a live move, no checkpoint read) when they are one complete state as of the step's start, else the
+same job object restores its last checkpoint onto that target. The job is never replaced: every loop that
+holds it keeps running the recovered one."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from nereus_jax.config import Config, ConfigError
+from nereus_jax.elastic.controller import Decision
 from nereus_jax.elastic.executor import TransitionFailed
 from nereus_jax.elastic.graph import TransitionGraph
 from nereus_jax.elastic.plan import ExecutionPlan, StagePlan
 from nereus_jax.elastic.recipe import align_ranks
-from nereus_jax.runtime.checkpoint import CheckpointError, latest_step, restore_job
+from nereus_jax.runtime.checkpoint import CheckpointError, latest_step, restore_onto
 from nereus_jax.runtime.initial_plan import plan_from_config
 from nereus_jax.runtime.job import Job
-from nereus_jax.runtime.move import MoveError, move
+from nereus_jax.runtime.move import Moved, MoveError, move
 from nereus_jax.sharding import device_index
+
+# ``decide(survivors)``: the controller's urgent decision for the pool without the lost devices, its moves
+# priced from ``survivors`` (None: no live move exists); None when it has no candidate yet
+Decide = Callable[[ExecutionPlan | None], Decision | None]
 
 
 @dataclasses.dataclass
 class Recovery:
-    """How a job came back from a device loss: ``how`` is "survivors" (re-planned from the units left on
-    the surviving devices, the failed step is redone) or "checkpoint" (restored from ``checkpoint``)."""
+    """How a job came back from a device loss: ``how`` is "survivors" (moved onto ``plan`` from the units left
+    on the surviving devices; the failed step is redone) or "checkpoint" (``checkpoint`` restored onto ``plan``,
+    steps from ``next_step`` redone). ``moved``: the live move's figures (None when nothing moved)."""
 
-    job: Job
     how: str
     next_step: int
     reason: str
+    plan: ExecutionPlan
     checkpoint: str | None = None
+    moved: Moved | None = None
 
     def describe(self) -> str:
         src = "the surviving units" if self.how == "survivors" else f"checkpoint {self.checkpoint}"
-        return f"recovered from {src} ({self.reason}); continuing at step {self.next_step} on\n{self.job.plan}"
+        return f"recovered from {src} ({self.reason}); continuing at step {self.next_step} on\n{self.plan}"
 
 
 def training_snapshot(job: Job) -> dict[str, int]:
-    """What :func:`recover_from_device_loss` compares against: the job's count of updates per training
-    model-stage at the step's start. Free: nothing is read from the devices."""
+    """What :func:`recover` compares against: the job's count of updates per training model-stage at the
+    step's start. Free: nothing is read from the devices."""
     return {str(ms): job.updates.get(ms, 0) for ms in job.units if ms.kind == "train"}
 
 
@@ -66,41 +75,52 @@ def surviving_state(job: Job, lost: Sequence[int], step: int, before: Mapping[st
     return left, f"devices {sorted(lost)} lost; every model-stage kept a replica"
 
 
-def recover_from_device_loss(job: Job, lost: Sequence[int], step: int, before: Mapping[str, int],
-                             checkpoint_dir: str | None, *, plan: ExecutionPlan | None = None) -> Recovery:
-    """After ``DeviceLost(lost)`` during ``step`` (``before`` = :func:`training_snapshot` at the step's start):
-    when every model-stage still has a complete replica holding its state as of the step's start, ``job``
-    itself moves onto ``plan`` (a transition graph from the surviving units, run by
-    :func:`nereus_jax.runtime.move.move`: no checkpoint read); otherwise, or when no transition reaches
-    ``plan`` or it fails, a new Job on ``plan`` restores the last checkpoint. ``plan`` defaults to the
-    config's plan on the survivors (:func:`plan_for_devices`): the run loop with the controller on recovers
-    through ``Adapter.lose`` instead, which passes the controller's urgent choice, so a device failing and
-    one leaving with notice land on the same plan."""
+def recover(job: Job, lost: Sequence[int], step: int, before: Mapping[str, int], checkpoint_dir: str | None,
+            *, decide: Decide | None = None) -> Recovery:
+    """Recovers ``job`` in place after ``DeviceLost(lost)`` during ``step`` (``before`` = :func:`training_snapshot`
+    at the step's start); the one device-loss policy of the runtime.
+
+    1. What survived: the plan of the surviving units when they are one complete state as of the step's start
+       (:func:`surviving_state`), else None. When the lost devices held none of the job's units, nothing moves.
+    2. One decision: ``decide(survivors)`` (the adapter's controller, its urgent path with the survivors' plan in
+       its observation) gives the target: its admitted choice, or, when no live transition reaches any of its
+       candidates, the best of them. Without ``decide``, or when it has no candidate yet, the target is the
+       config's plan on the surviving devices (:func:`plan_for_devices`).
+    3. A live move from the survivors onto the target (:func:`nereus_jax.runtime.move.move`, the transition graph
+       the decision priced when it has one) when they are one complete state; otherwise, or when the move
+       fails (and leaves the job's units as they were), the last checkpoint under ``checkpoint_dir`` is
+       restored onto the target, into the same job (:func:`nereus_jax.runtime.checkpoint.restore_onto`).
+       Raises CheckpointError, naming the fix, when that is needed and there is none."""
     lost = {int(d) for d in lost}
-    if plan is None:
-        plan = plan_for_devices(job.cfg, [i for i, d in enumerate(job.devices) if device_index(d) not in lost],
-                                job.rows)
     left, reason = surviving_state(job, lost, step, before)
-    if left is not None:  # the urgent path: a transition from what survived, device to device
-        plan = align_ranks(left, plan)
+    if left == job.plan:  # the failed devices held none of the job's units
+        return Recovery("survivors", step, f"{reason}; none of them held the job's state", job.plan)
+    decision = decide(left) if decide is not None else None
+    graph = None
+    if decision is not None and decision.admitted:
+        target, graph, why = decision.target, decision.move, "moved to the controller's urgent target"
+    elif decision is not None and decision.rejected:  # no live transition reaches any candidate
+        target, why = decision.rejected[0][0], "the controller's best candidate"
+        if left is not None:
+            reason = f"{reason}, but no live transition reaches a candidate"
+            left = None
+    else:
+        survivors = [i for i, d in enumerate(job.devices) if device_index(d) not in lost]
+        target, why = plan_for_devices(job.cfg, survivors, job.rows), "the config's plan on the survivors"
+    if left is not None:
         try:
-            graph = TransitionGraph.build(left, plan, job.specs, caps=job.cfg.cluster.device_memory_bytes)
-            move(job, graph)
-            return Recovery(job, "survivors", step, reason)
-        except (TransitionFailed, MoveError, ValueError) as e:  # ValueError: Infeasible, a plan the job cannot run
-            reason = f"{reason}, but no live transition onto the survivors succeeded ({type(e).__name__}: {e})"
-    return restore_after_loss(job, plan, step, reason, checkpoint_dir)
-
-
-def restore_after_loss(job: Job, plan: ExecutionPlan, step: int, reason: str, checkpoint_dir: str | None
-                       ) -> Recovery:
-    """A new Job on ``plan`` restored from the last checkpoint under ``checkpoint_dir`` (``reason``: why the
-    surviving units could not be used). Raises CheckpointError, naming the fix, when there is none."""
+            if not (isinstance(graph, TransitionGraph) and graph.old_plan == left):  # priced without one
+                graph = TransitionGraph.build(left, align_ranks(left, target), job.specs,
+                                              caps=job.cfg.cluster.device_memory_bytes)
+            moved = move(job, graph)
+            return Recovery("survivors", step, f"{reason}; {why}", job.plan, moved=moved)
+        except (TransitionFailed, MoveError, ValueError) as e:  # ValueError: Infeasible, a plan it cannot run
+            reason = f"{reason}, but no live move onto the survivors succeeded ({type(e).__name__}: {e})"
     if checkpoint_dir is None or latest_step(checkpoint_dir) is None:
         raise CheckpointError(f"{reason}, and there is no checkpoint to restore (checkpoint.dir={checkpoint_dir!r}): "
                               "set checkpoint.every_steps so that a loss costs at most that many steps")
-    new, meta = restore_job(job.cfg, job.task, job.tok, checkpoint_dir, plan=plan, devices=job.devices)
-    return Recovery(new, "checkpoint", meta["step"], reason, meta["_step_dir"])
+    meta = restore_onto(job, checkpoint_dir, target)
+    return Recovery("checkpoint", meta["step"], f"{reason}; restored onto {why}", job.plan, meta["_step_dir"])
 
 
 def plan_for_devices(cfg: Config, device_ids: Sequence[int], rows: int) -> ExecutionPlan:

@@ -273,7 +273,6 @@ def _run(cfg: Config, run_dir: str, inputs: Inputs, report: RunReport, started: 
     with GracefulStop() as stop:
         try:
             for result in rl_steps(job, adapter, cfg.trainer.steps, first=first, checkpointer=ckpt):
-                job = adapter.job  # a device loss restored from a checkpoint replaces the job
                 metrics = result.metrics
                 tokens, step_s = tokens + metrics["response_tokens"], step_s + metrics["step_seconds"]
                 over_cap += metrics.get("over_memory_cap", False)
@@ -290,7 +289,6 @@ def _run(cfg: Config, run_dir: str, inputs: Inputs, report: RunReport, started: 
         where = _resume_point(ckpt.directory, diverged.first_step, meta)
         raise NonFiniteTraining(f"{diverged}. {_resume_advice(ckpt.directory, diverged.first_step, where)}",
                                 diverged.first_step) from None
-    job = adapter.job
     rl_s = time.perf_counter() - rl_start
     if stopped is not None:
         return _stopped(cfg, job, adapter, report, ckpt.directory, stopped, started, meta)
@@ -429,7 +427,7 @@ def rl_steps(job: Job, adapter: Adapter, steps: int, first: int = 0,
     kept a complete copy of its state as of the step's start (to the controller's urgent target, the plan
     a device leaving with notice gets), otherwise it is restored from ``checkpointer``'s last checkpoint
     (a save still being written is waited for: it holds the state as of this step's start); the step (or
-    the steps since the checkpoint) is redone. ``adapter.job`` is the job that runs from then on."""
+    the steps since the checkpoint) is redone. Either way ``job`` itself is recovered (never replaced)."""
     if job.cfg.trainer.mode == "async":
         yield from AsyncRunner(job, adapter, log=adapter.log).run(steps, first=first)
         return
@@ -451,7 +449,7 @@ def rl_steps(job: Job, adapter: Adapter, steps: int, first: int = 0,
             rec = adapter.lose(lost.device_ids, step, before,
                                checkpointer.directory if checkpointer is not None else None)
             adapter.log(f"step {step}: {rec.describe()}")
-            job, metrics, step = rec.job, None, rec.next_step
+            metrics, step = None, rec.next_step
             continue
         result.metrics["boundary_seconds"] = boundary_s
         metrics = result.metrics

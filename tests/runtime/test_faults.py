@@ -29,7 +29,7 @@ from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
 from nereus_jax.runtime.checkpoint import Checkpointer, DeviceLost, read_metadata, restore_job
 from nereus_jax.runtime.job import Job
-from nereus_jax.runtime.recovery import recover_from_device_loss, training_snapshot
+from nereus_jax.runtime.recovery import recover, training_snapshot
 
 pytestmark = pytest.mark.fault
 
@@ -78,9 +78,10 @@ def _lose_during_step(tmp_path, warm, lost, where, *extra):
     with pytest.raises(DeviceLost) as failure:
         job.step(2)
     vars(job.learner).pop("rewards", None), vars(job.learner).pop("train_stage", None)  # the injection is over
-    rec = recover_from_device_loss(job, failure.value.device_ids, 2, before, ckpt.directory)
+    rec = recover(job, failure.value.device_ids, 2, before, ckpt.directory)
     ckpt.close()
-    return rec, [rec.job.step(s) for s in range(rec.next_step, 4)], job
+    assert rec.plan == job.plan  # recovered in place: the job that failed runs on
+    return rec, [job.step(s) for s in range(rec.next_step, 4)], job
 
 
 def _inject(job, lost, where):
@@ -110,10 +111,10 @@ def from_checkpoint(warm, tmp_path_factory, jax_cache):
 
 
 def test_device_loss_without_a_surviving_copy_restores_the_last_checkpoint(from_checkpoint):
-    rec, results, _ = from_checkpoint
+    rec, results, job = from_checkpoint
     assert rec.how == "checkpoint" and rec.next_step == 2 and "actor-gen" in rec.reason
     assert rec.checkpoint.endswith("/2") and "checkpoint" in rec.describe()
-    assert not {0, 1} & set(rec.job.plan.devices) and len(rec.job.plan.devices) == 4
+    assert not {0, 1} & set(job.plan.devices) and len(job.plan.devices) == 4
     assert [r.metrics["step"] for r in results] == [2, 3]
 
 
@@ -123,24 +124,23 @@ def test_device_loss_with_a_full_copy_left_replans_from_the_survivors(tmp_path, 
     4 surviving devices without a checkpoint, bit for bit as the restored one does (same layouts, same state)."""
     rec, results, failed = _lose_during_step(tmp_path, warm, (6, 7), "reward", WHOLE)
     assert rec.how == "survivors" and rec.next_step == 2 and rec.checkpoint is None
-    assert rec.job is failed  # moved in place by a transition, no new job
-    assert rec.job.plan.devices == (0, 1, 2, 3)
+    assert rec.moved is not None and failed.plan.devices == (0, 1, 2, 3)  # moved by a transition
     _, restored, _ = from_checkpoint
     for a, b in zip(results, restored, strict=True):
         np.testing.assert_array_equal(a.batch.response_br, b.batch.response_br)
         assert {k: a.metrics[k] for k in KEYS} == {k: b.metrics[k] for k in KEYS}
     for ms in (ACTOR_TRAIN, CRITIC_TRAIN):
-        assert stage_checksum(rec.job.units[ms]).tolist() == stage_checksum(from_checkpoint[0].job.units[ms]).tolist()
+        assert stage_checksum(failed.units[ms]).tolist() == stage_checksum(from_checkpoint[2].units[ms]).tolist()
 
 
 def test_device_loss_with_the_optimizer_split_over_replicas_restores_the_checkpoint(tmp_path, warm):
     """With plan.shard_optimizer (the default) each training replica holds its own block of the optimizer
     state: losing devices 6 and 7 loses two blocks, so the loss that leaves a complete copy with whole copies
     restores the checkpoint instead, into replicas that again hold a block each, and the job goes on."""
-    rec, results, _ = _lose_during_step(tmp_path, warm, (6, 7), "reward")
+    rec, results, job = _lose_during_step(tmp_path, warm, (6, 7), "reward")
     assert rec.how == "checkpoint" and rec.next_step == 2 and "optimizer state" in rec.reason, rec.reason
-    assert rec.checkpoint.endswith("/2") and not {6, 7} & set(rec.job.plan.devices)
-    assert rec.job.units[ACTOR_TRAIN][0].spec.shards == rec.job.plan[ACTOR_TRAIN].dp > 1
+    assert rec.checkpoint.endswith("/2") and not {6, 7} & set(job.plan.devices)
+    assert job.units[ACTOR_TRAIN][0].spec.shards == job.plan[ACTOR_TRAIN].dp > 1
     assert [r.metrics["step"] for r in results] == [2, 3] and all(np.isfinite(r.metrics["loss"]) for r in results)
 
 

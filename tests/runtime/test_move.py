@@ -248,7 +248,7 @@ def test_a_device_failing_mid_step_gets_the_plan_a_device_leaving_with_notice_ge
     finally:
         for adapter in (noticed, failed, no_copy):
             adapter.close()
-    assert rec.how == "survivors" and rec.job is failed_job and rec.next_step == 2
+    assert rec.how == "survivors" and rec.plan == failed_job.plan and rec.next_step == 2 and rec.moved is not None
     urgent = [e for e in failed.events if e["event"] == "decision"][-1]
     assert urgent["trigger"] == "pool" and urgent["urgent"] and urgent["admitted"]
     assert not {6, 7} & set(failed_job.plan.devices)
