@@ -19,8 +19,7 @@ from nereus_jax.elastic.pricing import Pricing
 from nereus_jax.elastic.topology import Batching, Topology
 from nereus_jax.elastic.workload import Workload
 from nereus_jax.layout import Layout
-from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER, REWARD_INFER, ModelStage
-from nereus_jax.rl.registry import algorithm_spec
+from nereus_jax.model_stage import ACTOR_GEN, ModelStage
 
 AUTO_MICRO_BATCH_TOKENS = 4096  # trainer.micro_batch_tokens=null starts here and halves until the plan fits
 
@@ -59,6 +58,10 @@ def job_topology(cfg: Config) -> Topology:
     cfg = with_micro_batch_tokens(cfg)
     batching = Batching(cfg.rollout.max_prompt_length + cfg.rollout.max_response_length, cfg.trainer.micro_batch_tokens,
                         cfg.rollout.max_concurrent_decodes, cfg.model.remat)
+    return _of_job(cfg, batching)
+
+
+def _of_job(cfg: Config, batching: Batching | None = None) -> Topology:
     return Topology.of_job(cfg.algorithm.name, reward_model=bool(cfg.task.reward_model_path),
                            asynchronous=cfg.trainer.mode == "async", batching=batching)
 
@@ -79,12 +82,9 @@ def job_models(cfg: Config) -> dict[str, ModelConfig]:
 
 
 def job_stages(cfg: Config) -> list[ModelStage]:
-    stages = [ACTOR_GEN, ACTOR_TRAIN, REF_INFER]
-    if algorithm_spec(cfg.algorithm.name).uses_critic:
-        stages.append(CRITIC_TRAIN)
-    if cfg.task.reward_model_path:
-        stages.append(REWARD_INFER)
-    return stages
+    """The model-stages the job places (each its own units): its topology's unit stages
+    (:mod:`nereus_jax.elastic.topology`, the one description of what a step runs), in run order."""
+    return [ModelStage.parse(s) for s in _of_job(cfg).units]
 
 
 def plan_from_config(cfg: Config, device_ids: list[int] | None = None) -> ExecutionPlan:

@@ -24,12 +24,13 @@ import numpy as np
 from nereus_jax.config import Config
 from nereus_jax.elastic.emu import split_replicas
 from nereus_jax.elastic.plan import ExecutionPlan
-from nereus_jax.model_stage import ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER, REWARD_INFER, ModelStage
+from nereus_jax.model_stage import ACTOR_TRAIN, CRITIC_TRAIN, REWARD_INFER, ModelStage
 from nereus_jax.rl import algorithms as alg
 from nereus_jax.rl.batch import RolloutBatch
 from nereus_jax.rl.registry import AlgorithmSpec
 from nereus_jax.rl.tasks import Problem
 from nereus_jax.runtime.device_memory import device_bytes_in_use
+from nereus_jax.runtime.initial_plan import job_topology
 from nereus_jax.runtime.rollout import Rollout
 from nereus_jax.runtime.stages import JobError, StageState
 from nereus_jax.sharding import to_numpy, tree_to_numpy
@@ -72,6 +73,7 @@ class Learner:
         self.skipped: dict[ModelStage, int] = {}  # skipped updates per stage in all
         self._step_skips: dict[ModelStage, str] = {}  # this step's stages with an update skipped: the cause
         self.routing_metrics: dict[str, float] = {}  # the last batch's router_mismatch_fraction (MoE actors)
+        self.topology = job_topology(cfg)  # which scoring stages a step runs, and on whose units
 
     def learn(self, step: int, problems: Sequence[Problem], batch: RolloutBatch, seconds: dict[str, float],
               sync) -> StepResult:
@@ -169,16 +171,14 @@ class Learner:
         """actor-infer's and ref-infer's log-probs of the responses (``old_logp``, ``ref_logp``), and with a
         critic its values (``values``), each [rows, R]."""
         out = {}
-        t = time.perf_counter()
-        out["old_logp"] = self._infer(ACTOR_TRAIN, "logprobs", batch, routes=batch.routes_btlk is not None)
-        seconds["actor-infer"] = time.perf_counter() - t
-        t = time.perf_counter()
-        out["ref_logp"] = self._infer(REF_INFER, "logprobs", batch)
-        seconds["ref-infer"] = time.perf_counter() - t
-        if self.algo.uses_critic:
-            t = time.perf_counter()
-            out["values"] = self._infer(CRITIC_TRAIN, "values", batch)
-            seconds["critic-infer"] = time.perf_counter() - t
+        for stage in self.topology.phases[1]:  # the scoring phase, in run order (reward-infer: :meth:`rewards`)
+            if stage not in _SCORES:
+                continue
+            what, key = _SCORES[stage]
+            t = time.perf_counter()  # a rider runs on its host's units (actor-infer on actor-train's)
+            out[key] = self._infer(ModelStage.parse(self.topology.host(stage)), what, batch,
+                                   routes=stage == "actor-infer" and batch.routes_btlk is not None)
+            seconds[stage] = time.perf_counter() - t
         return out
 
     def _infer(self, ms: ModelStage, what: str, batch: RolloutBatch, routes: bool = False) -> np.ndarray:
@@ -420,7 +420,10 @@ def nonfinite_scores(scored: dict[str, np.ndarray]) -> dict[str, int]:
     return {k: int(n) for k, v in scored.items() if (n := np.size(v) - np.count_nonzero(np.isfinite(v)))}
 
 
-_SCORE_SOURCE = {"old_logp": "actor-infer's log-probs", "ref_logp": "ref-infer's log-probs",
-                 "values": "critic-infer's values"}
+# a scoring model-stage of the topology -> (what its program computes, the key of its output in the scores)
+_SCORES = {"actor-infer": ("logprobs", "old_logp"), "ref-infer": ("logprobs", "ref_logp"),
+           "critic-infer": ("values", "values")}
+_SCORE_SOURCE = {key: f"{stage}'s {'values' if what == 'values' else 'log-probs'}"
+                 for stage, (what, key) in _SCORES.items()}
 _REDUCE = {"max": np.max, "min": np.min}  # a per-update metric named *_max / *_min; the rest: the mean
 _PER_UPDATE = ("clip_fraction", "approx_kl", "ratio_mean", "ratio_max", "ratio_min", "grad_norm")
