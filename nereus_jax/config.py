@@ -43,7 +43,7 @@ from nereus_jax._typed_tree import (
     type_name,
     unknown_name_error,
 )
-from nereus_jax.model_stage import STAGE_NAMES  # re-exported: the keys of plan.stages
+from nereus_jax.model_stage import stage_names
 from nereus_jax.vocab_chunks import DEFAULT_VOCAB_CHUNK
 
 _PRESET_KEYS = ("model", "model.preset")
@@ -261,17 +261,17 @@ class PlanConfig(_Node):
     )
 
     def __post_init__(self) -> None:
+        names = stage_names()
         for name in self.stages:
-            if name not in STAGE_NAMES:
-                raise unknown_name_error("stage", f"plan.stages.{name}", name, STAGE_NAMES, "plan.stages")
+            if name not in names:
+                raise unknown_name_error("stage", f"plan.stages.{name}", name, names, "plan.stages")
         for key, layout in self.named_layouts():
             _check_at_least(key, layout, 1, "tp", "pp", "ep")
             if layout.dp is not None:
                 _check_at_least(key, layout, 1, "dp")
 
     def layout_for(self, stage: str) -> StageLayoutConfig:
-        """The layout of `stage` (one of STAGE_NAMES): its own entry, else `default`."""
-        assert stage in STAGE_NAMES, f"unknown stage {stage!r}"
+        """The layout of model-stage `stage`: its own entry, else `default`."""
         return self.stages.get(stage, self.default)
 
     def named_layouts(self) -> list[tuple[str, StageLayoutConfig]]:

@@ -340,7 +340,8 @@ ROWS = [
     bad("binary-config-file", "train", ["junk.bin"], "junk.bin", files={"junk.bin": BINARY}, subprocess=True),
     bad("schedule-removes-every-device", "train", ["cluster.schedule=[{step: 1, leave: [0,1,2,3,4,5,6,7]}]"],
         "cluster.schedule[0]", "no device"),
-    bad("tp-not-dividing-the-model", "train", ["plan.default.tp=3"], "plan.default.tp", "actor-", subprocess=True),
+    bad("tp-not-dividing-the-model", "train", ["plan.default.tp=3"], "plan.default.tp", "cannot lay out model-stage",
+        subprocess=True),
     # ---------------------------------------------------------------------- python -m nereus_jax.export
     bad("checkpoint-missing", "export", ["nope", "out"], "'nope'", "does not exist", subprocess=True),
     bad("checkpoint-not-a-folder", "export", ["f", "out"], "'f'", "not a folder", files={"f": "x"}),

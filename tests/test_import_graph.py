@@ -65,9 +65,9 @@ METADATA = ("nereus_jax.model_stage", "nereus_jax.layout", "nereus_jax.vocab_chu
 
 # The one identity of a model-stage and its constants (nothing defines them twice).
 MODEL_STAGE = "nereus_jax.model_stage"
-MODEL_STAGE_NAMES = ("ModelStage", "StageError", "STAGE_KINDS", "STAGE_NAMES", "VALUE_HEAD_MODELS", "ACTOR_GEN",
+MODEL_STAGE_NAMES = ("ModelStage", "StageError", "STAGE_KINDS", "VALUE_HEAD_MODELS", "ACTOR_GEN",
                      "ACTOR_TRAIN", "REF_INFER", "CRITIC_TRAIN", "REWARD_INFER", "split_stage", "stage_kind",
-                     "stage_head")
+                     "stage_head", "StageDecl", "JOB_STAGES", "declared", "stage_decl", "stage_names", "job_roles")
 
 # A name the package defines in one module and another module re-exports (or a private module defines and the
 # package publishes elsewhere): imported from its public home.
@@ -574,10 +574,12 @@ def test_device_loss_recovery_is_one_policy_and_never_replaces_the_job():
 
     sample = "surviving_state(j)\nx.restore_onto(j, p)\nRecovery('a')\nrestore_job(c)\n"
     assert calls(ast.parse(sample)) == [1, 2, 3]
-    swap = "class A:\n    def __init__(self, j):\n        self.job = j\n    def f(self, r):\n        self.job = self.p.job = r\n"
+    swap = ("class A:\n    def __init__(self, j):\n        self.job = j\n"
+            "    def f(self, r):\n        self.job = self.p.job = r\n")
     assert job_swaps(ast.parse(swap)) == [5]
     bad = outside(owner, calls)
     assert not bad, f"device-loss recovery outside {owner} (call recovery.recover): {bad}"
     assert calls(GRAPH.trees[owner]), "the owner no longer recovers: update the test"
-    swaps = {m: lines for m, tree in GRAPH.trees.items() if under(m, "nereus_jax.runtime") and (lines := job_swaps(tree))}
+    swaps = {m: lines for m, tree in GRAPH.trees.items()
+             if under(m, "nereus_jax.runtime") and (lines := job_swaps(tree))}
     assert not swaps, f"runtime modules replacing a .job outside a constructor: {swaps}"

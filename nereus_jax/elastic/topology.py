@@ -1,8 +1,11 @@
 """The job's topology: which model-stages one RL step runs, which of them own devices and state, which
 run on another model-stage's units, how they are ordered in time, and (for the job) how big each call is.
 
-One description, used alike by the planner (what to search over), the runtime (what to run and price),
-the simulator (what to simulate) and ``python -m nereus_jax.plan``; importable without JAX.
+One description, used alike by the planner (what to search over), the runtime (what to place, run and
+price), the simulator (what to simulate) and ``python -m nereus_jax.plan``; importable without JAX. It is built
+from the declared model-stages (``nereus_jax.model_stage.JOB_STAGES``: each one's phase, host if it rides,
+whether a loss or task may skip it, which parameters its units start from, what it scores): declaring one
+more there is enough for every layer to plan, run and simulate it (tests/runtime/test_declared_stage.py).
 
     topo = Topology.of_job("ppo", reward_model=False)
     topo.units        # ('actor-gen', 'ref-infer', 'actor-train', 'critic-train'): model-stages with state
@@ -33,10 +36,10 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from nereus_jax.model_stage import declared
 from nereus_jax.rl.registry import algorithm_spec
 
-SKIPPABLE = ("ref-infer", "reward-infer")  # a KL-free loss needs no reference; a verifiable reward no model
-RIDERS = (("actor-infer", "actor-train"), ("critic-infer", "critic-train"))  # the job's rider -> host
+SKIPPABLE = tuple(d.name for d in declared() if d.skippable)  # what ``skip`` may name
 
 
 def accumulation_steps(rows: int, dp: int, seq_len: int, micro_batch_tokens: int) -> int:
@@ -100,7 +103,7 @@ class Topology:
         skip = tuple(s for s, keep in (("reward-infer", reward_model), ("ref-infer", ref)) if not keep)
         phases = _phases(algorithm, skip)
         present = {s for p in phases for s in p}
-        riders = tuple((r, h) for r, h in RIDERS if r in present)
+        riders = tuple((d.name, d.rides_on) for d in declared() if d.rides_on and d.name in present)
         return cls(phases, riders, concurrent=False, overlapped=asynchronous, batching=batching,
                    expert_parallel=expert_parallel)
 
@@ -183,8 +186,9 @@ def gen_sizes(n: int, node: int, splits: int = 8) -> list[int]:
 
 
 def _check_skip(skip: Sequence[str]) -> None:
-    if any(s not in SKIPPABLE for s in skip):
-        raise ValueError(f"skip: only {', '.join(SKIPPABLE)} can be left out, got {list(skip)}")
+    skippable = [d.name for d in declared() if d.skippable]
+    if any(s not in skippable for s in skip):
+        raise ValueError(f"skip: only {', '.join(skippable)} can be left out, got {list(skip)}")
 
 
 def uses_critic(algorithm: str) -> bool:
@@ -193,12 +197,11 @@ def uses_critic(algorithm: str) -> bool:
 
 
 def _phases(algorithm: str, skip: Sequence[str]) -> tuple[tuple[str, ...], ...]:
-    """The model-stages of one step, phase by phase; algorithms without a critic drop its stages."""
+    """The model-stages of one step, phase by phase (``model_stage.JOB_STAGES``); algorithms without a critic drop its
+    stages."""
     critic = uses_critic(algorithm)
-    score = ("actor-infer", "ref-infer", "reward-infer") + (("critic-infer",) if critic else ())
-    train = ("actor-train",) + (("critic-train",) if critic else ())
-    phases = (("actor-gen",), score, train)
-    return tuple(tuple(s for s in p if s not in skip) for p in phases)
+    kept = [d for d in declared() if d.name not in skip and (critic or not d.critic)]
+    return tuple(tuple(d.name for d in kept if d.phase == p) for p in range(1 + max(d.phase for d in declared())))
 
 
 def critical_path(latency: Mapping[str, float], edges: set[tuple[str, str]]) -> float:

@@ -19,7 +19,7 @@ from nereus_jax.elastic.pricing import Pricing
 from nereus_jax.elastic.topology import Batching, Topology
 from nereus_jax.elastic.workload import Workload
 from nereus_jax.layout import Layout
-from nereus_jax.model_stage import ACTOR_GEN, ModelStage
+from nereus_jax.model_stage import ACTOR_GEN, ModelStage, job_roles
 
 AUTO_MICRO_BATCH_TOKENS = 4096  # trainer.micro_batch_tokens=null starts here and halves until the plan fits
 
@@ -77,8 +77,8 @@ def job_pricing(cfg: Config) -> Pricing:
 
 
 def job_models(cfg: Config) -> dict[str, ModelConfig]:
-    """Role -> network: every role of the job shares the policy's architecture."""
-    return {role: cfg.model for role in ("actor", "ref", "critic", "reward")}
+    """Role -> network: every role of the declared model-stages shares the policy's architecture."""
+    return {role: cfg.model for role in job_roles()}
 
 
 def job_stages(cfg: Config) -> list[ModelStage]:

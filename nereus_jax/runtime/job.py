@@ -143,8 +143,7 @@ class Job:
             raise JobError(f"cluster.num_devices={cfg.cluster.num_devices} but only {len(self.devices)} devices "
                            "exist; lower cluster.num_devices")
         # checks the plan against the devices and the step's rows, reads the specs (and the reward model's)
-        self.stages = StageState(cfg, self.devices, plan or plan_from_config(cfg), self.algo.uses_critic,
-                                 functools.partial(move, self))
+        self.stages = StageState(cfg, self.devices, plan or plan_from_config(cfg), functools.partial(move, self))
         self.P, self.R = cfg.rollout.max_prompt_length, cfg.rollout.max_response_length
         self.n = cfg.rollout.samples_per_prompt
         self.rows, self.mini_rows = self.stages.rows, self.stages.mini_rows  # mini_rows: one optimizer update's

@@ -24,7 +24,7 @@ import numpy as np
 from nereus_jax.config import Config
 from nereus_jax.elastic.emu import split_replicas
 from nereus_jax.elastic.plan import ExecutionPlan
-from nereus_jax.model_stage import ACTOR_TRAIN, CRITIC_TRAIN, REWARD_INFER, ModelStage
+from nereus_jax.model_stage import ACTOR_TRAIN, CRITIC_TRAIN, REWARD_INFER, ModelStage, declared, stage_decl
 from nereus_jax.rl import algorithms as alg
 from nereus_jax.rl.batch import RolloutBatch
 from nereus_jax.rl.registry import AlgorithmSpec
@@ -172,9 +172,9 @@ class Learner:
         critic its values (``values``), each [rows, R]."""
         out = {}
         for stage in self.topology.phases[1]:  # the scoring phase, in run order (reward-infer: :meth:`rewards`)
-            if stage not in _SCORES:
+            if stage_decl(stage).scores is None:
                 continue
-            what, key = _SCORES[stage]
+            what, key = stage_decl(stage).scores
             t = time.perf_counter()  # a rider runs on its host's units (actor-infer on actor-train's)
             out[key] = self._infer(ModelStage.parse(self.topology.host(stage)), what, batch,
                                    routes=stage == "actor-infer" and batch.routes_btlk is not None)
@@ -324,7 +324,7 @@ class Learner:
         streak started from may be what is wrong: an update to huge but finite weights passes, and the next
         step's forward overflows. After ``trainer.max_nonfinite_steps`` such steps in a row the job stops,
         naming the causes."""
-        causes = [f"{_SCORE_SOURCE[k]} ({n} non-finite values)" for k, n in bad_scores.items()]
+        causes = [f"{_score_source(k)} ({n} non-finite values)" for k, n in bad_scores.items()]
         causes += list(self._step_skips.values())  # none when the scores were: nothing trained
         if not causes:
             self.nonfinite, self.nonfinite_since = 0, None
@@ -420,10 +420,11 @@ def nonfinite_scores(scored: dict[str, np.ndarray]) -> dict[str, int]:
     return {k: int(n) for k, v in scored.items() if (n := np.size(v) - np.count_nonzero(np.isfinite(v)))}
 
 
-# a scoring model-stage of the topology -> (what its program computes, the key of its output in the scores)
-_SCORES = {"actor-infer": ("logprobs", "old_logp"), "ref-infer": ("logprobs", "ref_logp"),
-           "critic-infer": ("values", "values")}
-_SCORE_SOURCE = {key: f"{stage}'s {'values' if what == 'values' else 'log-probs'}"
-                 for stage, (what, key) in _SCORES.items()}
 _REDUCE = {"max": np.max, "min": np.min}  # a per-update metric named *_max / *_min; the rest: the mean
 _PER_UPDATE = ("clip_fraction", "approx_kl", "ratio_mean", "ratio_max", "ratio_min", "grad_norm")
+
+
+def _score_source(key: str) -> str:
+    """What computed the scores under ``key`` (e.g. "ref-infer's log-probs"), for an error message."""
+    stage, what = next((d.name, d.scores[0]) for d in declared() if d.scores and d.scores[1] == key)
+    return f"{stage}'s {'values' if what == 'values' else 'log-probs'}"

@@ -30,7 +30,7 @@ from nereus_jax.elastic.sources import ParamSource, ValueHeadSource, units_from_
 from nereus_jax.elastic.spec import StateSpec
 from nereus_jax.elastic.topology import accumulation_steps
 from nereus_jax.elastic.weight_sync import WeightSync
-from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER, REWARD_INFER, ModelStage
+from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN, REWARD_INFER, ModelStage, stage_decl
 from nereus_jax.models import forward
 from nereus_jax.models.lora import base_config
 from nereus_jax.models.peft import adapter_source
@@ -55,7 +55,7 @@ class StageState:
     from its source. ``move_state(graph)`` runs a transition graph on the job's units (parking goes through it:
     :func:`nereus_jax.runtime.move.move` is the one way state moves)."""
 
-    def __init__(self, cfg: Config, devices: Sequence[jax.Device], plan: ExecutionPlan, uses_critic: bool,
+    def __init__(self, cfg: Config, devices: Sequence[jax.Device], plan: ExecutionPlan,
                  move_state: Callable[[TransitionGraph], Any]):
         self.cfg, self.devices, self.plan = cfg, list(devices), plan
         _check_plan_devices(self.plan, len(self.devices))
@@ -64,8 +64,7 @@ class StageState:
         self.mini_rows = self.rows // cfg.trainer.mini_batches  # rows of one optimizer update
         _check_rows(self.plan, self.rows, self.mini_rows)
         _check_dropout(self.plan, cfg)
-        self.uses_critic = uses_critic
-        self.specs = _specs(cfg, uses_critic)
+        self.specs = _specs(cfg)
         self.reward_model = _reward_model(cfg, self.specs) if cfg.task.reward_model_path else None
         self.version = 0
         self.units: dict[ModelStage, list[EMU]] = {}
@@ -82,16 +81,16 @@ class StageState:
         the weight sync between them."""
         if self.cfg.model.lora_rank:  # the adapters: from model.lora_path, the tree given, or fresh (B = 0)
             actor = adapter_source(self.cfg.model, actor, self.cfg.trainer.seed)
-        sources = {ACTOR_TRAIN: actor, ACTOR_GEN: actor, REF_INFER: actor}
-        if self.uses_critic:
-            sources[CRITIC_TRAIN] = _critic_source(self.cfg, actor)
-        if self.reward_model is not None:
-            sources[REWARD_INFER] = self.reward_model
+        # by the parameters a unit starts from (elastic/topology.py, StageDecl.state); LoRA: "base" reads the
+        # actor's source without its adapters (the stage's StateSpec has none)
+        sources = {"actor": lambda: actor, "base": lambda: actor, "critic": lambda: _critic_source(self.cfg, actor),
+                   "reward-model": lambda: self.reward_model}
         units = {}
         for ms in job_stages(self.cfg):
             sp = self.plan[ms]
             replicas = [[self.devices[i] for i in r] for r in sp.replicas]
-            units[ms] = units_from_source(ms, self.unit_spec(ms), sp.layout, replicas, sources[ms])
+            source = sources[stage_decl(str(ms)).state]()
+            units[ms] = units_from_source(ms, self.unit_spec(ms), sp.layout, replicas, source)
         self.units = units
         self.sync = self.weight_sync(self.plan)
 
@@ -287,16 +286,26 @@ def _put(host: dict, mesh, mini: int | None) -> dict:
     return losses.put_micro(host, mesh) if mini is None else losses.put_minibatches(host, mesh)
 
 
-def _specs(cfg: Config, critic: bool) -> dict[ModelStage, StateSpec]:
-    m = cfg.model
-    zero = cfg.plan.shard_optimizer
-    specs = {ACTOR_TRAIN: StateSpec(m, "train", optimizer=losses.make_optimizer(cfg.trainer.actor_lr),
-                                    shard_optimizer=zero),
-             ACTOR_GEN: StateSpec(m, "gen", dtype=m.compute_dtype),
-             REF_INFER: StateSpec(base_config(m), "infer", dtype=m.compute_dtype)}  # LoRA: the base, no adapters
-    if critic:
-        specs[CRITIC_TRAIN] = StateSpec(m, "train", head="value",
-                                        optimizer=losses.make_optimizer(cfg.trainer.critic_lr), shard_optimizer=zero)
+def _specs(cfg: Config) -> dict[ModelStage, StateSpec]:
+    """Each model-stage the job places, but reward-infer (:func:`_reward_model`: its architecture is its
+    checkpoint's): its StateSpec, by the parameters its units start from (``StageDecl.state``)."""
+    m, zero = cfg.model, cfg.plan.shard_optimizer
+    specs = {}
+    for ms in job_stages(cfg):
+        state = stage_decl(str(ms)).state
+        if state == "critic":
+            specs[ms] = StateSpec(m, "train", head="value", optimizer=losses.make_optimizer(cfg.trainer.critic_lr),
+                                  shard_optimizer=zero)
+        elif state == "base":  # the reference: the actor without LoRA adapters
+            specs[ms] = StateSpec(base_config(m), ms.kind, dtype=m.compute_dtype)
+        elif state == "actor" and ms.kind == "train":
+            specs[ms] = StateSpec(m, "train", optimizer=losses.make_optimizer(cfg.trainer.actor_lr),
+                                  shard_optimizer=zero)
+        elif state == "actor":
+            specs[ms] = StateSpec(m, ms.kind, dtype=m.compute_dtype)
+        elif state != "reward-model":
+            raise JobError(f"model-stage {ms} is declared with state {state!r}: the runtime places units that start "
+                           "from 'actor', 'base', 'critic' or 'reward-model' (elastic/topology.py, JOB_STAGES)")
     return specs
 
 

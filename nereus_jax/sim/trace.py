@@ -35,10 +35,9 @@ from nereus_jax.config import ConfigError, config_dir, resolve_model
 from nereus_jax.elastic.hardware import HardwareError, get_hardware
 from nereus_jax.elastic.planner import phases_for
 from nereus_jax.elastic.workload import LengthStats, Workload, WorkloadError
-from nereus_jax.model_stage import split_stage
+from nereus_jax.model_stage import job_roles, split_stage
 from nereus_jax.rl.registry import ALGORITHMS
 
-ROLES = ("actor", "critic", "ref", "reward")
 _TOP = {"name", "description", "hardware", "models", "algorithm", "steps", "workload", "response_length", "pool",
         "controller", "planner", "truth", "seed", "policies", "expert_load"}
 _REQUIRED = ("steps", "hardware", "models", "workload", "response_length", "pool")
@@ -273,14 +272,15 @@ def _algorithm(value: Any) -> str:
 
 def _models(value: Any, algorithm: str) -> dict[str, str]:
     """Role -> preset name: one name for every role, or a mapping with a preset per role the algorithm runs."""
+    roles = job_roles()  # of the declared model-stages
     if isinstance(value, str):
-        value = dict.fromkeys(ROLES, value)
+        value = dict.fromkeys(roles, value)
     if not isinstance(value, Mapping):
-        raise TraceError(f"models: expected a preset name or a mapping of role -> preset ({', '.join(ROLES)}), "
+        raise TraceError(f"models: expected a preset name or a mapping of role -> preset ({', '.join(roles)}), "
                          f"got {show(value)}")
-    unknown = set(value) - set(ROLES)
+    unknown = set(value) - set(roles)
     if unknown:
-        raise TraceError(f"models: unknown roles {sorted(map(str, unknown))}; valid: {', '.join(ROLES)}")
+        raise TraceError(f"models: unknown roles {sorted(map(str, unknown))}; valid: {', '.join(roles)}")
     missing = [r for r in _roles(algorithm) if r not in value]
     if missing:
         raise TraceError(f"models: algorithm {algorithm} needs a preset for role(s) {', '.join(missing)}")

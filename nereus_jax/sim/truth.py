@@ -34,7 +34,7 @@ from nereus_jax.elastic.costs import StageChoice, counts, stage_latency, stage_m
 from nereus_jax.elastic.costs.latency import Breakdown
 from nereus_jax.elastic.hardware import EFFICIENCY_CLASSES, Hardware
 from nereus_jax.elastic.workload import Workload
-from nereus_jax.model_stage import STAGE_NAMES, split_stage
+from nereus_jax.model_stage import split_stage, stage_names
 
 # ---------------------------------------------------------------------------------------------- constants
 # GEMM: large bf16 GEMMs reach ~80% of dense peak on A100/H100 (NVIDIA Deep Learning Performance Guide,
@@ -143,7 +143,7 @@ class GroundTruth:
     def noise(self, step: int, stage: str, devices: int) -> float:
         """The multiplicative noise x straggler factor of ``stage`` at ``step`` (same for every policy)."""
         s = self.settings
-        rng = np.random.default_rng([self.seed, step, STAGE_NAMES.index(stage)])
+        rng = np.random.default_rng([self.seed, step, stage_names().index(stage)])
         sigma = math.sqrt(math.log1p(s.noise_cv**2))
         factor = math.exp(rng.normal(-sigma * sigma / 2, sigma))
         p_straggler = 1.0 - (1.0 - s.straggler_per_device) ** devices

@@ -4,7 +4,7 @@ import pytest
 from elastic_helpers import ACTOR_GEN, ACTOR_TRAIN, REF
 
 from nereus_jax.elastic.plan import HOST, ExecutionPlan, PlanError, StagePlan
-from nereus_jax.model_stage import STAGE_NAMES, ModelStage, StageError, split_stage
+from nereus_jax.model_stage import ModelStage, StageError, split_stage, stage_names
 from nereus_jax.sharding import Layout
 
 
@@ -13,7 +13,7 @@ def test_model_stage_names_round_trip_and_rank_generation_first():
     assert ModelStage.parse("reward-model-infer") == ModelStage("reward-model", "infer")
     assert (ACTOR_GEN.role, ACTOR_GEN.kind) == ("actor", "gen")
     assert ACTOR_GEN.rank < REF.rank < ACTOR_TRAIN.rank
-    assert all(split_stage(n) == (ModelStage.parse(n).role, ModelStage.parse(n).kind) for n in STAGE_NAMES)
+    assert all(split_stage(n) == (ModelStage.parse(n).role, ModelStage.parse(n).kind) for n in stage_names())
     with pytest.raises(StageError, match="stage must be one of"):
         ModelStage("actor", "serve")
     with pytest.raises(StageError, match="expected ROLE-KIND"):

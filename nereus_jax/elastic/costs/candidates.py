@@ -43,14 +43,13 @@ from nereus_jax.elastic.costs.memory import (
 )
 from nereus_jax.elastic.costs.model import CostModel
 from nereus_jax.elastic.costs.stage import StageChoice
-from nereus_jax.model_stage import STAGE_NAMES, split_stage, stage_head
-
-_KIND_HEAD = {s: (split_stage(s)[1], stage_head(s)) for s in STAGE_NAMES}
+from nereus_jax.model_stage import split_stage, stage_head
 
 
+@functools.lru_cache(maxsize=256)
 def kind_head(stage: str) -> tuple[str, str]:
     """(kind, head): model-stages that agree on both price a call the same."""
-    return _KIND_HEAD[stage]
+    return split_stage(stage)[1], stage_head(stage)
 
 
 @functools.lru_cache(maxsize=4096)
