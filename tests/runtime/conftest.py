@@ -4,11 +4,7 @@ import os
 import signal
 
 import pytest
-from jobs import TINY_JOB
-
-from nereus_jax.config import load_config
-from nereus_jax.rl.tasks import make_task
-from nereus_jax.rl.tokenizer import CharTokenizer
+from jobs import tiny_config, warm_actor
 
 
 @pytest.fixture(scope="session")
@@ -16,16 +12,8 @@ def warm(tmp_path_factory):
     """A warm-started actor (150 supervised steps of the tiny job), so RL steps have real reward signal: with
     none, the update is float noise that advantage whitening and Adam scale up, and nothing is compared.
     Cached in BASETEMP/warm-cache, where subprocess tests (test_faults) find it too."""
-    from nereus_jax.runtime.run import warm_start
-
-    cfg = load_config(None, TINY_JOB + ["trainer.warmup_sft_steps=150"])
-
-    class _Quiet:
-        def log(self, _):
-            pass
-
     cache = str(tmp_path_factory.getbasetemp() / "warm-cache")
-    return warm_start(cfg, make_task(cfg.task), CharTokenizer(), cache, _Quiet())[0]
+    return warm_actor(tiny_config(["trainer.warmup_sft_steps=150"]), cache)
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""Shared by the runtime tests that move jobs: random plans a job can run, and a job's state as host copies."""
+"""Shared by the runtime tests that move jobs: random plans a job can run, and a job's state as host copies
+(compared bit for bit by ``assert_same_state``)."""
 
 import random
 
@@ -31,6 +32,13 @@ def host_state(job) -> dict:
             for ms in job.units}
 
 
+def assert_same_state(got: dict, want: dict) -> None:
+    """Each model-stage's ``host_state`` in ``got`` equals ``want``'s, bit for bit, leaf by leaf."""
+    for ms, leaves in got.items():
+        for x, y in zip(leaves, want[ms], strict=True):
+            np.testing.assert_array_equal(x, y, err_msg=str(ms))
+
+
 def move_randomly(job, rng: random.Random, moves: int, tries: int = 30, layouts=tuple(LAYOUTS)) -> None:
     """``moves`` moves of ``job`` to random plans a schedule exists for, each keeping every model-stage's state
     bit for bit (reference: the state before the move)."""
@@ -50,9 +58,7 @@ def move_randomly(job, rng: random.Random, moves: int, tries: int = 30, layouts=
             continue
         want = host_state(job)
         move(job, graph)
-        for ms, leaves in host_state(job).items():
-            for x, y in zip(leaves, want[ms], strict=True):
-                np.testing.assert_array_equal(x, y, err_msg=str(ms))
+        assert_same_state(host_state(job), want)
         moved += 1
     assert moved == moves, f"{moved} of {moves} random plans had a schedule in {tries} tries"
 

@@ -4,27 +4,17 @@ on the smaller pool computes; an announced leave is compiled ahead, so the move 
 
 import numpy as np
 import pytest
-from jobs import TINY_JOB
+from jobs import tiny_job
 from plans import units_from_host
 
-from nereus_jax.config import load_config
 from nereus_jax.elastic.controller import UNCERTAINTY_Z, Observation
 from nereus_jax.elastic.plan import ExecutionPlan, StagePlan
 from nereus_jax.model_stage import ModelStage
-from nereus_jax.rl.tasks import make_task
-from nereus_jax.rl.tokenizer import CharTokenizer
 from nereus_jax.runtime.adapt import Adapter
-from nereus_jax.runtime.job import Job
 from nereus_jax.runtime.job_pricer import compile_by_stage, partial_moves
 from nereus_jax.sharding import Layout
 
-BASE = TINY_JOB
 STEPS = 4
-
-
-def _job(overrides, plan=None):
-    cfg = load_config(None, BASE + overrides)
-    return Job(cfg, make_task(cfg.task), CharTokenizer(), plan=plan)
 
 
 def _run(job, adapter, steps, first=0):
@@ -41,7 +31,7 @@ def _run(job, adapter, steps, first=0):
 @pytest.fixture(scope="module")
 def device_leaves():
     """8 devices; devices 6 and 7 leave at step 2 without notice (the urgent path)."""
-    job = _job(["cluster.schedule=[{step: 2, leave: [6, 7]}]"])
+    job = tiny_job(["cluster.schedule=[{step: 2, leave: [6, 7]}]"])
     first_plan = job.plan
     adapter = Adapter(job, log=lambda _: None)
     try:
@@ -99,9 +89,9 @@ def test_steps_after_the_move_match_a_restart_on_the_smaller_pool(device_leaves)
     at the boundary (a restart from host memory), runs the same two steps: the live transition moved every
     byte exactly, so tokens and metrics are bit-identical (tolerance: 0)."""
     job, _, results, _ = device_leaves
-    before = _job([])
+    before = tiny_job()
     _run(before, None, 2)  # the state at the boundary: two steps on the full pool
-    ref = _job([], plan=job.plan)
+    ref = tiny_job(plan=job.plan)
     for ms in before.units:
         ref.units[ms] = units_from_host(ref, ms, before.stage_host_state(ms))
     ref.version = before.version
@@ -115,7 +105,7 @@ def test_steps_after_the_move_match_a_restart_on_the_smaller_pool(device_leaves)
 def test_an_announced_leave_is_compiled_ahead_and_the_move_is_data_movement_only():
     """With notice, the target's programs and engines are built on a background thread while the old plan
     keeps stepping; the step after the move compiles nothing new."""
-    job = _job(["cluster.schedule=[{step: 5, leave: [7], notice: 4}]"])
+    job = tiny_job(["cluster.schedule=[{step: 5, leave: [7], notice: 4}]"])
     adapter = Adapter(job, log=lambda _: None)
     try:
         metrics = None
@@ -141,7 +131,7 @@ def test_a_predicted_memory_violation_is_an_urgent_trigger_toward_a_plan_that_fi
     between the cap less the headroom and the cap): the controller admits, without the profitability test,
     a plan whose predicted peak per device fits the cap less the headroom, and the move runs at the next
     boundary (it does not wait for a compile to finish in the background)."""
-    job = _job(["cluster.device_memory_bytes=20168352", "controller.memory_headroom=0.0"])
+    job = tiny_job(["cluster.device_memory_bytes=20168352", "controller.memory_headroom=0.0"])
     adapter = Adapter(job, log=lambda _: None)
     try:
         metrics = None
@@ -167,7 +157,7 @@ def test_a_device_in_use_leaving_with_no_live_transition_fails_naming_the_restar
     restart command instead of letting it run on devices that are gone."""
     from nereus_jax.runtime.adapt import LiveTransitionError
 
-    job = _job(["cluster.schedule=[{step: 1, leave: [1, 2, 3, 4, 5, 6, 7]}]", "plan.stages.actor-gen.dp=1"])
+    job = tiny_job(["cluster.schedule=[{step: 1, leave: [1, 2, 3, 4, 5, 6, 7]}]", "plan.stages.actor-gen.dp=1"])
     adapter = Adapter(job, log=lambda _: None)
     adapter.controller.plan_fn = lambda obs: []  # nothing reaches the 1-device pool
     try:
@@ -183,7 +173,7 @@ def test_a_move_of_one_model_stage_keeps_the_others_programs_and_engines_and_pri
     """A move that changes ref-infer alone compiles ref-infer's programs only (actor-gen keeps its engines,
     actor-train its programs) and is priced with ref-infer's measured compile; the step after it generates
     the tokens and computes the losses of a job that did not move."""
-    moved, still = _job([]), _job([])
+    moved, still = tiny_job(), tiny_job()
     adapter = Adapter(moved, log=lambda _: None)
     try:
         metrics = None

@@ -7,14 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jobs import TINY_JOB
+from jobs import tiny_job
 
 from nereus_jax.config import load_config
 from nereus_jax.model_stage import ACTOR_GEN
 from nereus_jax.rl.env import EnvStep
 from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer, as_messages
-from nereus_jax.runtime.job import Job
 from nereus_jax.runtime.losses import actor_loss, response_logits
 
 AGENT = ["task.env=test_agent:ScriptedEnv", "rollout.max_response_length=32", "rollout.max_turns=3",
@@ -45,8 +44,7 @@ class EndEnv(ScriptedEnv):
 
 @pytest.fixture(scope="module")
 def job(warm):
-    cfg = load_config(None, TINY_JOB + AGENT)
-    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
+    job = tiny_job(AGENT, actor=warm)
     yield job
     job.close()
 
@@ -219,9 +217,8 @@ def test_async_one_step_off_runs_trajectories_and_logs_each_steps_own_metrics():
     from nereus_jax.runtime.adapt import Adapter
     from nereus_jax.runtime.run import rl_steps
 
-    cfg = load_config(None, TINY_JOB + AGENT + ["trainer.mode=async", "trainer.max_staleness=1",
-                                               "plan.colocate=false", "plan.stages.actor-gen.dp=4"])
-    job = Job(cfg, make_task(cfg.task), CharTokenizer())
+    job = tiny_job(AGENT + ["trainer.mode=async", "trainer.max_staleness=1", "plan.colocate=false",
+                            "plan.stages.actor-gen.dp=4"])
     adapter = Adapter(job, log=lambda _: None)
     try:
         got = list(rl_steps(job, adapter, 3))

@@ -4,29 +4,21 @@ exactly once, stale rows are importance-weighted, and a transition at a weight s
 
 import numpy as np
 import pytest
-from jobs import TINY_JOB
+from jobs import tiny_job
 
-from nereus_jax.config import load_config
 from nereus_jax.elastic.graph import TransitionGraph
 from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN
-from nereus_jax.rl.tasks import make_task
-from nereus_jax.rl.tokenizer import CharTokenizer
 from nereus_jax.runtime.adapt import Adapter
 from nereus_jax.runtime.async_rl import AsyncRunner
-from nereus_jax.runtime.job import Job, JobError
+from nereus_jax.runtime.job import JobError
 from nereus_jax.runtime.run import rl_steps
 
-BASE = TINY_JOB + ["plan.colocate=false", "plan.stages.actor-gen.dp=4"]
+SPLIT = ["plan.colocate=false", "plan.stages.actor-gen.dp=4"]  # generation on devices of its own
 STEPS = 3
 
 
-def _job(overrides):
-    cfg = load_config(None, BASE + overrides)
-    return Job(cfg, make_task(cfg.task), CharTokenizer())
-
-
 def _run(overrides, steps=STEPS):
-    job = _job(overrides)
+    job = tiny_job(SPLIT + overrides)
     adapter = Adapter(job, log=lambda _: None)
     try:
         return job, adapter, list(rl_steps(job, adapter, steps))
@@ -89,13 +81,13 @@ def test_a_transition_at_a_weight_sync_loses_no_rollout():
 
 
 def test_async_needs_generation_on_its_own_devices():
-    job = _job(["trainer.mode=async", "plan.colocate=true", "plan.stages.actor-gen.dp=2"])
+    job = tiny_job(SPLIT + ["trainer.mode=async", "plan.colocate=true", "plan.stages.actor-gen.dp=2"])
     with pytest.raises(JobError, match="plan.colocate=false"):
         AsyncRunner(job)
 
 
 def test_double_buffered_weight_sync_keeps_the_generating_copy():
-    job = _job([])
+    job = tiny_job(SPLIT)
     graph = TransitionGraph.weight_sync(job.plan, ACTOR_TRAIN, ACTOR_GEN, job.specs, keep_old=True)
     assert ACTOR_GEN not in graph.initial and graph.is_acyclic()
 

@@ -12,21 +12,16 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from jobs import TINY_JOB
+from jobs import job_for, restore_for, tiny_config
 
-from nereus_jax.config import load_config
 from nereus_jax.elastic.emu import stage_checksum
 from nereus_jax.elastic.plan import ExecutionPlan
 from nereus_jax.model_stage import ACTOR_TRAIN, CRITIC_TRAIN
-from nereus_jax.rl.tasks import make_task
-from nereus_jax.rl.tokenizer import CharTokenizer
-from nereus_jax.runtime.checkpoint import Checkpointer, CheckpointError, plan_from_json, read_metadata, restore_job
+from nereus_jax.runtime.checkpoint import Checkpointer, CheckpointError, plan_from_json, read_metadata
 from nereus_jax.runtime.initial_plan import plan_from_config
-from nereus_jax.runtime.job import Job
 
 pytestmark = pytest.mark.resume
 
-BASE = TINY_JOB
 B, N = 16, 2  # prompts a step, samples a prompt
 KEYS = ("reward_mean", "kl", "loss", "policy_loss", "value_loss", "response_length_mean", "policy_version")
 # Across plans (dp 8 vs 4) only the reduction order of the gradient all-reduce and of the micro-batch sums
@@ -36,7 +31,7 @@ PARAM_ATOL = 1e-5  # parameters after 2-3 Adam steps at lr 1e-3 from last-bit gr
 
 
 def _cfg(*extra):
-    return load_config(None, BASE + list(extra))
+    return tiny_config(extra)
 
 
 def _train_state(job):
@@ -47,8 +42,7 @@ def _train_state(job):
 def reference(warm, tmp_path_factory):
     """6 steps straight on 8 devices; a checkpoint is written (asynchronously) after step 3 of the same run."""
     ckdir = str(tmp_path_factory.mktemp("ckpt") / "ref")
-    cfg = _cfg()
-    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
+    job = job_for(_cfg(), actor=warm)
     ckpt = Checkpointer(ckdir, every_steps=3, keep=2)
     results = []
     for s in range(6):
@@ -59,8 +53,7 @@ def reference(warm, tmp_path_factory):
 
 
 def _resume(path, steps, *extra, save_dir=None, save_after=None):
-    cfg = _cfg(*extra)
-    job, meta = restore_job(cfg, make_task(cfg.task), CharTokenizer(), path)
+    job, meta = restore_for(_cfg(*extra), path)
     results = []
     for s in steps:
         results.append(job.step(s))
@@ -143,7 +136,7 @@ def test_layouts_that_repeat_kv_heads_save_and_restore_the_canonical_state(refer
     plain, _ = _restore(path)
     cfg = _cfg("plan.stages.actor-train.tp=4", "plan.stages.ref-infer.tp=4")
     # on as many devices as it was written on, a checkpoint resumes into its own plan unless given one
-    wide, _ = restore_job(cfg, make_task(cfg.task), CharTokenizer(), path, plan=plan_from_config(cfg))
+    wide, _ = restore_for(cfg, path, plan=plan_from_config(cfg))
     assert wide.specs[ACTOR_TRAIN].repeat(wide.plan[ACTOR_TRAIN].layout) == 2
     ckpt = Checkpointer(str(tmp_path / "wide"))
     ckpt.save(wide, 3, wait=True)
@@ -156,8 +149,7 @@ def test_layouts_that_repeat_kv_heads_save_and_restore_the_canonical_state(refer
 
 # ------------------------------------------------------------------------------------ clear errors
 def _restore(path, *extra):
-    cfg = _cfg(*extra)
-    return restore_job(cfg, make_task(cfg.task), CharTokenizer(), path)
+    return restore_for(_cfg(*extra), path)
 
 
 def test_checkpoint_of_another_model_shape_is_refused_naming_the_key(reference):
@@ -184,7 +176,7 @@ def test_plan_needing_more_devices_than_exist_is_refused(reference):
     plan = reference["plan"]
     assert isinstance(plan, ExecutionPlan) and max(plan.devices) == 7
     with pytest.raises(CheckpointError, match=r"uses devices \[4, 5, 6, 7\] but only devices 0\.\.3 exist"):
-        restore_job(cfg, make_task(cfg.task), CharTokenizer(), reference["dir"], plan=plan)
+        restore_for(cfg, reference["dir"], plan=plan)
 
 
 def test_an_empty_checkpoint_folder_is_refused(tmp_path):
@@ -203,7 +195,7 @@ def test_the_controller_state_saved_with_a_checkpoint_is_the_one_a_resumed_contr
     from nereus_jax.runtime.initial_plan import job_pricing
 
     cfg = _cfg("controller.enabled=true")
-    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
+    job = job_for(cfg, actor=warm)
     adapter = Adapter(job, log=lambda _: None)
     try:
         metrics = None
@@ -217,7 +209,7 @@ def test_the_controller_state_saved_with_a_checkpoint_is_the_one_a_resumed_contr
     finally:
         adapter.close()
     assert saved["compile_by_stage"] and saved["efficiency"] != job_pricing(cfg).cost.efficiency  # it calibrated
-    resumed, meta = restore_job(cfg, make_task(cfg.task), CharTokenizer(), str(tmp_path / "ck"))
+    resumed, meta = restore_for(cfg, str(tmp_path / "ck"))
     fresh = Adapter(resumed, log=lambda _: None)
     try:
         assert load_controller(fresh, resumed, meta)

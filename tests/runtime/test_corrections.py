@@ -9,25 +9,16 @@ import types
 import jax
 import numpy as np
 import pytest
-from jobs import TINY_JOB
+from jobs import restore_for, tiny_config, tiny_job
 
-from nereus_jax.config import load_config
 from nereus_jax.model_stage import ACTOR_TRAIN
 from nereus_jax.rl import algorithms as alg
 from nereus_jax.rl.batch import RolloutBatch
 from nereus_jax.rl.rewards import RewardBatch, Rewarder
-from nereus_jax.rl.tasks import make_task
-from nereus_jax.rl.tokenizer import CharTokenizer
-from nereus_jax.runtime.job import EXTRA_INDEX_OFFSET, Job
+from nereus_jax.runtime.job import EXTRA_INDEX_OFFSET
 from nereus_jax.runtime.learner import Learner
 
-BASE = TINY_JOB  # the warm fixture's job
 BF16 = ["model.compute_dtype=bfloat16", "algorithm.name=grpo"]
-
-
-def _job(overrides, warm=None, **kw):
-    cfg = load_config(None, BASE + overrides)
-    return Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm, **kw)
 
 
 def _actor(job):
@@ -36,9 +27,8 @@ def _actor(job):
 
 # ------------------------------------------------------------------------------------ the composition order
 def _corrector(mode, stale_rollouts="reweight", importance_clip=2.0, low=0.5, high=None):
-    cfg = load_config(None, BASE + [f"algorithm.rollout_correction={mode}", f"algorithm.correction_low={low}",
-                                    f"trainer.stale_rollouts={stale_rollouts}",
-                                    f"trainer.importance_clip={importance_clip}"]
+    cfg = tiny_config([f"algorithm.rollout_correction={mode}", f"algorithm.correction_low={low}",
+                       f"trainer.stale_rollouts={stale_rollouts}", f"trainer.importance_clip={importance_clip}"]
                       + ([f"algorithm.correction_clip={high}"] if high else []))
     return types.SimpleNamespace(cfg=cfg, settings=alg.settings(cfg.algorithm, 8))
 
@@ -95,10 +85,10 @@ def bf16_runs(warm):
         ["algorithm.rollout_correction=icepop", "algorithm.correction_low=0.995", "algorithm.correction_clip=1.005"]
     out = {}
     for name, extra in (("none", []), ("tis", tis), ("icepop", icepop)):
-        job = _job(BF16 + extra, warm)
+        job = tiny_job(BF16 + extra, actor=warm)
         out[name] = (job.step(0), _actor(job))
         job.close()
-    job = _job(BF16, warm)
+    job = tiny_job(BF16, actor=warm)
     advantages = job.learner.advantages
 
     def by_hand(step, batch, scores, scored):
@@ -138,7 +128,7 @@ def test_tis_and_icepop_change_the_update_as_specified(bf16_runs):
 
 
 def test_float32_on_one_layout_has_no_mismatch(warm):
-    job = _job(["plan.default.tp=1", "plan.stages.actor-gen.tp=1"], warm)
+    job = tiny_job(["plan.default.tp=1", "plan.stages.actor-gen.tp=1"], actor=warm)
     try:
         for s in range(2):
             m = job.step(s).metrics
@@ -154,7 +144,7 @@ def test_a_transition_logs_the_mismatch_before_and_after_it(warm):
     from nereus_jax.runtime.adapt import Adapter
 
     lines = []
-    job = _job(BF16 + ["cluster.schedule=[{step: 1, leave: [6, 7]}]", "trainer.packing=true"], warm)
+    job = tiny_job(BF16 + ["cluster.schedule=[{step: 1, leave: [6, 7]}]", "trainer.packing=true"], actor=warm)
     adapter = Adapter(job, log=lines.append)
     try:
         metrics = None
@@ -177,9 +167,9 @@ def test_async_corrects_stale_and_fresh_rows_together(warm):
     from nereus_jax.runtime.adapt import Adapter
     from nereus_jax.runtime.run import rl_steps
 
-    job = _job(BF16 + ["plan.colocate=false", "plan.stages.actor-gen.dp=4", "trainer.mode=async",
-                       "trainer.max_staleness=1", "algorithm.rollout_correction=tis", "trainer.mini_batches=2",
-                       "trainer.packing=true"], warm)
+    job = tiny_job(BF16 + ["plan.colocate=false", "plan.stages.actor-gen.dp=4", "trainer.mode=async",
+                           "trainer.max_staleness=1", "algorithm.rollout_correction=tis", "trainer.mini_batches=2",
+                           "trainer.packing=true"], actor=warm)
     adapter = Adapter(job, log=lambda _: None)
     try:
         got = [r.metrics for r in rl_steps(job, adapter, 3)]
@@ -209,8 +199,8 @@ class _Scripted(Rewarder):
 
 
 def _sample(informative, cap, step=3):
-    job = _job(["algorithm.name=dapo", f"algorithm.dynamic_sampling_max_rounds={cap}"],
-               rewarder=_Scripted(informative, 2))
+    job = tiny_job(["algorithm.name=dapo", f"algorithm.dynamic_sampling_max_rounds={cap}"],
+                   rewarder=_Scripted(informative, 2))
     try:
         problems, positions = job.problems(step)
         batch = job.collect_rollouts(problems, positions, 1.0)
@@ -248,11 +238,11 @@ def test_resume_mid_run_computes_what_a_straight_run_computes(warm, tmp_path):
     """DAPO (dynamic sampling, clip-higher, overlong penalty) with 2 mini-batches x 2 epochs, TIS and packed
     sequences: 4 steps straight vs 2 + checkpoint + restore into a fresh Job + 2, on the same plan: the same
     metrics, bit for bit."""
-    from nereus_jax.runtime.checkpoint import Checkpointer, restore_job
+    from nereus_jax.runtime.checkpoint import Checkpointer
 
     extra = ["algorithm.name=dapo", "trainer.mini_batches=2", "trainer.ppo_epochs=2",
              "algorithm.rollout_correction=tis", "trainer.packing=true"]
-    job = _job(extra, warm)
+    job = tiny_job(extra, actor=warm)
     ckpt = Checkpointer(str(tmp_path / "ck"), every_steps=2, keep=2)
     straight = []
     for s in range(4):
@@ -260,8 +250,7 @@ def test_resume_mid_run_computes_what_a_straight_run_computes(warm, tmp_path):
         ckpt.maybe_save(job, s + 1)
     ckpt.close()
     job.close()
-    cfg = load_config(None, BASE + extra)
-    resumed_job, meta = restore_job(cfg, make_task(cfg.task), CharTokenizer(), str(tmp_path / "ck" / "2"))
+    resumed_job, meta = restore_for(tiny_config(extra), str(tmp_path / "ck" / "2"))
     try:
         resumed = [resumed_job.step(s) for s in (2, 3)]
     finally:

@@ -6,25 +6,19 @@ import json
 import numpy as np
 import pytest
 from _tb_events import read_scalars
-from jobs import TINY_JOB
+from jobs import TINY_JOB, tiny_config, tiny_job
 
 from nereus_jax.config import load_config
 from nereus_jax.model_stage import REWARD_INFER
-from nereus_jax.rl.tasks import make_task
-from nereus_jax.rl.tokenizer import CharTokenizer
 from nereus_jax.runtime import run as run_module
 from nereus_jax.runtime.initial_plan import plan_from_config
-from nereus_jax.runtime.job import Job
 from nereus_jax.runtime.report import scalars
 from nereus_jax.runtime.run import run_job
 from nereus_jax.train import main
 
-BASE = TINY_JOB
-
 
 def _three_steps(overrides, warm):
-    cfg = load_config(None, BASE + overrides)
-    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
+    job = tiny_job(overrides, actor=warm)
     return job.plan, [job.step(s) for s in range(3)]
 
 
@@ -56,7 +50,7 @@ def test_rollouts_record_data_positions_and_policy_versions(colocated):
 
 
 def test_split_plan_puts_generation_on_its_own_devices():
-    plan = plan_from_config(load_config(None, BASE + ["plan.colocate=false", "plan.stages.actor-gen.dp=4"]))
+    plan = plan_from_config(tiny_config(["plan.colocate=false", "plan.stages.actor-gen.dp=4"]))
     gen = [sp for ms, sp in plan.items() if ms.kind == "gen"][0]
     others = {d for ms, sp in plan.items() if ms.kind != "gen" for d in sp.devices}
     assert gen.devices == (0, 1, 2, 3) and others == {4, 5, 6, 7}
@@ -71,8 +65,8 @@ def test_run_writes_metrics_summary_and_tensorboard(tmp_path, monkeypatch):
             adapters.append(self)
 
     monkeypatch.setattr(run_module, "Adapter", Recorded)
-    cfg = load_config(None, BASE + ["trainer.steps=2", "trainer.warmup_sft_steps=2", "task.eval_size=16",
-                                    f"logging.cache_dir={tmp_path / 'cache'}"])
+    cfg = tiny_config(["trainer.steps=2", "trainer.warmup_sft_steps=2", "task.eval_size=16",
+                       f"logging.cache_dir={tmp_path / 'cache'}"])
     summary = run_job(cfg, str(tmp_path / "run"))
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [0, 1]
@@ -96,7 +90,7 @@ def test_run_writes_metrics_summary_and_tensorboard(tmp_path, monkeypatch):
 
 def _fails_before_compute(tmp_path, capsys, args, needle):
     run_dir = tmp_path / "run"
-    assert main(["default", *BASE, *args, "--run-dir", str(run_dir)]) == 2
+    assert main(["default", *TINY_JOB, *args, "--run-dir", str(run_dir)]) == 2
     assert needle in capsys.readouterr().err
     assert not (run_dir / "metrics.jsonl").exists()
 
@@ -149,11 +143,10 @@ def test_reward_model_stage_scores_rollouts_like_a_direct_forward(tmp_path, pack
 
     from nereus_jax.models import forward, init_params, save_hf
 
-    cfg0 = load_config(None, BASE)
+    cfg0 = tiny_config()
     save_hf(tmp_path / "rm", cfg0.model, init_params(cfg0.model, seed=9, head="value"), head="value")
-    cfg = load_config(None, BASE + [f"task.reward_model_path={tmp_path / 'rm'}", "plan.stages.reward-infer.dp=4",
-                                    f"trainer.packing={packing}"])
-    job = Job(cfg, make_task(cfg.task), CharTokenizer())
+    job = tiny_job([f"task.reward_model_path={tmp_path / 'rm'}", "plan.stages.reward-infer.dp=4",
+                    f"trainer.packing={packing}"])
     assert job.plan[REWARD_INFER].dp == 4
     result = job.step(0)
     problems, _ = job.problems(0)
@@ -174,8 +167,7 @@ def test_missing_reward_model_fails_before_compute(tmp_path, capsys):
 
 def test_parking_idle_stages_in_host_memory_changes_nothing_but_where_state_lives(colocated, warm):
     """plan.park_idle offloads ref-infer, critic-train and actor-train to pinned_host between uses."""
-    cfg = load_config(None, BASE + ["plan.colocate=true", "plan.park_idle=true"])
-    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
+    job = tiny_job(["plan.colocate=true", "plan.park_idle=true"], actor=warm)
     _, reference = colocated
     for s in range(2):
         got = job.step(s)

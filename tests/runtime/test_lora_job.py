@@ -7,28 +7,24 @@ import random
 
 import numpy as np
 import pytest
-from jobs import TINY_JOB
-from plans import host_state, move_randomly
+from jobs import job_for, restore_for, tiny_config
+from plans import assert_same_state, host_state, move_randomly
 
-from nereus_jax.config import load_config
 from nereus_jax.elastic.weight_sync import WeightSync
 from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER
 from nereus_jax.models import lora
 from nereus_jax.models.hf import load_hf
 from nereus_jax.models.peft import read_adapter
-from nereus_jax.rl.tasks import make_task
-from nereus_jax.rl.tokenizer import CharTokenizer
-from nereus_jax.runtime.checkpoint import Checkpointer, restore_job
+from nereus_jax.runtime.checkpoint import Checkpointer
 from nereus_jax.runtime.export import export_actor
 from nereus_jax.runtime.initial_plan import plan_from_config
-from nereus_jax.runtime.job import Job
 from nereus_jax.sharding import Layout
 
 LORA = ["model.lora_rank=4", "model.lora_alpha=8", "trainer.actor_lr=1e-2", "trainer.critic_lr=1e-2"]
 
 
 def _cfg(*extra):
-    return load_config(None, TINY_JOB + LORA + list(extra))
+    return tiny_config(LORA + list(extra))
 
 
 def _leaves(tree, prefix=()):
@@ -47,8 +43,7 @@ def _at(tree, path):
 
 @pytest.fixture(scope="module")
 def trained(warm):
-    cfg = _cfg()
-    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
+    job = job_for(_cfg(), actor=warm)
     for s in range(2):
         job.step(s)
     yield job
@@ -112,14 +107,10 @@ def test_a_checkpoint_resumes_into_another_plan_bit_exact(trained, tmp_path):
     for path, x in _leaves(lora.merge_lora(params, trained.cfg.model)):
         np.testing.assert_array_equal(_at(merged, path), x, err_msg=str(path))
     cfg = _cfg("plan.stages.actor-train.tp=2", "plan.stages.actor-train.dp=4")
-    job, meta = restore_job(cfg, make_task(cfg.task), CharTokenizer(), str(tmp_path / "ck"),
-                            plan=plan_from_config(cfg))
+    job, meta = restore_for(cfg, str(tmp_path / "ck"), plan=plan_from_config(cfg))
     try:
         assert job.plan[ACTOR_TRAIN].layout == Layout(tp=2) and meta["step"] == 3
-        got = host_state(job)
-        for ms in want:
-            for x, y in zip(got[ms], want[ms], strict=True):
-                np.testing.assert_array_equal(x, y, err_msg=str(ms))
+        assert_same_state(host_state(job), want)
     finally:
         job.close()
 
@@ -143,8 +134,7 @@ def test_a_job_starts_from_a_peft_adapter_and_a_misfit_one_is_refused(trained, w
 
     params = trained.actor_host_params()
     write_adapter(tmp_path / "adapter", trained.cfg.model, params)
-    cfg = _cfg(f"model.lora_path={tmp_path / 'adapter'}")
-    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
+    job = job_for(_cfg(f"model.lora_path={tmp_path / 'adapter'}"), actor=warm)
     try:
         got = job.actor_host_params()
         for path, x in _leaves(got):
@@ -153,8 +143,7 @@ def test_a_job_starts_from_a_peft_adapter_and_a_misfit_one_is_refused(trained, w
     finally:
         job.close()
     with pytest.raises(AdapterError, match="lora_rank"):
-        Job(_cfg(f"model.lora_path={tmp_path / 'adapter'}", "model.lora_rank=8"), make_task(cfg.task),
-            CharTokenizer(), actor=warm)
+        job_for(_cfg(f"model.lora_path={tmp_path / 'adapter'}", "model.lora_rank=8"), actor=warm)
 
 
 def test_a_missing_or_misfit_adapter_is_refused_before_any_compile(trained, tmp_path):
@@ -210,8 +199,7 @@ def _jobs(warm, variants: dict[str, tuple[str, ...]], run) -> tuple[dict, dict]:
     actor's host parameters after it, by name."""
     runs, params = {}, {}
     for name, extra in variants.items():
-        cfg = _cfg(*extra)
-        job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
+        job = job_for(_cfg(*extra), actor=warm)
         try:
             runs[name] = run(name, job)
             params[name] = job.actor_host_params()
@@ -239,8 +227,7 @@ def test_a_dropout_job_seeds_actor_and_critic_training_and_keeps_the_base(warm):
     """model.lora_dropout through the job's own inputs: both training programs get the step's seed (and the
     scoring programs none), the update runs with it, and the frozen base stays the warm start's bit for bit.
     (The masks themselves, their rate and reproducibility: tests/models/test_lora_dropout.py.)"""
-    cfg = _cfg("model.lora_dropout=0.5")
-    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
+    job = job_for(_cfg("model.lora_dropout=0.5"), actor=warm)
     try:
         result = job.step(0)
         assert np.isfinite(result.metrics["loss"]) and np.isfinite(result.metrics["value_loss"])

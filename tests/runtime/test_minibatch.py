@@ -9,16 +9,14 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
-from jobs import TINY_JOB
+from jobs import job_for, tiny_config, tiny_job
 
-from nereus_jax.config import AlgorithmConfig, ModelConfig, load_config
+from nereus_jax.config import AlgorithmConfig, ModelConfig
 from nereus_jax.elastic.costs import CostModel, StageChoice
 from nereus_jax.elastic.hardware import get_hardware
 from nereus_jax.elastic.workload import Workload, WorkloadError
 from nereus_jax.models import init_params
-from nereus_jax.rl.tasks import make_task
-from nereus_jax.rl.tokenizer import CharTokenizer
-from nereus_jax.runtime.job import Job, JobError
+from nereus_jax.runtime.job import JobError
 from nereus_jax.runtime.losses import (
     actor_loss,
     make_minibatch_train_step,
@@ -107,8 +105,7 @@ def test_clipping_changes_the_gradient_only_where_the_ratio_leaves_the_clip_rang
 
 @pytest.fixture(scope="module")
 def four_minibatches(warm):
-    cfg = load_config(None, TINY_JOB + ["trainer.mini_batches=4"])
-    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
+    job = tiny_job(["trainer.mini_batches=4"], actor=warm)
     try:
         yield job, job.step(0).metrics
     finally:
@@ -143,9 +140,9 @@ def test_minibatches_split_the_batch_in_token_budget_micro_batches(four_minibatc
 
 
 def test_a_plan_whose_dp_does_not_divide_a_minibatch_is_rejected():
-    cfg = load_config(None, TINY_JOB + ["trainer.mini_batches=8"])  # mini-batches of 4 rows on dp 8
+    cfg = tiny_config(["trainer.mini_batches=8"])  # mini-batches of 4 rows on dp 8
     with pytest.raises(JobError, match="trainer.mini_batches"):
-        Job(cfg, make_task(cfg.task), CharTokenizer())
+        job_for(cfg)
 
 
 @pytest.mark.parametrize("hardware", ["h100", "cpu"])
@@ -184,9 +181,7 @@ def test_an_announced_leave_with_minibatches_is_compiled_ahead(tmp_path):
     the step after the move compiles nothing new."""
     from nereus_jax.runtime.adapt import Adapter
 
-    cfg = load_config(None, TINY_JOB + ["trainer.mini_batches=2", "cluster.schedule=[{step: 3, leave: [7], "
-                                        "notice: 2}]"])
-    job = Job(cfg, make_task(cfg.task), CharTokenizer())
+    job = tiny_job(["trainer.mini_batches=2", "cluster.schedule=[{step: 3, leave: [7], notice: 2}]"])
     adapter = Adapter(job, log=lambda _: None)
     try:
         metrics = None

@@ -12,17 +12,15 @@ import random
 
 import numpy as np
 import pytest
-from plans import LAYOUTS, host_state, move_randomly
+from jobs import job_for, restore_for, warm_actor
+from plans import LAYOUTS, assert_same_state, host_state, move_randomly
 
 from nereus_jax.config import load_config
 from nereus_jax.model_stage import ACTOR_TRAIN
 from nereus_jax.models.hf import load_hf
-from nereus_jax.rl.tasks import make_task
-from nereus_jax.rl.tokenizer import CharTokenizer
-from nereus_jax.runtime.checkpoint import Checkpointer, restore_job
+from nereus_jax.runtime.checkpoint import Checkpointer
 from nereus_jax.runtime.export import export_actor
 from nereus_jax.runtime.initial_plan import plan_from_config
-from nereus_jax.runtime.job import Job
 from nereus_jax.runtime.learner import busiest_expert_share
 from nereus_jax.sharding import Layout
 
@@ -40,16 +38,8 @@ def _cfg(*extra):
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     """2 GRPO steps after a short supervised warm start (a random model earns no reward: nothing would train)."""
-    from nereus_jax.runtime.run import warm_start
-
-    class _Quiet:
-        def log(self, _):
-            pass
-
-    cfg = _cfg("plan.stages.actor-train.ep=2")
-    warm = warm_start(load_config(None, MOE + ["trainer.warmup_sft_steps=100"]), make_task(cfg.task),
-                      CharTokenizer(), str(tmp_path_factory.mktemp("moe-warm")), _Quiet())[0]
-    j = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
+    warm = warm_actor(_cfg("trainer.warmup_sft_steps=100"), str(tmp_path_factory.mktemp("moe-warm")))
+    j = job_for(_cfg("plan.stages.actor-train.ep=2"), actor=warm)
     before = j.actor_host_params()
     results = [j.step(s) for s in range(2)]
     yield j, before, results
@@ -89,12 +79,10 @@ def test_a_checkpoint_resumes_into_another_layout_and_exports_a_qwen3_moe_checkp
     ckpt.close()
     want = host_state(j)
     cfg = _cfg("plan.stages.actor-train.tp=2", "plan.stages.actor-train.dp=4")
-    other, _ = restore_job(cfg, make_task(cfg.task), CharTokenizer(), str(tmp_path / "ck"), plan=plan_from_config(cfg))
+    other, _ = restore_for(cfg, str(tmp_path / "ck"), plan=plan_from_config(cfg))
     try:
         assert other.plan[ACTOR_TRAIN].layout == Layout(tp=2)
-        for ms, leaves in host_state(other).items():
-            for x, y in zip(leaves, want[ms], strict=True):
-                np.testing.assert_array_equal(x, y, err_msg=str(ms))
+        assert_same_state(host_state(other), want)
     finally:
         other.close()
     out = export_actor(j, tmp_path / "hf")
@@ -115,7 +103,7 @@ def bf16_steps():
                         ("replayed_pp2", ["algorithm.routing_replay=true", "plan.stages.actor-train.pp=2"])):
         cfg = _cfg("model.compute_dtype=bfloat16", "trainer.pipeline_schedule=gpipe", "algorithm.router_aux_coef=0.001",
                    *extra)
-        j = Job(cfg, make_task(cfg.task), CharTokenizer())
+        j = job_for(cfg)
         try:
             out[name] = j.step(0).metrics
         finally:

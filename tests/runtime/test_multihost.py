@@ -20,15 +20,15 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from jobs import job_for, restore_for
 
 from nereus_jax.config import load_config
 from nereus_jax.elastic.plan import ExecutionPlan
 from nereus_jax.models import abstract_params
 from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
-from nereus_jax.runtime.checkpoint import plan_to_json, read_metadata, restore_job
+from nereus_jax.runtime.checkpoint import plan_to_json, read_metadata
 from nereus_jax.runtime.distributed import DistributedError, Launch, detect
-from nereus_jax.runtime.job import Job
 
 pytestmark = pytest.mark.multihost
 
@@ -139,6 +139,13 @@ def crossing_plan(cfg) -> ExecutionPlan:
                           CRITIC_TRAIN: StagePlan(tp2, ((1, 2), (7, 0), (3, 4), (5, 6)))})
 
 
+def _sft_actor(out: Path, cfg):
+    """The actor the two processes' supervised steps wrote (``sft.npz``), as a parameter tree of ``cfg.model``."""
+    sft = np.load(out / "sft.npz")
+    leaves = [sft[f"arr_{i}"] for i in range(len(sft.files))]
+    return jax.tree.unflatten(jax.tree.structure(abstract_params(cfg.model)), leaves)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -214,11 +221,9 @@ def test_checkpoint_written_by_two_processes_resumes_in_one(two_processes):
     meta = read_metadata(str(out / "ckpt"))
     assert meta["process_count"] == 2 and meta["num_devices"] == 8
     cfg = load_config(None, BASE + ["cluster.num_devices=4"])  # one process, 4 devices
-    sft = np.load(out / "sft.npz")
-    treedef = jax.tree.structure(abstract_params(cfg.model))
-    warm = jax.tree.unflatten(treedef, [sft[f"arr_{i}"] for i in range(len(sft.files))])
-    job, _ = restore_job(cfg, make_task(cfg.task), CharTokenizer(), str(out / "ckpt"))
-    ref = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)  # the state it was written from
+    warm = _sft_actor(out, cfg)
+    job, _ = restore_for(cfg, str(out / "ckpt"))
+    ref = job_for(cfg, actor=warm)  # the state it was written from
     for ms in ref.units:
         assert job.units[ms][0].checksum().tolist() == ref.units[ms][0].checksum().tolist(), ms
 
@@ -248,10 +253,7 @@ def test_ppo_job_with_a_transition_across_processes_matches_one_process(two_proc
     got = json.loads((out / "rl.json").read_text())
     assert got["transitions"] == 1 and got["on_target"]
     cfg = load_config(None, BASE)
-    sft = np.load(out / "sft.npz")
-    warm = jax.tree.unflatten(jax.tree.structure(abstract_params(cfg.model)), [sft[f"arr_{i}"]
-                                                                              for i in range(len(sft.files))])
-    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
+    job = job_for(cfg, actor=_sft_actor(out, cfg))
     adapter = Adapter(job, log=lambda m: None)
     target = crossing_plan(cfg)
     metrics = None

@@ -7,15 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jobs import TINY_JOB
+from jobs import tiny_config, tiny_job
 
 from nereus_jax.config import AlgorithmConfig, ModelConfig, load_config
 from nereus_jax.models import init_params
 from nereus_jax.rl import packing
-from nereus_jax.rl.tasks import make_task
-from nereus_jax.rl.tokenizer import CharTokenizer
 from nereus_jax.runtime import losses
-from nereus_jax.runtime.job import Job
 from nereus_jax.sharding import Layout, make_mesh
 
 CFG = ModelConfig()
@@ -165,9 +162,8 @@ def test_job_with_packing_matches_the_padded_job(warm):
     the same rollouts and metrics as padded, within float reduction order."""
     results = {}
     for packed in (False, True):
-        cfg = load_config(None, TINY_JOB + ["rollout.max_response_length=16", f"trainer.packing={packed}",
-                                            "trainer.micro_batch_tokens=64"])
-        job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
+        job = tiny_job(["rollout.max_response_length=16", f"trainer.packing={packed}", "trainer.micro_batch_tokens=64"],
+                       actor=warm)
         results[packed] = [job.step(s) for s in range(2)]
         job.close()
     for padded, packed in zip(results[False], results[True], strict=True):
@@ -188,7 +184,7 @@ def test_the_cost_model_prices_packed_tokens():
 
     cfg = load_config(None, ["model=qwen2.5-0.5b", "trainer.prompts_per_step=256", "trainer.packing=true"])
     wl = Workload.from_config(cfg)
-    assert wl.packed and not Workload.from_config(load_config(None, TINY_JOB)).packed
+    assert wl.packed and not Workload.from_config(tiny_config()).packed
     cost, choice = CostModel(get_hardware("h100")), StageChoice(1, 1, 8, 4)
     price = lambda w: cost.stage_latency(cfg.model, "actor-train", choice, w).total  # noqa: E731
     tail = wl.with_response_length(LengthStats(40.0, 300.0, 1024))

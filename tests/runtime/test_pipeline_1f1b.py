@@ -8,15 +8,13 @@ import functools
 import jax
 import numpy as np
 import pytest
-from jobs import TINY_JOB
+from jobs import tiny_config, tiny_job, warm_actor
 
 from nereus_jax.config import AlgorithmConfig, ModelConfig, load_config
 from nereus_jax.models import init_params
 from nereus_jax.rl import packing
-from nereus_jax.rl.tasks import make_task
-from nereus_jax.rl.tokenizer import CharTokenizer
 from nereus_jax.runtime import losses
-from nereus_jax.runtime.job import Job, stage_value_and_grad
+from nereus_jax.runtime.job import stage_value_and_grad
 from nereus_jax.sharding import Layout, gather_params, make_mesh, shard_params
 from nereus_jax.sharding.pipeline import PipelineError, check_schedule
 
@@ -120,23 +118,15 @@ def warm4(tmp_path_factory):
     one), so pp = 4 divides its layers and every layer has a real gradient from the first step. Trained over
     4 devices: over 8, this model's supervised steps hang in a CPU collective under jax 0.10.2 (with or
     without the pipeline code)."""
-    from nereus_jax.runtime.run import warm_start
-
-    cfg = load_config(None, TINY_JOB + ["model.num_layers=4", "trainer.warmup_sft_steps=150", "cluster.num_devices=4"])
-
-    class _Quiet:
-        def log(self, _):
-            pass
-
+    cfg = tiny_config(["model.num_layers=4", "trainer.warmup_sft_steps=150", "cluster.num_devices=4"])
     cache = str(tmp_path_factory.getbasetemp() / "warm4-cache")
-    return jax.tree.map(np.asarray, warm_start(cfg, make_task(cfg.task), CharTokenizer(), cache, _Quiet())[0])
+    return jax.tree.map(np.asarray, warm_actor(cfg, cache))
 
 
 def _run(overrides, warm):
     """Three GRPO steps of the tiny job with 4 layers: per-step metrics, the actor after them, the compiled
     train programs' HLO and the plan."""
-    cfg = load_config(None, TINY_JOB + ["algorithm.name=grpo", "model.num_layers=4"] + overrides)
-    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
+    job = tiny_job(["algorithm.name=grpo", "model.num_layers=4"] + overrides, actor=warm)
     try:
         metrics = [job.step(s).metrics for s in range(3)]
         programs = job.stages.prepare_programs(job.plan, changed_only=False)  # compiled ahead, as a move would

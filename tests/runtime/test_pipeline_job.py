@@ -4,13 +4,9 @@ default), and they compute what the pp = 1 job computes (padded and packed)."""
 
 import numpy as np
 import pytest
-from jobs import TINY_JOB
+from jobs import tiny_job
 
 import nereus_jax.sharding.pipeline as pipeline
-from nereus_jax.config import load_config
-from nereus_jax.rl.tasks import make_task
-from nereus_jax.rl.tokenizer import CharTokenizer
-from nereus_jax.runtime.job import Job
 
 _GPIPE, _1F1B = pipeline._gpipe, pipeline._run_1f1b
 PP2 = ["plan.stages.actor-train.pp=2", "plan.stages.actor-train.dp=4", "plan.stages.ref-infer.pp=2",
@@ -22,8 +18,7 @@ def _two_steps(overrides, warm, monkeypatch):
     monkeypatch.setattr(pipeline, "_gpipe", lambda *a, **k: traced.append(("gpipe", a[-1])) or _GPIPE(*a, **k))
     monkeypatch.setattr(pipeline, "_run_1f1b", lambda *a, **k: traced.append(("1f1b", k["mesh"].shape[k["axis"]]))
                         or _1F1B(*a, **k))
-    cfg = load_config(None, TINY_JOB + overrides)
-    job = Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
+    job = tiny_job(overrides, actor=warm)
     try:
         return [job.step(s) for s in range(2)], traced, job.plan
     finally:

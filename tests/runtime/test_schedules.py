@@ -5,11 +5,10 @@ reports the device memory it held (summary.json counts the steps over the cap)."
 import gc
 
 import pytest
+from jobs import job_for, restore_for
 
 from nereus_jax.config import ConfigError, load_config
-from nereus_jax.rl.tasks import make_task
-from nereus_jax.rl.tokenizer import CharTokenizer
-from nereus_jax.runtime.job import Job, device_bytes_in_use
+from nereus_jax.runtime.job import device_bytes_in_use
 
 TINY = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=8",
         "rollout.samples_per_prompt=2", "logging.progress=false", "task.num_digits=1", "task.eval_size=16",
@@ -21,8 +20,7 @@ STAGED = ["rollout.length_schedule=[{step: 0, max_response_length: 2}, {step: 2,
 def test_each_stage_cuts_responses_at_its_budget_and_draws_its_difficulty():
     """A random model rarely stops: responses run to the budget, 2 tokens for steps 0-1 and 8 from step 2;
     step 0's problems add 1-digit numbers, step 1's 3-digit ones."""
-    cfg = load_config(None, TINY + STAGED + ["trainer.packing=true"])
-    job = Job(cfg, make_task(cfg.task), CharTokenizer())
+    job = job_for(load_config(None, TINY + STAGED + ["trainer.packing=true"]))
     try:
         lengths = [job.step(s).batch.response_mask_br.sum(1) for s in range(3)]
         operands = [max(len(x) for x in p.prompt.rstrip("=").split("+")) for p in job.problems(0)[0]]
@@ -43,10 +41,10 @@ def test_schedules_that_do_not_fit_the_programs_are_refused():
 
 
 def test_a_resume_continues_the_saved_schedules(tmp_path):
-    from nereus_jax.runtime.checkpoint import Checkpointer, CheckpointError, restore_job
+    from nereus_jax.runtime.checkpoint import Checkpointer, CheckpointError
 
     cfg = load_config(None, TINY + STAGED)
-    job = Job(cfg, make_task(cfg.task), CharTokenizer())
+    job = job_for(cfg)
     ckpt = Checkpointer(str(tmp_path / "ck"), every_steps=1, keep=1)
     job.step(0)
     ckpt.save(job, 1, wait=True)
@@ -54,8 +52,8 @@ def test_a_resume_continues_the_saved_schedules(tmp_path):
     job.close()
     other = load_config(None, TINY + STAGED[:1] + ["task.schedule=[{step: 0, num_digits: 2}]"])
     with pytest.raises(CheckpointError, match="task.schedule"):
-        restore_job(other, make_task(other.task), CharTokenizer(), str(tmp_path / "ck" / "1"))
-    resumed, meta = restore_job(cfg, make_task(cfg.task), CharTokenizer(), str(tmp_path / "ck" / "1"))
+        restore_for(other, str(tmp_path / "ck" / "1"))
+    resumed, meta = restore_for(cfg, str(tmp_path / "ck" / "1"))
     try:
         assert meta["schedules"]["task.schedule"] == [{"step": 0, "num_digits": 1}, {"step": 1, "num_digits": 3}]
         assert resumed.response_budget(meta["step"]) == 2 and resumed.task_at(meta["step"]).num_digits == 3
@@ -70,8 +68,7 @@ def test_steps_report_the_device_memory_they_held():
     # counted by the step and gone (collected) by the second reading
     gc.collect()
     cap = 2 * 2**20
-    cfg = load_config(None, TINY + ["rollout.page_size=4", f"cluster.device_memory_bytes={cap}"])
-    job = Job(cfg, make_task(cfg.task), CharTokenizer())
+    job = job_for(load_config(None, TINY + ["rollout.page_size=4", f"cluster.device_memory_bytes={cap}"]))
     try:
         m = job.step(0).metrics
         held = device_bytes_in_use(job.devices)

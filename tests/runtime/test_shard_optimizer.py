@@ -7,26 +7,21 @@ import random
 
 import numpy as np
 import pytest
-from jobs import TINY_JOB
-from plans import host_state, move_randomly
+from jobs import restore_for, tiny_config, tiny_job
+from plans import assert_same_state, host_state, move_randomly
 
-from nereus_jax.config import load_config
 from nereus_jax.elastic.emu import stage_checksum
 from nereus_jax.model_stage import ACTOR_TRAIN, CRITIC_TRAIN
-from nereus_jax.rl.tasks import make_task
-from nereus_jax.rl.tokenizer import CharTokenizer
-from nereus_jax.runtime.checkpoint import Checkpointer, restore_job
+from nereus_jax.runtime.checkpoint import Checkpointer
 from nereus_jax.runtime.initial_plan import plan_from_config
-from nereus_jax.runtime.job import Job
 
-DP4 = TINY_JOB + ["plan.default.dp=4", "plan.default.tp=2"]  # training on 4 replicas of tp 2 (PPO: a critic too)
+DP4 = ["plan.default.dp=4", "plan.default.tp=2"]  # training on 4 replicas of tp 2 (PPO: a critic too)
 TRAINED = (ACTOR_TRAIN, CRITIC_TRAIN)
 KEYS = ("loss", "grad_norm", "policy_loss", "value_loss", "kl", "reward_mean", "clip_fraction")
 
 
 def _job(warm, *extra):
-    cfg = load_config(None, DP4 + list(extra))
-    return Job(cfg, make_task(cfg.task), CharTokenizer(), actor=warm)
+    return tiny_job(DP4 + list(extra), actor=warm)
 
 
 @pytest.fixture(scope="module")
@@ -91,16 +86,13 @@ def test_a_checkpoint_written_at_dp4_resumes_into_another_dp(runs, tmp_path, dp,
     ckpt = Checkpointer(str(tmp_path / "ck"))
     ckpt.save(job, 3, wait=True)
     ckpt.close()
-    cfg = load_config(None, TINY_JOB + [f"plan.default.dp={dp}", f"plan.default.tp={tp}"])
-    resumed, _ = restore_job(cfg, make_task(cfg.task), CharTokenizer(), str(tmp_path / "ck" / "3"),
-                             plan=plan_from_config(cfg))
+    cfg = tiny_config([f"plan.default.dp={dp}", f"plan.default.tp={tp}"])
+    resumed, _ = restore_for(cfg, str(tmp_path / "ck" / "3"), plan=plan_from_config(cfg))
     try:
         want = host_state(job)
         for ms in TRAINED:
             assert resumed.plan[ms].dp == dp and resumed.units[ms][0].spec.shards == dp
             assert stage_checksum(resumed.units[ms]).tolist() == stage_checksum(job.units[ms]).tolist()
-        for ms, leaves in host_state(resumed).items():
-            for x, y in zip(leaves, want[ms], strict=True):
-                np.testing.assert_array_equal(x, y, err_msg=str(ms))
+        assert_same_state(host_state(resumed), want)
     finally:
         resumed.close()
