@@ -51,6 +51,7 @@ PLANNING = (
     "nereus_jax.elastic.workload",
     "nereus_jax.elastic.topology",  # its docstring promises it
     "nereus_jax.elastic.pricing",  # likewise
+    "nereus_jax.elastic.adapter",  # the candidate set the job and the simulator share
     "nereus_jax.sim",
     "nereus_jax.simulate",
     "nereus_jax.plan",

@@ -9,31 +9,33 @@ Calibration: each step's measured stage seconds refit the cost model's efficienc
 over a window of recent steps); a step that compiled programs is timed for its compile instead (the first
 step's compile, split per model-stage by :func:`compile_by_stage`) and left out of the fit.
 
-Candidates come from the planner for the pool at hand; each is mapped to the job's model-stages
-(actor-infer and critic-infer run on the training units, so they are priced with the training stage's
-layout) and priced with the calibrated cost model. A transition's predicted cost is the transition
-graph's makespan on the hardware's links; on shared-compute hardware (cpu) the compile competes with
-the steps for the same cores (and the interpreter), so the compile a move needs is added to it: the
-first step's measured compile time of each model-stage whose devices or layout change (actor-gen's per
-engine), times the steps' measured loss per compile-second at the last hidden compile
-(``compile_contention``, 1 before one). On GPUs the compile runs on host cores while the devices step,
-and is hidden. Besides the planner's plans, the current plan with one model-stage moved to its place in
-the best plan is a candidate (:func:`partial_moves`): a cheaper transition that may keep most of the gain;
-so is every plan the job has run on devices it still has, priced from its remembered measurements
-(``Pricing.residual``).
+Candidates: :meth:`ControllerAdapter.candidates` (``nereus_jax.elastic.adapter``), the one policy the job and
+the simulator share (planner plans, partial moves toward the best, the risk-adjusted plan, plans run before, the
+home plan; one filter, one pricing). This class supplies its primitives: the planner for the job's topology
+(async: actor-gen on its own devices), the configured layouts on the pool as the home plan, plans mapped to the
+job's model-stages (actor-infer and critic-infer run on the training units, so they are priced with the
+training stage's layout) and priced with the calibrated cost model, the plans the job ran (priced from their
+remembered measurements, ``Pricing.residual``), and what the job alone needs to run a plan (:meth:`runnable`).
+
+A transition's predicted cost is the transition graph's makespan on the hardware's links; on shared-compute
+hardware (cpu) the compile competes with the steps for the same cores (and the interpreter), so the compile a
+move needs is added to it: the first step's measured compile time of each model-stage whose devices or layout
+change (actor-gen's per engine), times the steps' measured loss per compile-second at the last hidden compile
+(``compile_contention``, 1 before one). On GPUs the compile runs on host cores while the devices step, and is
+hidden.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import statistics
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from nereus_jax.config import ConfigError
-from nereus_jax.elastic.controller import UNCERTAINTY_Z, Candidate, Observation, Priced
-from nereus_jax.elastic.costs import CostModel, link_bandwidth
+from nereus_jax.elastic.adapter import ControllerAdapter, partial_moves
+from nereus_jax.elastic.controller import UNCERTAINTY_Z, Observation, Priced
+from nereus_jax.elastic.costs import CostModel, StageChoice, link_bandwidth
 from nereus_jax.elastic.costs.candidates import StageOptions
 from nereus_jax.elastic.graph import TransitionGraph
 from nereus_jax.elastic.plan import ExecutionPlan
@@ -47,7 +49,7 @@ from nereus_jax.runtime.job import Job, engine_replicas_across_processes
 from nereus_jax.runtime.stages import pipelined_dropout_stage
 
 
-class JobPricer:
+class JobPricer(ControllerAdapter):
     """The job's calibrated prices: step latency, peak memory and candidates for a pool, transition seconds
     (data movement plus, on shared compute, the compile a move needs). ``job`` is the job it measures
     (the Adapter points it at a job that replaces it after a device loss)."""
@@ -168,37 +170,46 @@ class JobPricer:
             return None
         return self.pricing.peak_bytes(plan, self.pricing.choices(plan, self.workload), self.workload)
 
-    def candidates(self, obs: Observation) -> list[Candidate]:
-        """The planner's plans for the job's topology (best and runners-up; async: actor-gen on its own
-        devices) and the configured layouts on the pool, fastest first. The planner prices and checks
-        memory as the job does (``elastic.pricing``), so its plans fit; a plan the job cannot run across
-        processes, or a configured one that does not fit, is left out."""
-        workload = self.workload or Workload.from_config(self.job.cfg)
-        plans = [r.plan for r in self._planned(obs, workload)]
-        if plans:
-            plans += partial_moves(obs.plan, plans[0])
-            if not self.pricing.all_measured(self.pricing.choices(plans[0], workload)):
-                plans += self._measured_plan(obs, workload)
-        # plans the job ran on devices it still has: the per-layout memory prices them as measured
-        plans += [p for p in self._ran if set(p.devices) <= set(obs.devices)]
-        with contextlib.suppress(ConfigError):  # the configured layouts on the devices present: a candidate
-            plans.append(plan_from_config(self.job.cfg, device_ids=list(obs.devices)))
+    # ------------------------------------------------------------- candidates (elastic.adapter)
+    def planning_workload(self) -> Workload:
+        """The last measured step's workload (the config's before one)."""
+        return self.workload or Workload.from_config(self.job.cfg)
+
+    def planned(self, obs: Observation, workload: Workload) -> list[ExecutionPlan]:
+        """The planner's plans for the job's topology (best and runners-up; async: actor-gen on its own devices)."""
+        return [r.plan for r in self._planned(obs, workload)]
+
+    def risk_planned(self, obs: Observation, workload: Workload) -> list[ExecutionPlan]:
+        return self._measured_plan(obs, workload)
+
+    def ran_plans(self) -> list[ExecutionPlan]:
+        """The plans the job stepped on, oldest first (priced from their remembered measurements)."""
+        return list(self._ran)
+
+    def home_plans(self, obs: Observation, workload: Workload) -> list[ExecutionPlan]:
+        """The configured layouts on the devices present (none when they do not fit the pool)."""
         try:
-            current = self.pricing.features(self.pricing.choices(obs.plan, workload), workload)
-        except ValueError:  # the current plan cannot split this batch: nothing to compare a gain against
-            current = None
-        out: dict[ExecutionPlan, Candidate] = {}
-        for plan in plans:
-            if plan in out or not self._runnable(plan):
-                continue
-            try:
-                choices = self.pricing.choices(plan, workload)
-            except ValueError:  # dp does not split the batch (a configured plan on another pool)
-                continue
-            if self.pricing.peak_bytes(plan, choices, workload) <= self.memory_cap_bytes:
-                sd = 0.0 if current is None else self.pricing.gain_sd(current, choices, workload)
-                out[plan] = Candidate(plan, self.pricing.latency(plan, choices, workload), sd)
-        return sorted(out.values(), key=lambda c: c.step_latency_s)
+            return [plan_from_config(self.job.cfg, device_ids=list(obs.devices))]
+        except ConfigError:
+            return []
+
+    def execution_plan(self, plan: ExecutionPlan) -> ExecutionPlan:
+        return plan
+
+    def with_unit(self, current: ExecutionPlan, best: ExecutionPlan, unit) -> ExecutionPlan:
+        return ExecutionPlan({**current, unit: best[unit]})
+
+    def choices_of(self, plan: ExecutionPlan, workload: Workload) -> dict[str, StageChoice] | None:
+        try:
+            return self.pricing.choices(plan, workload)
+        except ValueError:  # dp does not split the batch (a configured plan on another pool)
+            return None
+
+    def price(self, plan: ExecutionPlan, choices: Mapping[str, StageChoice], workload: Workload) -> float:
+        return self.pricing.latency(plan, choices, workload)
+
+    def plan_peak_bytes(self, plan: ExecutionPlan, choices: Mapping[str, StageChoice], workload: Workload) -> float:
+        return self.pricing.peak_bytes(plan, choices, workload)
 
     def _planned(self, obs: Observation, workload: Workload) -> list[PlanResult]:
         cfg, models = self.job.cfg, self.pricing.models
@@ -214,9 +225,9 @@ class JobPricer:
     def _measured_plan(self, obs: Observation, workload: Workload) -> list[ExecutionPlan]:
         """The planner's best plan with options ranked by seconds plus the uncertainty of extrapolating from
         the layouts the job has measured (``Pricing.risk_adjusted``): the fast plan by what the job knows.
-        Empty before anything was measured, in async mode, or when nothing fits; asked only when the planner's
-        best runs a layout the job has not measured (else it is that plan)."""
-        if self.async_mode or not self.pricing.measured_layouts:
+        Empty in async mode or when nothing fits (the adapter asks only once something was measured and the
+        planner's best runs a layout the job has not measured: else it is that plan)."""
+        if self.async_mode:
             return []
         try:
             return [self.planner.plan(self.pricing.models, self.job.cfg.algorithm.name, workload, obs.devices,
@@ -227,7 +238,7 @@ class JobPricer:
     def _risk_options(self, problem: Problem) -> dict[str, StageOptions]:
         return self.pricing.risk_adjusted(problem.options(), UNCERTAINTY_Z)
 
-    def _runnable(self, plan: ExecutionPlan) -> bool:
+    def runnable(self, plan: ExecutionPlan) -> bool:
         """What the job needs beyond time and memory: an engine's replicas each in one process, async
         generation on devices of its own, and with LoRA dropout unpipelined training (pp = 1)."""
         if engine_replicas_across_processes(plan):
@@ -290,15 +301,6 @@ class JobPricer:
         self.compile_contention = float(d.get("compile_contention", 1.0))
 
 
-def partial_moves(current: ExecutionPlan, best: ExecutionPlan) -> list[ExecutionPlan]:
-    """The current plan with one model-stage moved to its place in ``best``, for every model-stage that
-    ``best`` moves: cheaper transitions (fewer arrays to move, fewer programs to compile) that may keep
-    most of the gain. None when the two plans do not hold the same model-stages."""
-    if set(current) != set(best):
-        return []
-    return [ExecutionPlan({**current, ms: best[ms]}) for ms in best if best[ms] != current[ms]]
-
-
 def compile_by_stage(compiling: Mapping[str, float], steady: Mapping[str, float],
                      plan: ExecutionPlan) -> dict[str, float]:
     """Compile seconds per model-stage of ``plan``: the compiling step's seconds of each timed stage less a
@@ -312,3 +314,6 @@ def compile_by_stage(compiling: Mapping[str, float], steady: Mapping[str, float]
             key = str(owners[0])
             out[key] = out.get(key, 0.0) + max(0.0, seconds - steady.get(name, 0.0))
     return out
+
+
+__all__ = ["JobPricer", "compile_by_stage", "partial_moves"]  # partial_moves: elastic.adapter's, for the tests
