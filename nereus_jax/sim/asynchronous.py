@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from nereus_jax.config import ModelConfig
 from nereus_jax.elastic.costs import CostModel, counts
 from nereus_jax.elastic.workload import Workload
-from nereus_jax.sim.model import PlanningModel, bucket_workload, pinned_options
+from nereus_jax.sim.model import Layouts, PlanningModel, bucket_workload, pinned_options
 from nereus_jax.sim.plan_cost import SimPlan
 from nereus_jax.sim.records import PolicyRun, StepRecord
 
@@ -77,14 +77,16 @@ class AsyncPlanningModel(PlanningModel):
         """Empty: a split pool's plans are not re-ranked for risk (nor in the runtime's async mode)."""
         return ()
 
-    def plans(self, wl: Workload | Batches, pool: tuple[int, ...]) -> tuple[SimPlan, ...]:
+    def plans(self, wl: Workload | Batches, pool: tuple[int, ...], layouts: Layouts | None = None
+              ) -> tuple[SimPlan, ...]:
         """The planner's plans for the interval after observing ``wl`` (or for explicit ``Batches``)."""
-        return super().plans(self.batches(wl), pool)
+        return super().plans(self.batches(wl), pool, layouts)
 
-    def _solve(self, cm: CostModel, wl: Batches, pool: tuple[int, ...]) -> tuple[SimPlan, ...] | None:
+    def _solve(self, cm: CostModel, wl: Batches, pool: tuple[int, ...],
+               layouts: Layouts | None) -> tuple[SimPlan, ...] | None:
         planner = self.planner(cm)
         results = planner.split(self.models, self.algorithm, wl.gen, wl.train, pool, self.topology,
-                                options=lambda problem: pinned_options(problem.options(), self.layouts))
+                                options=lambda problem: pinned_options(problem.options(), layouts))
         found = [SimPlan.of(r, self.topology, overlapped=True) for r in results]
         found.sort(key=lambda p: self.predict_with(cm, p, wl))
         return tuple(found[:4]) or self._colocated(cm, wl.train, pool)
@@ -92,11 +94,14 @@ class AsyncPlanningModel(PlanningModel):
     def _colocated(self, cm: CostModel, wl: Workload, pool: tuple[int, ...]) -> tuple[SimPlan, ...] | None:
         """No split fits: the planner's ordinary (synchronous, colocated) plans, never pinned (a pinned async
         baseline pins its disjoint plan's layouts, which a colocated plan need not be able to use)."""
-        pinned, self.layouts = self.layouts, None
-        try:
-            return super()._solve(cm, wl, pool)
-        finally:
-            self.layouts = pinned
+        return super()._solve(cm, wl, pool, None)
+
+    def runnable(self, plan: SimPlan) -> bool:
+        """An overlapped plan's actor-gen on devices of its own (a partial move could share them)."""
+        if not plan.overlapped:
+            return True
+        gen = set(plan.plan[next(ms for ms in plan.plan if str(ms) == GEN)].devices)
+        return not any(gen & set(sp.devices) for ms, sp in plan.plan.items() if str(ms) != GEN)
 
     def predict_with(self, cm: CostModel, plan: SimPlan, wl: Workload | Batches) -> float:
         b = self.batches(wl)

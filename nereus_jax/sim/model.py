@@ -3,9 +3,14 @@
 :class:`PlanningModel` holds a :class:`CostModel` that starts from the hardware table's priors and is
 calibrated only from measured stage seconds (``calibrate``), a :class:`Planner` over it, and the
 transition pricing (the scheduled transition graph priced by ``elastic.graph.transition_seconds`` with
-the cost model's link times, plus a setup term learned from measured transitions). Its ``plan_fn`` /
-``latency_fn`` / ``transition_fn`` are the three callables :class:`nereus_jax.elastic.controller.Controller`
-takes.
+the cost model's link times, plus a setup term learned from measured transitions). Its ``candidates`` /
+``latency`` / ``transition_seconds`` are the three callables :class:`nereus_jax.elastic.controller.Controller`
+takes, with the job's names. The candidate set is :meth:`ControllerAdapter.candidates`
+(``nereus_jax.elastic.adapter``), the policy the running job uses too; this class supplies its primitives:
+the planner's plans on a snapshot of the cost model (cached), the plans this run has run, the home plan (the
+run's first plan on its first pool; on another pool its layouts re-planned), :class:`SimPlan` s with their
+choices (a partial move takes a unit's and its riders' choices from the best plan), and their predicted
+latency and peak memory.
 
 ``layouts`` pins every model-stage's (tp, pp, ep) (the "fixed TP/PP with DP scaling" baselines): the
 planner then chooses only dp, micro-batch and remat among the pinned layouts' options.
@@ -19,10 +24,12 @@ import time
 from collections.abc import Mapping, MutableMapping
 
 from nereus_jax.config import ModelConfig
-from nereus_jax.elastic.controller import UNCERTAINTY_Z, Candidate, Observation
-from nereus_jax.elastic.costs import CostModel
+from nereus_jax.elastic.adapter import ControllerAdapter
+from nereus_jax.elastic.controller import UNCERTAINTY_Z, Observation, Priced
+from nereus_jax.elastic.costs import CostModel, StageChoice
 from nereus_jax.elastic.costs.candidates import StageOptions
 from nereus_jax.elastic.hardware import Hardware
+from nereus_jax.elastic.plan import ExecutionPlan
 from nereus_jax.elastic.planner import GAP, MAX_NODES, InfeasiblePlanError, Planner
 from nereus_jax.elastic.pricing import CALIBRATION_WINDOW, Pricing
 from nereus_jax.elastic.topology import Topology
@@ -50,12 +57,13 @@ class SharedCaches:
     plan_ms: list[float] = dataclasses.field(default_factory=list)
 
 
-class PlanningModel:
-    """Planner + calibrated cost model + transition pricing for one policy's run."""
+class PlanningModel(ControllerAdapter):
+    """Planner + calibrated cost model + transition pricing for one policy's run. ``home``: the plan the run
+    started on and the pool it was planned for (the home plan's source; None: no home plan)."""
 
     def __init__(self, models: Mapping[str, ModelConfig], algorithm: str, hw: Hardware, topology: Topology, specs,
                  caches: SharedCaches, *, layouts: Layouts | None = None, planner: Mapping[str, float] | None = None,
-                 cost_model: CostModel | None = None):
+                 cost_model: CostModel | None = None, home: tuple[SimPlan, tuple[int, ...]] | None = None):
         self.models, self.algorithm, self.hw, self.topology, self.specs = dict(models), algorithm, hw, topology, specs
         self.caches, self.layouts = caches, layouts
         self.planner_settings = dict(planner or {})
@@ -66,6 +74,7 @@ class PlanningModel:
         self.planner_ms = 0.0  # planner time charged to this policy (cached solves included)
         self.since_change = 0
         self.ran: dict[SimPlan, None] = {}  # the plans this policy has run, oldest first (candidates again)
+        self.home = home
 
     @property
     def cost_model(self) -> CostModel:
@@ -87,14 +96,16 @@ class PlanningModel:
         return CostModel(self.hw, {c: snap(v) for c, v in cm.efficiency.items()},
                          {t: snap(v) for t, v in cm.half_sizes.items()})
 
-    def plans(self, wl: Workload, pool: tuple[int, ...]) -> tuple[SimPlan, ...]:
-        """The planner's best plan and runners-up (fastest first); empty when nothing fits."""
+    def plans(self, wl: Workload, pool: tuple[int, ...], layouts: Layouts | None = None) -> tuple[SimPlan, ...]:
+        """The planner's best plan and runners-up (fastest first); empty when nothing fits. ``layouts``: pinned
+        (default: this model's ``layouts``)."""
         cm = self.snapshot()
-        key = (type(self).__name__, cm.efficiency_vector, tuple(cm.half_sizes.values()), wl, pool, self.layouts,
+        layouts = self.layouts if layouts is None else layouts
+        key = (type(self).__name__, cm.efficiency_vector, tuple(cm.half_sizes.values()), wl, pool, layouts,
                tuple(sorted(self.planner_settings.items())))
         if key not in self.caches.plans:
             start = time.perf_counter()
-            found = self._solve(cm, wl, pool)
+            found = self._solve(cm, wl, pool, layouts)
             ms = (time.perf_counter() - start) * 1e3
             self.caches.plans[key] = (found, ms)
             self.caches.plan_ms.append(ms)
@@ -102,13 +113,14 @@ class PlanningModel:
         self.planner_ms += ms  # a cache hit is charged what the planner took: each policy "plans" alone
         return found or ()
 
-    def _solve(self, cm: CostModel, wl: Workload, pool: tuple[int, ...]) -> tuple[SimPlan, ...] | None:
+    def _solve(self, cm: CostModel, wl: Workload, pool: tuple[int, ...],
+               layouts: Layouts | None) -> tuple[SimPlan, ...] | None:
         planner = self.planner(cm)
         try:
             problem = planner.problem(self.models, self.algorithm, wl, pool, topology=self.topology)
         except InfeasiblePlanError:
             return None
-        opts = pinned_options(problem.options(), self.layouts)
+        opts = pinned_options(problem.options(), layouts)
         result = planner.solve(problem, opts)
         if result is None and problem.concurrent:
             result = planner.solve(dataclasses.replace(problem, allow_concurrency=False), opts)
@@ -118,13 +130,10 @@ class PlanningModel:
 
     def measured_plan(self, wl: Workload, pool: tuple[int, ...]) -> tuple[SimPlan, ...]:
         """The planner's best plan when options are ranked by seconds plus the uncertainty of extrapolating
-        from the layouts this run has measured (:meth:`Pricing.risk_adjusted`); () before any was measured or
-        when nothing fits, or when the planner's best already runs only measured layouts (the same plan).
-        Not cached: it depends on the layouts measured, and re-plans are rare."""
-        if self.layouts is not None or not self.pricing.measured_layouts:
-            return ()
-        best = self.plans(wl, pool)
-        if best and self.pricing.all_measured(dict(best[0].choices)):
+        from the layouts this run has measured (:meth:`Pricing.risk_adjusted`); () with pinned layouts or when
+        nothing fits (the adapter asks only once something was measured and the planner's best runs a layout
+        not measured). Not cached: it depends on the layouts measured, and re-plans are rare."""
+        if self.layouts is not None:
             return ()
         try:
             result = self.planner(self.snapshot()).plan(
@@ -143,30 +152,64 @@ class PlanningModel:
         found = self.plans(wl, pool)
         return found[0] if found else None
 
-    # ------------------------------------------------------------------------ controller callables
-    def plan_fn(self, obs: Observation) -> list[Candidate]:
-        wl = self.observed
-        out = {}
-        current = self.pricing.features(dict(obs.plan.choices), wl)
-        pool = set(obs.devices)
-        usable = self.usable_bytes()
-        # the planner's plans, and the plans this run has measured that the pool still holds and that fit
-        # (the per-layout memory prices them as measured: coming back to a known layout is a safe choice)
-        ran = [p for p in self.ran if p.devices <= pool and self.peak_memory(p, wl) <= usable]
-        for p in (*self.plans(wl, tuple(obs.devices)), *self.measured_plan(wl, tuple(obs.devices)), *ran):
-            p = p.aligned_to(obs.plan)
-            if p not in out:
-                out[p] = Candidate(p, self.predict(p, wl), self.pricing.gain_sd(current, dict(p.choices), wl))
-        return sorted(out.values(), key=lambda c: c.step_latency_s)
+    # ------------------------------------------------------------- candidates (elastic.adapter)
+    def planning_workload(self) -> Workload | None:
+        return self.observed
 
-    def latency_fn(self, plan: SimPlan, obs: Observation) -> float | None:
+    def planned(self, obs: Observation, workload: Workload) -> tuple[SimPlan, ...]:
+        return self.plans(workload, tuple(obs.devices))
+
+    def risk_planned(self, obs: Observation, workload: Workload) -> tuple[SimPlan, ...]:
+        return self.measured_plan(workload, tuple(obs.devices))
+
+    def ran_plans(self) -> list[SimPlan]:
+        return list(self.ran)
+
+    def home_plans(self, obs: Observation, workload: Workload) -> tuple[SimPlan, ...]:
+        """The plan this run started on, on the pool it was planned for; on another pool its (tp, pp, ep)
+        layouts with dp, micro-batch and remat re-planned (the ``fixed`` baseline's plan there). None for a
+        pinned model (its plans are the pinned layouts')."""
+        if self.home is None or self.layouts is not None:
+            return ()
+        plan, pool = self.home
+        if sorted(obs.devices) == sorted(pool):
+            return (plan,)
+        return self.plans(workload, tuple(obs.devices), plan.layouts())[:1]
+
+    def execution_plan(self, plan: SimPlan) -> ExecutionPlan:
+        return plan.plan
+
+    def with_unit(self, current: SimPlan, best: SimPlan, unit) -> SimPlan | None:
+        """``current`` with ``unit`` and its riders as ``best`` runs them (their choices too); None between a
+        colocated and an overlapped plan."""
+        if current.overlapped != best.overlapped:
+            return None
+        name = str(unit)
+        choices = {s: (best if self.topology.host(s) == name else current).choice(s) for s, _ in current.choices}
+        return SimPlan.build(choices, ExecutionPlan({**current.plan, unit: best.plan[unit]}), self.topology,
+                             current.overlapped)
+
+    def choices_of(self, plan: SimPlan, workload: Workload) -> dict[str, StageChoice]:
+        return dict(plan.choices)
+
+    def price(self, plan: SimPlan, choices: Mapping[str, StageChoice], workload: Workload) -> float:
+        return self.predict(plan, workload)
+
+    def plan_peak_bytes(self, plan: SimPlan, choices: Mapping[str, StageChoice], workload: Workload) -> float:
+        return self.peak_memory(plan, workload)
+
+    # ------------------------------------------------------------------ the other two callables
+    def latency(self, plan: SimPlan, obs: Observation | None = None) -> float | None:
         return self.predict(plan, self.observed)
 
-    def transition_fn(self, old: SimPlan, new: SimPlan) -> float | None:
-        graph = self.graph(old, new)
+    def transition_seconds(self, old: SimPlan, new: SimPlan) -> Priced | None:
+        """Predicted data movement of ``old`` -> ``new`` (ranks aligned to ``old``) plus the learned setup, with
+        that target and its graph."""
+        target = new.aligned_to(old)
+        graph = self.graph(old, target)
         if graph is None:
             return None
-        return self.pricing.movement_seconds(graph) + (self.setup_s if old != new else 0.0)
+        return Priced(self.pricing.movement_seconds(graph) + (self.setup_s if old != target else 0.0), target, graph)
 
     # ---------------------------------------------------------------------------------- predictions
     def predict(self, plan: SimPlan, wl: Workload) -> float:

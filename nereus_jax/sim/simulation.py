@@ -89,10 +89,11 @@ class Simulation:
 
     # ---------------------------------------------------------------------------- building blocks
     def model(self, layouts: Layouts | None = None, cost_model: CostModel | None = None,
-              asynchronous: bool = False) -> PlanningModel:
+              asynchronous: bool = False, home: tuple[SimPlan, tuple[int, ...]] | None = None) -> PlanningModel:
+        """A policy's planning model (``home``: the plan it starts on and that plan's pool, its home plan)."""
         kind = AsyncPlanningModel if asynchronous else PlanningModel
         return kind(self.models, self.trace.algorithm, self.hw, self.topology, self.specs, self.caches,
-                    layouts=layouts, planner=self.trace.planner, cost_model=cost_model)
+                    layouts=layouts, planner=self.trace.planner, cost_model=cost_model, home=home)
 
     def cfg(self, stage: str):
         """The network of a model-stage (``actor-gen``) or a role (``actor``)."""
@@ -188,7 +189,7 @@ class Simulation:
         kw["devices"] = self.trace.pool(0)  # the pool at start: a change before the first observation triggers
         kw["error_margin"] = bool(c.get("error_margin", True))
         gamma = float(c.get("gamma", 0.5))
-        args = (model.plan_fn, model.latency_fn, model.transition_fn)
+        args = (model.candidates, model.latency, model.transition_seconds)
         every = re.fullmatch(r"every_(\d+)", name)
         if every:
             return Controller(*args, gamma=math.inf, period=int(every.group(1)), **kw)
@@ -206,7 +207,7 @@ class Simulation:
             layouts = plan.layouts()
         if name == "async_fixed" and layouts is None:
             layouts = self.first_disjoint_plan().layouts()
-        model = self.model(layouts, asynchronous=asynchronous)
+        model = self.model(layouts, asynchronous=asynchronous, home=(plan, self.trace.pool(0)))
         controller = self.controller(name, model)
         run = PolicyRun(name, [], notes={"layouts": _layout_text(layouts)} if layouts else {})
         prev: tuple[Workload, float] | None = None

@@ -71,7 +71,11 @@ def test_candidates_include_the_plan_fast_by_what_was_measured():
     sim = Simulation(trace)
     model, plan = sim.model(), sim.initial_plan()
     pool = tuple(range(16))
-    assert model.measured_plan(trace.workload(0), pool) == ()  # nothing measured: the planner's plans only
+    model.observed = trace.workload(0)
+    first = Observation(step=0, plan=plan, devices=pool, response_length=trace.workload(0).response_length.mean)
+    # nothing measured: no risk-adjusted search, the planner's plans (and the partial moves toward the best) only
+    assert {c.plan for c in model.candidates(first)} <= {*model.plans(model.observed, pool),
+                                                         *model.partial_moves(plan, model.best(model.observed, pool))}
     for step in range(45):
         wl = trace.workload(step)
         model.calibrate(plan, wl, sim.measure(plan, wl, step)[1], changed=False)
@@ -85,7 +89,7 @@ def test_candidates_include_the_plan_fast_by_what_was_measured():
     assert distance(safe) < distance(best)
     assert model.predict(safe, wl) > model.predict(best, wl)
     obs = Observation(step=45, plan=plan, devices=pool, response_length=wl.response_length.mean)
-    assert safe.aligned_to(plan) in {c.plan for c in model.plan_fn(obs)}
+    assert safe in {c.plan for c in model.candidates(obs)}
 
 
 @pytest.mark.parametrize(("what", "old", "new", "paper"), [
