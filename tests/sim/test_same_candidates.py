@@ -15,16 +15,12 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))  # the tiny job's overrides
-from jobs import TINY_JOB  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))  # the tiny job (tests/runtime/jobs.py)
+from jobs import tiny_job  # noqa: E402
 
-from nereus_jax.config import load_config  # noqa: E402
 from nereus_jax.elastic.adapter import partial_moves  # noqa: E402
 from nereus_jax.elastic.controller import Observation  # noqa: E402
-from nereus_jax.rl.tasks import make_task  # noqa: E402
-from nereus_jax.rl.tokenizer import CharTokenizer  # noqa: E402
 from nereus_jax.runtime.initial_plan import plan_from_config  # noqa: E402
-from nereus_jax.runtime.job import Job  # noqa: E402
 from nereus_jax.runtime.job_pricer import JobPricer  # noqa: E402
 from nereus_jax.sim.model import PlanningModel, SharedCaches  # noqa: E402
 from nereus_jax.sim.plan_cost import SimPlan, state_specs  # noqa: E402
@@ -33,8 +29,7 @@ from nereus_jax.sim.plan_cost import SimPlan, state_specs  # noqa: E402
 @pytest.fixture(scope="module")
 def calibrated():
     """The tiny job after four steps (one compiling, three calibrating), its pricer on the 2% grid."""
-    cfg = load_config(None, TINY_JOB)
-    job = Job(cfg, make_task(cfg.task), CharTokenizer())
+    job = tiny_job()
     pricer = JobPricer(job, log=lambda _: None)
     for step in range(4):
         pricer.learn(job.step(step).metrics)
