@@ -69,7 +69,7 @@ def _step_dir(path: str) -> str:
 
 
 def _read_meta(step_dir: str) -> dict:
-    from nereus_jax.runtime.orbax_errors import one_line
+    from nereus_jax.runtime.durability.orbax_errors import one_line
 
     file = os.path.join(step_dir, "meta", "metadata")
     try:
@@ -101,7 +101,7 @@ def _check_out(out: str, step_dir: str) -> None:
 def export(step_dir: str, out: str, *, adapter: bool = False) -> str:
     """Writes the actor of the checkpoint at ``step_dir`` to ``out`` (merged, as a Hugging Face checkpoint; or
     with ``adapter`` its LoRA adapters as a PEFT folder); returns what to print."""
-    from nereus_jax.runtime.export import write_hf
+    from nereus_jax.runtime.durability.export import write_hf
 
     model, params, meta = _restore(step_dir)
     if adapter:
@@ -134,8 +134,8 @@ def export(step_dir: str, out: str, *, adapter: bool = False) -> str:
 def _restore(step_dir: str):
     """restore_actor, with a damaged checkpoint as one ExportError line (the file tensorstore could not read)."""
     from nereus_jax.config import ConfigError
-    from nereus_jax.runtime.checkpoint import CheckpointError, restore_actor
-    from nereus_jax.runtime.orbax_errors import one_line
+    from nereus_jax.runtime.durability.checkpoint import CheckpointError, restore_actor
+    from nereus_jax.runtime.durability.orbax_errors import one_line
 
     try:
         return restore_actor(step_dir)

@@ -45,7 +45,7 @@ def _set_platform(cfg: Config) -> None:
     if cfg.cluster.platform != "cpu":
         return
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from nereus_jax.runtime.distributed import detect
+    from nereus_jax.runtime.platform.distributed import detect
 
     if detect().multi:  # several processes: each one's CPU devices come from NEREUS_LOCAL_DEVICES
         return
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from nereus_jax.runtime.distributed import DistributedError, initialize
+    from nereus_jax.runtime.platform.distributed import DistributedError, initialize
 
     try:
         _set_platform(cfg)
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(json.dumps({k: v for k, v in summary.items() if k != "plan"}))
     if summary.get("stopped_by"):
-        from nereus_jax.runtime.checkpoint import resume_command
+        from nereus_jax.runtime.durability.checkpoint import resume_command
 
         argv = sys.argv[1:] if argv is None else argv
         how = (f"resume with:\n  {resume_command(argv, summary['resume_from'])}" if summary["resume_from"] else
@@ -94,7 +94,7 @@ def _run(cfg: Config, run_dir: str, start: float) -> dict:
 
 
 def _check_sharding(cfg: Config, run_dir: str) -> dict:
-    from nereus_jax.runtime.sharding_check import run_sharding_check
+    from nereus_jax.runtime.platform.sharding_check import run_sharding_check
 
     summary = run_sharding_check(cfg)
     os.makedirs(run_dir, exist_ok=True)
@@ -109,7 +109,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from nereus_jax.rl.rewards import RewardFunctionError
     from nereus_jax.rl.tasks import PromptDataError
     from nereus_jax.rl.tokenizer import TokenizerError
-    from nereus_jax.runtime.job import JobError
+    from nereus_jax.runtime.step.job import JobError
     from nereus_jax.sharding import LayoutError
 
     return (ConfigError, LayoutError, JobError, PromptDataError, TokenizerError, HFImportError, RewardFunctionError,

@@ -3,6 +3,9 @@
 - No import cycle among nereus_jax modules.
 - ``models/`` and ``engine/`` import nothing from ``runtime/`` or ``elastic/``, and ``models/`` nothing from
   ``sharding/`` (the Hugging Face reader and writer take and return host arrays; callers shard and gather).
+- ``runtime/``'s sub-packages are layered: ``platform`` (host and devices) < ``step`` (one RL step) <
+  ``durability`` (checkpoints, export, warm start) < ``control`` (the controller in the loop, device loss) <
+  the loops (``run.py``, ``async_rl.py``, ``report.py``).
 - The planning modules (planner, cost model, controller, hardware and workload tables, topology, pricing, the
   simulator, and the ``plan`` / ``simulate`` command lines) import no JAX, directly or through nereus_jax
   modules, so they run where JAX is not installed and start in a fraction of a second.
@@ -41,6 +44,14 @@ FORBIDDEN = (
     ("nereus_jax.engine", "nereus_jax.runtime"),
     ("nereus_jax.engine", "nereus_jax.elastic"),
 )
+# runtime/'s sub-packages, bottom up: the host and devices < one step < what outlives a process < the controller
+# in the loop < the loops (run.py, async_rl.py, report.py). Each imports nothing from those above it.
+RUNTIME_LAYERS = ("platform", "step", "durability", "control")
+RUNTIME_LOOPS = ("nereus_jax.runtime.run", "nereus_jax.runtime.async_rl", "nereus_jax.runtime.report")
+RUNTIME_FORBIDDEN = tuple(
+    (f"nereus_jax.runtime.{low}", dst)
+    for i, low in enumerate(RUNTIME_LAYERS)
+    for dst in (*(f"nereus_jax.runtime.{high}" for high in RUNTIME_LAYERS[i + 1:]), *RUNTIME_LOOPS))
 
 # Imported with these modules (and every module of these packages), JAX must not be.
 PLANNING = (
@@ -78,9 +89,9 @@ PUBLIC_HOME = {"ConfigError": "nereus_jax.config", **{name: MODEL_STAGE for name
 PRIVATE_TESTED = {
     ("tests/rl/test_rewards.py", "nereus_jax.rl.rewards", "_plain_verdict"):
         "the math-verify verdict parser's edge cases, tested on the helper itself",
-    ("tests/models/test_lora_dropout.py", "nereus_jax.runtime.stages", "_abstract_micro"):
+    ("tests/models/test_lora_dropout.py", "nereus_jax.runtime.step.stages", "_abstract_micro"):
         "the ahead-of-time train inputs against the placed ones (with the dropout seed), helper against helper",
-    ("tests/models/test_lora_dropout.py", "nereus_jax.runtime.stages", "_put"):
+    ("tests/models/test_lora_dropout.py", "nereus_jax.runtime.step.stages", "_put"):
         "the placed train inputs the ahead-of-time signature must equal, helper against helper",
 }
 
@@ -351,8 +362,8 @@ def test_the_graph_holds_every_module_and_its_imports():
     assert len(GRAPH.modules) == len(files)
     missing = [m for m in PLANNING if m not in GRAPH.modules]
     assert not missing, f"planning modules listed in PLANNING that do not exist any more: {missing}"
-    job = {a.target for a in GRAPH.arrows["nereus_jax.runtime.job"]}
-    assert {"nereus_jax.runtime.move", "jax"} <= job, "the reader lost runtime.job's imports"
+    job = {a.target for a in GRAPH.arrows["nereus_jax.runtime.step.job"]}
+    assert {"nereus_jax.runtime.step.move", "jax"} <= job, "the reader lost runtime.job's imports"
 
 
 def test_no_import_cycles():
@@ -364,6 +375,15 @@ def test_no_import_cycles():
 def test_models_and_engine_import_nothing_from_the_layers_above():
     bad = GRAPH.forbidden(FORBIDDEN)
     assert not bad, "imports against the layering (models < sharding < engine < elastic < runtime):\n" + "\n".join(bad)
+
+
+def test_runtime_sub_packages_import_nothing_from_the_layers_above():
+    assert all(any(under(m, f"nereus_jax.runtime.{p}") for p in RUNTIME_LAYERS) or m in RUNTIME_LOOPS
+               or m == "nereus_jax.runtime" for m in GRAPH.modules if under(m, "nereus_jax.runtime")), \
+        "a runtime module outside the sub-packages and loops: place it in one (and in RUNTIME_LAYERS' docs)"
+    bad = GRAPH.forbidden(RUNTIME_FORBIDDEN)
+    assert not bad, ("imports against runtime/'s layering (platform < step < durability < control < the loops):\n"
+                     + "\n".join(bad))
 
 
 def test_planning_modules_import_no_jax():
@@ -464,7 +484,7 @@ def test_the_checks_catch_what_they_look_for():
     assert not clean.cycles() and clean.reaches_jax("pkg.b") is None and not clean.private_imports()
 
 
-UNIT_OWNER = "nereus_jax.runtime.stages"  # StageState: the one writer of the stages' units
+UNIT_OWNER = "nereus_jax.runtime.step.stages"  # StageState: the one writer of the stages' units
 
 
 def outside(owner: str, lines_of) -> dict[str, list[int]]:
@@ -487,7 +507,7 @@ def unit_writes(tree: ast.AST) -> list[int]:
 
 
 def test_only_the_stage_owner_writes_the_stages_units():
-    """No runtime module but runtime/stages.py assigns a model-stage's units: moves, training steps and weight
+    """No runtime module but runtime/step/stages.py assigns a model-stage's units: moves, training steps and weight
     syncs hand theirs to ``StageState.replace``. (elastic/ has a transition graph's own ``units`` table.)"""
     # the scan itself: it sees the three forms a writer would use, and not a read
     sample = "job.units[ms] = u\nself.stages.units = {}\ndel job.units[ms]\nx = job.units[ms]\n"
@@ -500,7 +520,7 @@ def test_only_the_stage_owner_writes_the_stages_units():
 def test_only_rollout_gives_engines_parameters():
     """Engines get parameters when Rollout builds them and in ``Rollout.set_params`` (sync and async weight syncs,
     moves): no other runtime module calls a generator's ``set_params`` or an engine's ``adopt_params``."""
-    owner = "nereus_jax.runtime.rollout"
+    owner = "nereus_jax.runtime.step.rollout"
 
     def calls(tree: ast.AST) -> list[int]:
         return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
@@ -518,7 +538,7 @@ def test_actor_gen_units_change_only_with_the_engines_parameters():
     (``Rollout.load_units``): no other runtime module calls ``replace(ACTOR_GEN, ...)``, so no path can leave the
     engines generating from parameters the units no longer hold. (Moves replace every stage's units, then
     ``Rollout.adopt`` gives the engines theirs.)"""
-    owner = "nereus_jax.runtime.rollout"
+    owner = "nereus_jax.runtime.step.rollout"
 
     def calls(tree: ast.AST) -> list[int]:
         return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
@@ -548,11 +568,11 @@ def test_only_the_stage_owner_builds_weight_syncs():
 
 
 def test_device_loss_recovery_is_one_policy_and_never_replaces_the_job():
-    """``runtime/recovery.py`` holds the one device-loss policy: no other runtime module checks what survived
+    """``runtime/control/recovery.py`` holds the one device-loss policy: no other runtime module checks what survived
     (``surviving_state``), restores a checkpoint onto a plan (``restore_onto``) or builds a ``Recovery``; and no
     runtime module assigns a ``.job`` attribute outside a constructor, so no loop holding a job can be left
     running one that was replaced (a restore after a loss happens inside the same Job)."""
-    owner = "nereus_jax.runtime.recovery"
+    owner = "nereus_jax.runtime.control.recovery"
 
     def calls(tree: ast.AST) -> list[int]:
         names = ("surviving_state", "restore_onto", "Recovery")

@@ -4,8 +4,8 @@
     .venv312/bin/python tools/bench_cost_model.py --layouts 1x1,2x2,1x2,2x1,1x4,4x1,1x8,2x4,1x1x2,1x2x4
     .venv312/bin/python tools/bench_cost_model.py --moe           # tiny Qwen3-MoE over 7 ep layouts (~7 min)
 
-Each layout ``TPxDP`` or ``TPxDPxPP`` runs the job's own stage computations of :mod:`nereus_jax.runtime.losses`
-as jitted SPMD programs over a ("dp", "pp", "tp") mesh, exactly as ``runtime.job`` builds them (parameters
+Each layout ``TPxDP`` or ``TPxDPxPP`` runs the job's own stage computations of :mod:`nereus_jax.runtime.step.losses`
+as jitted SPMD programs over a ("dp", "pp", "tp") mesh, exactly as ``runtime.step.job`` builds them (parameters
 laid out by ``shard_params``, rows split over dp, ``split_micro`` micro-batches sized by
 ``accumulation_steps``; with pp > 1 the scoring forward pipelined as ``job.stage_forward`` runs it and the
 training gradient as ``job.stage_value_and_grad`` takes it, 1F1B, the job's default):
@@ -73,9 +73,9 @@ from nereus_jax.elastic.costs import CostModel, Measurement, StageChoice  # noqa
 from nereus_jax.elastic.topology import accumulation_steps  # noqa: E402
 from nereus_jax.elastic.workload import Workload  # noqa: E402
 from nereus_jax.models import count_params, forward, init_params  # noqa: E402
-from nereus_jax.runtime import losses  # noqa: E402
-from nereus_jax.runtime.job import stage_forward, stage_value_and_grad  # noqa: E402
-from nereus_jax.runtime.learner import busiest_expert_share  # noqa: E402
+from nereus_jax.runtime.step import losses  # noqa: E402
+from nereus_jax.runtime.step.job import stage_forward, stage_value_and_grad  # noqa: E402
+from nereus_jax.runtime.step.learner import busiest_expert_share  # noqa: E402
 from nereus_jax.sharding import Layout, make_mesh, shard_params  # noqa: E402
 
 # ~20M parameters: 4 layers of ~3M plus 2 x 4.2M embedding / lm head.
@@ -179,7 +179,7 @@ def host_batch(cfg: ModelConfig) -> dict:
 
 
 def put(micro: dict, mesh) -> dict:
-    """As ``runtime.stages._put``: [accum, rows, ...] arrays split over dp on the rows axis."""
+    """As ``runtime.step.stages._put``: [accum, rows, ...] arrays split over dp on the rows axis."""
     rows = NamedSharding(mesh, PartitionSpec(None, "dp"))
     whole = NamedSharding(mesh, PartitionSpec())
     return {k: jax.device_put(v, rows if np.ndim(v) > 1 else whole) for k, v in micro.items()}

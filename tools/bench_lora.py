@@ -65,7 +65,7 @@ from nereus_jax.engine import JaxEngine
 from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN
 from nereus_jax.models import init_params
 from nereus_jax.models.lora import ALL_TARGETS, split_trainable, targets
-from nereus_jax.runtime import losses
+from nereus_jax.runtime.step import losses
 from nereus_jax.sharding import Layout, make_mesh
 
 GOAL_PEAK_RATIO_MAX, GOAL_SYNC_RATIO_MAX = 0.5, 0.05

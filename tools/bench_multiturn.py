@@ -99,7 +99,7 @@ from nereus_jax.models import init_params  # noqa: E402
 from nereus_jax.rl.env import EnvStep  # noqa: E402
 from nereus_jax.rl.tasks import make_task  # noqa: E402
 from nereus_jax.rl.tokenizer import CharTokenizer  # noqa: E402
-from nereus_jax.runtime.job import Job  # noqa: E402
+from nereus_jax.runtime.step.job import Job  # noqa: E402
 
 GOAL_SPEEDUP, GOAL_LATENCY_THROUGHPUT_RATIO = 2.0, 0.8
 TOOL_TOKENS = (32, 128)  # a tool message's digits, inclusive

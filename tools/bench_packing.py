@@ -41,7 +41,7 @@ from nereus_jax.config import AlgorithmConfig, ModelConfig  # noqa: E402
 from nereus_jax.elastic.topology import accumulation_steps  # noqa: E402
 from nereus_jax.models import abstract_params, count_params, init_params  # noqa: E402
 from nereus_jax.rl import packing  # noqa: E402
-from nereus_jax.runtime import losses  # noqa: E402
+from nereus_jax.runtime.step import losses  # noqa: E402
 
 BENCH_MODEL = ModelConfig(name="bench-6m", vocab_size=4096, hidden_size=256, num_layers=4, num_heads=4,
                           num_kv_heads=2, intermediate_size=768, tie_embeddings=True, max_position_embeddings=1024)

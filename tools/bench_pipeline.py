@@ -64,8 +64,8 @@ from nereus_jax.model_stage import ACTOR_TRAIN  # noqa: E402
 from nereus_jax.models import apply_layers, causal_mask, default_positions, init_params, output_head  # noqa: E402
 from nereus_jax.rl.tasks import make_task  # noqa: E402
 from nereus_jax.rl.tokenizer import CharTokenizer  # noqa: E402
-from nereus_jax.runtime import losses  # noqa: E402
-from nereus_jax.runtime.job import Job  # noqa: E402
+from nereus_jax.runtime.step import losses  # noqa: E402
+from nereus_jax.runtime.step.job import Job  # noqa: E402
 from nereus_jax.sharding import Layout, make_mesh, shard_params  # noqa: E402
 from nereus_jax.sharding.pipeline import (  # noqa: E402
     bubble_fraction,

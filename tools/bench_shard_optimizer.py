@@ -45,8 +45,8 @@ from machine_limits import (  # noqa: E402
 from nereus_jax.config import AlgorithmConfig, ModelConfig  # noqa: E402
 from nereus_jax.elastic.spec import StateSpec  # noqa: E402
 from nereus_jax.models import init_params  # noqa: E402
-from nereus_jax.runtime import losses  # noqa: E402
-from nereus_jax.runtime.stages import stage_value_and_grad  # noqa: E402
+from nereus_jax.runtime.step import losses  # noqa: E402
+from nereus_jax.runtime.step.stages import stage_value_and_grad  # noqa: E402
 from nereus_jax.sharding import Layout, make_mesh  # noqa: E402
 
 LR = 2.0e-4

@@ -28,7 +28,7 @@ from machine_limits import actor_batch, copy_bytes_per_s, interleaved_median_sec
 
 from nereus_jax.config import AlgorithmConfig, ModelConfig
 from nereus_jax.models import init_params
-from nereus_jax.runtime import losses
+from nereus_jax.runtime.step import losses
 from nereus_jax.vocab_chunks import DEFAULT_VOCAB_CHUNK, vocab_split
 
 

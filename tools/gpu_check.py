@@ -36,7 +36,7 @@ whether the run got to the end.
   that many bytes over ``copy_bandwidth_gb_s``. ``fraction_of_roofline`` = tokens_per_s / roofline.
 - ``prefill``: one engine ``prefill`` call of 16 prompts x 1024 tokens (median of 5): ``prefill_tokens_per_s``
   and ``prefill_mfu`` (2 x matmul params x tokens + causal attention FLOPs over ``matmul_tflops``).
-- ``train``: ``nereus_jax.runtime.losses.make_train_step`` with the PPO ``actor_loss`` (AdamW, float32 master
+- ``train``: ``nereus_jax.runtime.step.losses.make_train_step`` with the PPO ``actor_loss`` (AdamW, float32 master
   weights, bf16 compute, donated state), 64 rows of 64 prompt + 448 response tokens split into micro-batches of
   ``micro_batch_tokens`` 8192 (``accumulation_steps``: 4 of 16 rows), median of 3 steps after a compiling
   one. ``train_mfu``: model FLOPs (6 x matmul params x tokens + 3 x the causal attention forward, 2 x 2 x
@@ -244,7 +244,7 @@ def train(cfg: ModelConfig, raw: dict, shapes: Shapes, matmul_flops: float) -> d
     from jax.sharding import NamedSharding, PartitionSpec
 
     from nereus_jax.elastic.topology import accumulation_steps
-    from nereus_jax.runtime import losses
+    from nereus_jax.runtime.step import losses
     from nereus_jax.sharding import Layout, make_mesh, shard_params
 
     rows, P, R = shapes.train_rows, shapes.train_prompt, shapes.train_response

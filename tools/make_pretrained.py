@@ -24,7 +24,7 @@ What it does (CPU only; one JAX device; deterministic for a given --seed):
    ``add_generation_prompt``) and ``generation_config.json`` (eos ids);
 3. supervises a small Qwen3-shaped decoder (``family: qwen3``: q/k RMSNorm, explicit head_dim; ~0.4M
    parameters) on chat-rendered prompt -> solution pairs, with the loss on the response tokens only, using
-   the job's own training step (:mod:`nereus_jax.runtime.losses`), ``--max-steps`` steps: long enough that its
+   the job's own training step (:mod:`nereus_jax.runtime.step.losses`), ``--max-steps`` steps: long enough that its
    arithmetic is mostly right, so the misconception is most of what RL can correct. Every ``--check-every``
    steps the greedy accuracy on the validation split is measured with the job's inference engine and math
    reward (``--target-accuracy`` stops training once it is reached: a fixed number of steps is the default,
@@ -278,7 +278,7 @@ def supervise(params: dict, cfg, data: dict, evaluate: GreedyEval, args: argpars
     import jax
     import numpy as np
 
-    from nereus_jax.runtime.losses import make_optimizer, make_train_step, sft_loss, split_micro
+    from nereus_jax.runtime.step.losses import make_optimizer, make_train_step, sft_loss, split_micro
 
     opt = make_optimizer(args.lr)
     step_fn = jax.jit(make_train_step(sft_loss(cfg, args.prompt_length), opt, cfg), donate_argnums=(0, 1))

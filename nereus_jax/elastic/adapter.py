@@ -2,7 +2,7 @@
 
 The :class:`~nereus_jax.elastic.controller.Controller` takes three callables (candidates, latency,
 transition seconds). :class:`ControllerAdapter` writes the first once, so the job
-(:class:`~nereus_jax.runtime.job_pricer.JobPricer`) and the simulator
+(:class:`~nereus_jax.runtime.control.job_pricer.JobPricer`) and the simulator
 (:class:`~nereus_jax.sim.model.PlanningModel`) offer the same plans on the same state and a simulated figure
 tests the policy the job runs. :meth:`ControllerAdapter.candidates`, in order:
 

@@ -27,9 +27,10 @@ from nereus_jax.models import init_params
 from nereus_jax.models.lora import base_config
 from nereus_jax.rl.tasks import PromptDataError, make_task
 from nereus_jax.rl.tokenizer import TokenizerError
-from nereus_jax.runtime.adapt import Adapter
 from nereus_jax.runtime.async_rl import AsyncRunner
-from nereus_jax.runtime.checkpoint import (
+from nereus_jax.runtime.control.adapt import Adapter
+from nereus_jax.runtime.control.recovery import training_snapshot
+from nereus_jax.runtime.durability.checkpoint import (
     Checkpointer,
     GracefulStop,
     checkpoint_dir,
@@ -38,14 +39,13 @@ from nereus_jax.runtime.checkpoint import (
     restore_job,
     stop_agreed,
 )
-from nereus_jax.runtime.device_memory import peak_rss_bytes
-from nereus_jax.runtime.distributed import is_primary
-from nereus_jax.runtime.export import export_actor
-from nereus_jax.runtime.initial_plan import AUTO_MICRO_BATCH_TOKENS, predicted_peak, with_micro_batch_tokens
-from nereus_jax.runtime.job import DeviceLost, Job, JobError, NonFiniteTraining, StepResult, prompt_ids
-from nereus_jax.runtime.recovery import training_snapshot
+from nereus_jax.runtime.durability.export import export_actor
+from nereus_jax.runtime.durability.warmstart import SFT_INDEX_OFFSET, cached_warm_start, run_sft
+from nereus_jax.runtime.platform.device_memory import peak_rss_bytes
+from nereus_jax.runtime.platform.distributed import is_primary
 from nereus_jax.runtime.report import RunReport
-from nereus_jax.runtime.warmstart import SFT_INDEX_OFFSET, cached_warm_start, run_sft
+from nereus_jax.runtime.step.initial_plan import AUTO_MICRO_BATCH_TOKENS, predicted_peak, with_micro_batch_tokens
+from nereus_jax.runtime.step.job import DeviceLost, Job, JobError, NonFiniteTraining, StepResult, prompt_ids
 from nereus_jax.sharding import Layout, make_mesh, shard_params
 
 
@@ -100,7 +100,7 @@ def check_inputs(cfg: Config, log: Callable[[str], None] = print) -> Inputs:
     _check_memory(cfg)
     if cfg.task.env is not None:  # the environment builds (its class imports), before anything compiles
         from nereus_jax.rl.env import EnvError
-        from nereus_jax.runtime.agent import make_agent_env
+        from nereus_jax.runtime.step.agent import make_agent_env
 
         try:
             make_agent_env(cfg, tok)
@@ -178,7 +178,7 @@ def _check_layouts(cfg: Config) -> None:
     """Every model-stage's configured layout splits its model: a tp or pp that cannot divide a dimension is
     a ConfigError naming the plan key and the model-stage, before the warm start or any compile."""
     from nereus_jax.model_stage import REWARD_INFER
-    from nereus_jax.runtime.initial_plan import job_stages
+    from nereus_jax.runtime.step.initial_plan import job_stages
     from nereus_jax.sharding import Layout, LayoutError, check_layout
 
     for ms in job_stages(cfg):

@@ -238,7 +238,7 @@ def pipeline_value_and_grad(make_loss: MakeLoss, params: dict, mbs, *, mesh: Mes
     mesh's pp axis (module docstring).
 
     ``make_loss(forward_fn)`` builds ``loss(params, mb) -> (value, metrics)`` on a forward function (as
-    :func:`~nereus_jax.runtime.losses.actor_loss` does); the loss makes exactly one model call through it and
+    :func:`~nereus_jax.runtime.step.losses.actor_loss` does); the loss makes exactly one model call through it and
     reads the parameters only through that call. ``mbs``: the loss's inputs as m micro-batches, every leaf
     ``[m, ...]``; a leaf of rank >= 2 holds rows on axis 1, split over dp (as the job places micro-batches).
     Each dp replica runs the loss on its rows of each micro-batch, so the loss must add up over rows (the

@@ -383,7 +383,7 @@ def test_lora_state_bytes_equal_the_state_spec_for_every_stage_and_layout(target
     adapters and the value head alone, the reference without adapters)."""
     from nereus_jax.elastic.spec import StateSpec
     from nereus_jax.models.lora import base_config
-    from nereus_jax.runtime.losses import make_optimizer
+    from nereus_jax.runtime.step.losses import make_optimizer
 
     m = dataclasses.replace(SMALL, lora_rank=4, **({"lora_targets": targets} if targets else {}))
     specs = {"actor-train": StateSpec(m, "train", optimizer=make_optimizer(1e-3)),

@@ -1,7 +1,7 @@
 """The cost model's training FLOPs with LoRA against hand counts: the frozen base (layers and lm head) makes
 one forward-sized pass less (no weight gradient), the adapters' GEMMs run on every pass, a value head still
 trains. (XLA drops the frozen weights' gradients from the compiled train step, pp 1, 1F1B and GPipe alike:
-``runtime.losses.make_train_step`` never accumulates them.)"""
+``runtime.step.losses.make_train_step`` never accumulates them.)"""
 
 import dataclasses
 

@@ -10,7 +10,7 @@ from nereus_jax.elastic.sources import HostSource, ValueHeadSource, ZeroSource, 
 from nereus_jax.elastic.spec import StateSpec
 from nereus_jax.model_stage import ModelStage
 from nereus_jax.models import abstract_params, init_params
-from nereus_jax.runtime.losses import make_optimizer
+from nereus_jax.runtime.step.losses import make_optimizer
 from nereus_jax.sharding import Layout
 
 CFG = ModelConfig(num_kv_heads=2, num_heads=8, qkv_bias=True)  # tp 4 and 8 repeat the kv heads

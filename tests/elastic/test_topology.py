@@ -78,7 +78,7 @@ def test_the_planners_plan_is_the_jobs_plan_and_fits_its_memory_check_on_the_fir
 def test_the_runtime_and_the_simulator_price_a_plan_identically():
     """The job's pricing (built from its config, as the adapter does) and the simulator's planning model
     (built from a trace) give the same step latency and peak bytes for the same plan and workload."""
-    from nereus_jax.runtime.initial_plan import job_pricing, job_topology, plan_from_config
+    from nereus_jax.runtime.step.initial_plan import job_pricing, job_topology, plan_from_config
     from nereus_jax.sim.model import PlanningModel, SharedCaches
     from nereus_jax.sim.plan_cost import SimPlan, state_specs
 

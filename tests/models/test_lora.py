@@ -12,7 +12,7 @@ from nereus_jax.config import AlgorithmConfig, ModelConfig
 from nereus_jax.engine import Generator, JaxEngine, SamplingParams
 from nereus_jax.models import forward, init_params, lora
 from nereus_jax.models.peft import AdapterError, read_adapter, write_adapter
-from nereus_jax.runtime import losses
+from nereus_jax.runtime.step import losses
 from nereus_jax.sharding import Layout, activation_sharding, gather_params, make_mesh, shard_params
 
 # Qwen3-shaped (q/k norms, biases) with every projection adapted; 4 heads over 2 kv heads so tp 4 repeats them

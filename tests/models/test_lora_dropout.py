@@ -17,8 +17,8 @@ from nereus_jax.config import AlgorithmConfig, ConfigError, ModelConfig, load_co
 from nereus_jax.model_stage import ACTOR_TRAIN, CRITIC_TRAIN
 from nereus_jax.models import abstract_params, forward, lora
 from nereus_jax.models.peft import write_adapter
-from nereus_jax.runtime import losses
-from nereus_jax.runtime.learner import Learner
+from nereus_jax.runtime.step import losses
+from nereus_jax.runtime.step.learner import Learner
 
 P = 0.25
 # two targets keep the compiles short: q_proj reads [b, t, embed], o_proj [b, t, heads, head_dim]
@@ -163,8 +163,8 @@ def test_bad_dropout_settings_are_refused_with_the_fix():
 def test_the_controller_never_proposes_a_pipelined_training_stage_with_dropout():
     """A controller move to pp > 1 training would fail at its compile (the pipeline schedules do not carry the
     dropout key): the job's candidates leave such plans out, and keep them without dropout."""
-    from nereus_jax.runtime.initial_plan import plan_from_config
-    from nereus_jax.runtime.job_pricer import JobPricer
+    from nereus_jax.runtime.control.job_pricer import JobPricer
+    from nereus_jax.runtime.step.initial_plan import plan_from_config
 
     lora = ["model.lora_rank=4", "plan.colocate=false", "plan.stages.actor-gen.dp=2"]
     pipelined = plan_from_config(load_config(None, lora + ["plan.stages.actor-train.pp=2"]))
@@ -182,7 +182,7 @@ def test_the_controller_never_proposes_a_pipelined_training_stage_with_dropout()
 def test_a_move_compiles_ahead_for_the_seed_the_steps_pass(devices):
     """prepare_programs compiles a target plan's train program from the recorded input signature
     (stages._abstract_micro): its abstract seed must be what the learner's seed becomes on the mesh."""
-    from nereus_jax.runtime.stages import _abstract_micro, _put
+    from nereus_jax.runtime.step.stages import _abstract_micro, _put
     from nereus_jax.sharding import Layout, make_mesh
 
     mesh = make_mesh(devices[:2], Layout(), dp=2)

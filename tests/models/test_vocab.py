@@ -14,7 +14,7 @@ import pytest
 from nereus_jax.config import AlgorithmConfig, ModelConfig
 from nereus_jax.models import init_params
 from nereus_jax.models.vocab import head_logprobs
-from nereus_jax.runtime.losses import actor_loss
+from nereus_jax.runtime.step.losses import actor_loss
 from nereus_jax.sharding import Layout, make_mesh, shard_params
 from nereus_jax.vocab_chunks import chunk_width, vocab_split
 

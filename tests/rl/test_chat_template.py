@@ -315,7 +315,7 @@ def test_a_trajectory_of_turns_and_tool_answers_is_the_templates_rendering_of_th
     from nereus_jax.config import load_config
     from nereus_jax.rl.env import ToolEnv
     from nereus_jax.rl.tools import CALCULATOR
-    from nereus_jax.runtime.agent import AgentRollouts, Trajectory
+    from nereus_jax.runtime.step.agent import AgentRollouts, Trajectory
 
     tok = ours(tmp_path, name)
     env = ToolEnv([CALCULATOR], TOOL_FORMAT[name])

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from nereus_jax.config import Config
-    from nereus_jax.runtime.job import Job
+    from nereus_jax.runtime.step.job import Job
 
 TINY_JOB = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=16",
             "rollout.samples_per_prompt=2", "trainer.actor_lr=1e-3", "trainer.critic_lr=1e-3",
@@ -31,7 +31,7 @@ def job_for(cfg: Config, **kwargs) -> Job:
     ``Job`` (actor=, plan=, devices=, rewarder=)."""
     from nereus_jax.rl.tasks import make_task
     from nereus_jax.rl.tokenizer import CharTokenizer
-    from nereus_jax.runtime.job import Job
+    from nereus_jax.runtime.step.job import Job
 
     return Job(cfg, make_task(cfg.task), CharTokenizer(), **kwargs)
 
@@ -46,7 +46,7 @@ def restore_for(cfg: Config, path: str, **kwargs) -> tuple[Job, dict]:
     returns (job, metadata). ``kwargs`` go to ``restore_job`` (plan=, devices=, ...)."""
     from nereus_jax.rl.tasks import make_task
     from nereus_jax.rl.tokenizer import CharTokenizer
-    from nereus_jax.runtime.checkpoint import restore_job
+    from nereus_jax.runtime.durability.checkpoint import restore_job
 
     return restore_job(cfg, make_task(cfg.task), CharTokenizer(), path, **kwargs)
 

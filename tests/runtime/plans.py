@@ -45,7 +45,7 @@ def move_randomly(job, rng: random.Random, moves: int, tries: int = 30, layouts=
     from nereus_jax.elastic.graph import TransitionGraph
     from nereus_jax.elastic.recipe import align_ranks
     from nereus_jax.elastic.schedule import Infeasible
-    from nereus_jax.runtime.move import move
+    from nereus_jax.runtime.step.move import move
 
     moved = 0
     for _ in range(tries):

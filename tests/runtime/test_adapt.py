@@ -10,8 +10,8 @@ from plans import units_from_host
 from nereus_jax.elastic.controller import UNCERTAINTY_Z, Observation
 from nereus_jax.elastic.plan import ExecutionPlan, StagePlan
 from nereus_jax.model_stage import ModelStage
-from nereus_jax.runtime.adapt import Adapter
-from nereus_jax.runtime.job_pricer import compile_by_stage, partial_moves
+from nereus_jax.runtime.control.adapt import Adapter
+from nereus_jax.runtime.control.job_pricer import compile_by_stage, partial_moves
 from nereus_jax.sharding import Layout
 
 STEPS = 4
@@ -155,7 +155,7 @@ def test_a_predicted_memory_violation_is_an_urgent_trigger_toward_a_plan_that_fi
 def test_a_device_in_use_leaving_with_no_live_transition_fails_naming_the_restart():
     """A leave the controller cannot plan around (here it is given no candidate) stops the job with the
     restart command instead of letting it run on devices that are gone."""
-    from nereus_jax.runtime.adapt import LiveTransitionError
+    from nereus_jax.runtime.control.adapt import LiveTransitionError
 
     job = tiny_job(["cluster.schedule=[{step: 1, leave: [1, 2, 3, 4, 5, 6, 7]}]", "plan.stages.actor-gen.dp=1"])
     adapter = Adapter(job, log=lambda _: None)

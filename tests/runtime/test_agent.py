@@ -14,7 +14,7 @@ from nereus_jax.model_stage import ACTOR_GEN
 from nereus_jax.rl.env import EnvStep
 from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer, as_messages
-from nereus_jax.runtime.losses import actor_loss, response_logits
+from nereus_jax.runtime.step.losses import actor_loss, response_logits
 
 AGENT = ["task.env=test_agent:ScriptedEnv", "rollout.max_response_length=32", "rollout.max_turns=3",
          "trainer.actor_lr=1e-3"]
@@ -170,7 +170,7 @@ def test_a_step_trains_on_trajectories_and_logs_turns_and_tool_metrics(job):
 
 
 def test_warm_start_demonstrations_show_the_plain_calculator_call_and_mask_its_result():
-    from nereus_jax.runtime.warmstart import encode_sft
+    from nereus_jax.runtime.durability.warmstart import encode_sft
 
     tok = CharTokenizer()
     problems = [make_task(load_config(None).task).problem(i) for i in range(4)]
@@ -214,7 +214,7 @@ def test_agent_tiny_learns_and_calls_the_calculator_more(tmp_path):
 
 @pytest.mark.long  # ~30 s: CI time; run with -m long
 def test_async_one_step_off_runs_trajectories_and_logs_each_steps_own_metrics():
-    from nereus_jax.runtime.adapt import Adapter
+    from nereus_jax.runtime.control.adapt import Adapter
     from nereus_jax.runtime.run import rl_steps
 
     job = tiny_job(AGENT + ["trainer.mode=async", "trainer.max_staleness=1", "plan.colocate=false",

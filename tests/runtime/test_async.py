@@ -8,10 +8,10 @@ from jobs import tiny_job
 
 from nereus_jax.elastic.graph import TransitionGraph
 from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN
-from nereus_jax.runtime.adapt import Adapter
 from nereus_jax.runtime.async_rl import AsyncRunner
-from nereus_jax.runtime.job import JobError
+from nereus_jax.runtime.control.adapt import Adapter
 from nereus_jax.runtime.run import rl_steps
+from nereus_jax.runtime.step.job import JobError
 
 SPLIT = ["plan.colocate=false", "plan.stages.actor-gen.dp=4"]  # generation on devices of its own
 STEPS = 3

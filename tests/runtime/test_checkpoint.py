@@ -17,8 +17,8 @@ from jobs import job_for, restore_for, tiny_config
 from nereus_jax.elastic.emu import stage_checksum
 from nereus_jax.elastic.plan import ExecutionPlan
 from nereus_jax.model_stage import ACTOR_TRAIN, CRITIC_TRAIN
-from nereus_jax.runtime.checkpoint import Checkpointer, CheckpointError, plan_from_json, read_metadata
-from nereus_jax.runtime.initial_plan import plan_from_config
+from nereus_jax.runtime.durability.checkpoint import Checkpointer, CheckpointError, plan_from_json, read_metadata
+from nereus_jax.runtime.step.initial_plan import plan_from_config
 
 pytestmark = pytest.mark.resume
 
@@ -190,9 +190,9 @@ def test_the_controller_state_saved_with_a_checkpoint_is_the_one_a_resumed_contr
     load_controller gives it to the resumed run's controller: its references, horizons, calibrated
     efficiencies and n_1/2, and compile figures equal the saved controller's; on another device count the
     resumed controller starts afresh."""
-    from nereus_jax.runtime.adapt import Adapter
-    from nereus_jax.runtime.checkpoint import load_controller
-    from nereus_jax.runtime.initial_plan import job_pricing
+    from nereus_jax.runtime.control.adapt import Adapter
+    from nereus_jax.runtime.durability.checkpoint import load_controller
+    from nereus_jax.runtime.step.initial_plan import job_pricing
 
     cfg = _cfg("controller.enabled=true")
     job = job_for(cfg, actor=warm)

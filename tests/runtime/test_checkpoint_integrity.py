@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from nereus_jax.config import load_config
-from nereus_jax.runtime.checkpoint import DamagedCheckpoint, checksums, restore_job
+from nereus_jax.runtime.durability.checkpoint import DamagedCheckpoint, checksums, restore_job
 from nereus_jax.runtime.run import check_inputs, run_job
 
 pytestmark = pytest.mark.resume
@@ -120,7 +120,7 @@ def test_the_layout_independent_form_a_checkpoint_stores_keeps_every_bit(devices
     from nereus_jax.elastic.spec import StateSpec
     from nereus_jax.model_stage import ModelStage
     from nereus_jax.models import init_params
-    from nereus_jax.runtime.checkpoint import canonical_leaves
+    from nereus_jax.runtime.durability.checkpoint import canonical_leaves
     from nereus_jax.sharding import Layout
 
     cfg = ModelConfig(num_heads=4, num_kv_heads=2)

@@ -15,8 +15,8 @@ from nereus_jax.model_stage import ACTOR_TRAIN
 from nereus_jax.rl import algorithms as alg
 from nereus_jax.rl.batch import RolloutBatch
 from nereus_jax.rl.rewards import RewardBatch, Rewarder
-from nereus_jax.runtime.job import EXTRA_INDEX_OFFSET
-from nereus_jax.runtime.learner import Learner
+from nereus_jax.runtime.step.job import EXTRA_INDEX_OFFSET
+from nereus_jax.runtime.step.learner import Learner
 
 BF16 = ["model.compute_dtype=bfloat16", "algorithm.name=grpo"]
 
@@ -141,7 +141,7 @@ def test_float32_on_one_layout_has_no_mismatch(warm):
 def test_a_transition_logs_the_mismatch_before_and_after_it(warm):
     """bf16 generation, packed sequences; devices 6 and 7 leave at step 1: the move's event holds the mismatch of
     step 0 and of step 1 (the first on the new plan), and the adapter logs both."""
-    from nereus_jax.runtime.adapt import Adapter
+    from nereus_jax.runtime.control.adapt import Adapter
 
     lines = []
     job = tiny_job(BF16 + ["cluster.schedule=[{step: 1, leave: [6, 7]}]", "trainer.packing=true"], actor=warm)
@@ -164,7 +164,7 @@ def test_a_transition_logs_the_mismatch_before_and_after_it(warm):
 def test_async_corrects_stale_and_fresh_rows_together(warm):
     """trainer.mode=async one-step-off with TIS and packed sequences: stale rows get the staleness weight, every
     step logs the mismatch and the correction; the run is the sync-mode job's order of corrections."""
-    from nereus_jax.runtime.adapt import Adapter
+    from nereus_jax.runtime.control.adapt import Adapter
     from nereus_jax.runtime.run import rl_steps
 
     job = tiny_job(BF16 + ["plan.colocate=false", "plan.stages.actor-gen.dp=4", "trainer.mode=async",
@@ -238,7 +238,7 @@ def test_resume_mid_run_computes_what_a_straight_run_computes(warm, tmp_path):
     """DAPO (dynamic sampling, clip-higher, overlong penalty) with 2 mini-batches x 2 epochs, TIS and packed
     sequences: 4 steps straight vs 2 + checkpoint + restore into a fresh Job + 2, on the same plan: the same
     metrics, bit for bit."""
-    from nereus_jax.runtime.checkpoint import Checkpointer
+    from nereus_jax.runtime.durability.checkpoint import Checkpointer
 
     extra = ["algorithm.name=dapo", "trainer.mini_batches=2", "trainer.ppo_epochs=2",
              "algorithm.rollout_correction=tis", "trainer.packing=true"]

@@ -32,7 +32,7 @@ def test_the_topology_config_and_planner_pick_it_up(judge):
     from nereus_jax.elastic.planner import Planner
     from nereus_jax.elastic.topology import Topology
     from nereus_jax.elastic.workload import Workload
-    from nereus_jax.runtime.initial_plan import job_models
+    from nereus_jax.runtime.step.initial_plan import job_models
 
     topo = Topology.of_job("grpo")
     assert topo.phases[1][-1] == "judge-infer" and "judge-infer" in topo.units and topo.host("judge-infer") == \
@@ -49,7 +49,7 @@ def test_the_job_places_it_scores_with_it_and_times_it(judge):
     from nereus_jax.config import load_config
     from nereus_jax.rl.tasks import make_task
     from nereus_jax.rl.tokenizer import CharTokenizer
-    from nereus_jax.runtime.job import Job
+    from nereus_jax.runtime.step.job import Job
 
     cfg = load_config(None, TINY_JOB + ["algorithm.name=grpo", "trainer.prompts_per_step=8"])
     job = Job(cfg, make_task(cfg.task), CharTokenizer())

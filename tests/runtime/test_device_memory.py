@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from nereus_jax.runtime import device_memory
+from nereus_jax.runtime.platform import device_memory
 
 
 class _Deleted:

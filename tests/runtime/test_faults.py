@@ -27,9 +27,9 @@ from nereus_jax.elastic.emu import stage_checksum
 from nereus_jax.model_stage import ACTOR_TRAIN, CRITIC_TRAIN
 from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
-from nereus_jax.runtime.checkpoint import Checkpointer, DeviceLost, read_metadata, restore_job
-from nereus_jax.runtime.job import Job
-from nereus_jax.runtime.recovery import recover, training_snapshot
+from nereus_jax.runtime.control.recovery import recover, training_snapshot
+from nereus_jax.runtime.durability.checkpoint import Checkpointer, DeviceLost, read_metadata, restore_job
+from nereus_jax.runtime.step.job import Job
 
 pytestmark = pytest.mark.fault
 
@@ -270,8 +270,8 @@ CHILD = textwrap.dedent("""
     from nereus_jax.config import load_config
     from nereus_jax.rl.tasks import make_task
     from nereus_jax.rl.tokenizer import CharTokenizer
-    from nereus_jax.runtime.checkpoint import Checkpointer
-    from nereus_jax.runtime.job import Job
+    from nereus_jax.runtime.durability.checkpoint import Checkpointer
+    from nereus_jax.runtime.step.job import Job
     ckdir, base = sys.argv[1], sys.argv[2:]
     cfg = load_config(None, base)
     job = Job(cfg, make_task(cfg.task), CharTokenizer())

@@ -11,9 +11,9 @@ from jobs import TINY_JOB, tiny_config, tiny_job
 from nereus_jax.config import load_config
 from nereus_jax.model_stage import REWARD_INFER
 from nereus_jax.runtime import run as run_module
-from nereus_jax.runtime.initial_plan import plan_from_config
 from nereus_jax.runtime.report import scalars
 from nereus_jax.runtime.run import run_job
+from nereus_jax.runtime.step.initial_plan import plan_from_config
 from nereus_jax.train import main
 
 

@@ -15,9 +15,9 @@ from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, REF_INF
 from nereus_jax.models import lora
 from nereus_jax.models.hf import load_hf
 from nereus_jax.models.peft import read_adapter
-from nereus_jax.runtime.checkpoint import Checkpointer
-from nereus_jax.runtime.export import export_actor
-from nereus_jax.runtime.initial_plan import plan_from_config
+from nereus_jax.runtime.durability.checkpoint import Checkpointer
+from nereus_jax.runtime.durability.export import export_actor
+from nereus_jax.runtime.step.initial_plan import plan_from_config
 from nereus_jax.sharding import Layout
 
 LORA = ["model.lora_rank=4", "model.lora_alpha=8", "trainer.actor_lr=1e-2", "trainer.critic_lr=1e-2"]
@@ -148,8 +148,8 @@ def test_a_job_starts_from_a_peft_adapter_and_a_misfit_one_is_refused(trained, w
 
 def test_a_missing_or_misfit_adapter_is_refused_before_any_compile(trained, tmp_path):
     from nereus_jax.models.peft import write_adapter
-    from nereus_jax.runtime.job import JobError
     from nereus_jax.runtime.run import check_inputs
+    from nereus_jax.runtime.step.job import JobError
 
     with pytest.raises(JobError, match="has no adapter_config.json"):
         check_inputs(_cfg(f"model.lora_path={tmp_path / 'none'}"), log=lambda _: None)

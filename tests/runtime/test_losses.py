@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from nereus_jax.config import AlgorithmConfig, ModelConfig
 from nereus_jax.elastic.topology import accumulation_steps
 from nereus_jax.models import init_params
-from nereus_jax.runtime.losses import (
+from nereus_jax.runtime.step.losses import (
     actor_loss,
     critic_loss,
     make_optimizer,

@@ -16,8 +16,8 @@ from nereus_jax.elastic.costs import CostModel, StageChoice
 from nereus_jax.elastic.hardware import get_hardware
 from nereus_jax.elastic.workload import Workload, WorkloadError
 from nereus_jax.models import init_params
-from nereus_jax.runtime.job import JobError
-from nereus_jax.runtime.losses import (
+from nereus_jax.runtime.step.job import JobError
+from nereus_jax.runtime.step.losses import (
     actor_loss,
     make_minibatch_train_step,
     make_train_step,
@@ -179,7 +179,7 @@ def test_the_planner_splits_only_minibatches_over_dp():
 def test_an_announced_leave_with_minibatches_is_compiled_ahead(tmp_path):
     """prepare() compiles the mini-batch training program for the target plan from the recorded signatures:
     the step after the move compiles nothing new."""
-    from nereus_jax.runtime.adapt import Adapter
+    from nereus_jax.runtime.control.adapt import Adapter
 
     job = tiny_job(["trainer.mini_batches=2", "cluster.schedule=[{step: 3, leave: [7], notice: 2}]"])
     adapter = Adapter(job, log=lambda _: None)

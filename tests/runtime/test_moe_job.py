@@ -18,10 +18,10 @@ from plans import LAYOUTS, assert_same_state, host_state, move_randomly
 from nereus_jax.config import load_config
 from nereus_jax.model_stage import ACTOR_TRAIN
 from nereus_jax.models.hf import load_hf
-from nereus_jax.runtime.checkpoint import Checkpointer
-from nereus_jax.runtime.export import export_actor
-from nereus_jax.runtime.initial_plan import plan_from_config
-from nereus_jax.runtime.learner import busiest_expert_share
+from nereus_jax.runtime.durability.checkpoint import Checkpointer
+from nereus_jax.runtime.durability.export import export_actor
+from nereus_jax.runtime.step.initial_plan import plan_from_config
+from nereus_jax.runtime.step.learner import busiest_expert_share
 from nereus_jax.sharding import Layout
 
 MOE = ["model.family=qwen3_moe", "model.qk_norm=true", "model.num_experts=4", "model.num_experts_per_tok=2",

@@ -23,9 +23,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from nereus_jax.config import AlgorithmConfig, ModelConfig
 from nereus_jax.models import init_params
 from nereus_jax.rl import packing
-from nereus_jax.runtime import losses
-from nereus_jax.runtime.losses import actor_loss, make_train_step, split_micro, split_packed
-from nereus_jax.runtime.stages import infer_program
+from nereus_jax.runtime.step import losses
+from nereus_jax.runtime.step.losses import actor_loss, make_train_step, split_micro, split_packed
+from nereus_jax.runtime.step.stages import infer_program
 from nereus_jax.sharding import Layout, gather_params, make_mesh, shard_params
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))

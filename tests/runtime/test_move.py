@@ -1,4 +1,4 @@
-"""One move path (nereus_jax.runtime.move): the ledger is the truth about a moving job's memory, a failed
+"""One move path (nereus_jax.runtime.step.move): the ledger is the truth about a moving job's memory, a failed
 move gives the job its state back, bad input changes nothing, and a device failing mid-step lands on the
 plan a device leaving with notice gets.
 
@@ -30,11 +30,11 @@ from nereus_jax.elastic.schedule import Infeasible
 from nereus_jax.model_stage import ACTOR_GEN, REF_INFER
 from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
-from nereus_jax.runtime.adapt import Adapter
-from nereus_jax.runtime.checkpoint import CheckpointError
-from nereus_jax.runtime.job import Job, JobError, Prepared
-from nereus_jax.runtime.move import InMove, move
-from nereus_jax.runtime.recovery import training_snapshot
+from nereus_jax.runtime.control.adapt import Adapter
+from nereus_jax.runtime.control.recovery import training_snapshot
+from nereus_jax.runtime.durability.checkpoint import CheckpointError
+from nereus_jax.runtime.step.job import Job, JobError, Prepared
+from nereus_jax.runtime.step.move import InMove, move
 from nereus_jax.sharding import Layout, device_index
 
 BASE = TINY_JOB
@@ -195,7 +195,7 @@ def test_bad_input_raises_before_anything_moves(job):
 def test_a_planned_move_that_fails_leaves_the_job_on_its_plan(job, monkeypatch):
     """The adapter's move fails half-way (the executor's first run fails at its third step): the failure is
     logged as an event, the job keeps its plan and state (reference: before the move), and no move is pending."""
-    from nereus_jax.runtime import move as move_module
+    from nereus_jax.runtime.step import move as move_module
 
     runs = []
 

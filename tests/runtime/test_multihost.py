@@ -27,8 +27,8 @@ from nereus_jax.elastic.plan import ExecutionPlan
 from nereus_jax.models import abstract_params
 from nereus_jax.rl.tasks import make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
-from nereus_jax.runtime.checkpoint import plan_to_json, read_metadata
-from nereus_jax.runtime.distributed import DistributedError, Launch, detect
+from nereus_jax.runtime.durability.checkpoint import plan_to_json, read_metadata
+from nereus_jax.runtime.platform.distributed import DistributedError, Launch, detect
 
 pytestmark = pytest.mark.multihost
 
@@ -41,7 +41,7 @@ RL_METRICS = ("reward_mean", "kl", "loss", "value_loss", "response_length_mean",
 
 CHILD = textwrap.dedent("""
     import os, sys
-    from nereus_jax.runtime.distributed import initialize
+    from nereus_jax.runtime.platform.distributed import initialize
     launch = initialize()
     import jax, numpy as np
     jax.config.update("jax_default_matmul_precision", "highest")
@@ -49,10 +49,10 @@ CHILD = textwrap.dedent("""
     from nereus_jax.models import init_params
     from nereus_jax.rl.tasks import make_task
     from nereus_jax.rl.tokenizer import CharTokenizer
-    from nereus_jax.runtime.checkpoint import Checkpointer
-    from nereus_jax.runtime.job import Job
+    from nereus_jax.runtime.durability.checkpoint import Checkpointer
+    from nereus_jax.runtime.step.job import Job
     from nereus_jax.runtime.run import sft_mesh
-    from nereus_jax.runtime.warmstart import run_sft
+    from nereus_jax.runtime.durability.warmstart import run_sft
     from nereus_jax.sharding import gather_params
     out, base = sys.argv[1], sys.argv[2:]
     me = jax.process_index()
@@ -92,8 +92,8 @@ CHILD = textwrap.dedent("""
     # 5. the PPO job for 3 steps, with a transition after step 0 onto units that span both processes
     if tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 12):
         import json
-        from nereus_jax.runtime.adapt import Adapter
-        from nereus_jax.runtime.checkpoint import plan_from_json
+        from nereus_jax.runtime.control.adapt import Adapter
+        from nereus_jax.runtime.durability.checkpoint import plan_from_json
         from nereus_jax.model_stage import CRITIC_TRAIN
         target = plan_from_json(json.loads(os.environ["NEREUS_TEST_TARGET"]))
         job = Job(cfg, task, tok, actor=trained)
@@ -113,7 +113,7 @@ CHILD = textwrap.dedent("""
             np.savez(os.path.join(out, "rl_params.npz"), *jax.tree.leaves(actor), *jax.tree.leaves(critic))
     # 6. a SIGTERM to one process stops every process after the same step
     import signal
-    from nereus_jax.runtime.checkpoint import GracefulStop, stop_agreed
+    from nereus_jax.runtime.durability.checkpoint import GracefulStop, stop_agreed
     with GracefulStop() as stop:
         before = stop_agreed(stop)
         if me == 1:
@@ -199,8 +199,8 @@ def test_data_parallel_training_across_processes_matches_one_process(two_process
     same bound as the cross-plan resume tests); measured here: one of 32768 elements off by 1.3e-6."""
     out, _ = two_processes
     from nereus_jax.models import init_params
+    from nereus_jax.runtime.durability.warmstart import run_sft
     from nereus_jax.runtime.run import sft_mesh
-    from nereus_jax.runtime.warmstart import run_sft
     from nereus_jax.sharding import gather_params
 
     cfg = load_config(None, BASE)
@@ -247,7 +247,7 @@ def test_ppo_job_with_a_transition_across_processes_matches_one_process(two_proc
     if jax.__version_info__ < (0, 12):
         pytest.skip("jax < 0.12 (0.10.2 measured): a cross-process device_put on CPU never completes")
     from nereus_jax.model_stage import ACTOR_TRAIN, CRITIC_TRAIN
-    from nereus_jax.runtime.adapt import Adapter
+    from nereus_jax.runtime.control.adapt import Adapter
 
     out, outs = two_processes
     got = json.loads((out / "rl.json").read_text())

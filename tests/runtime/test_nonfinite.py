@@ -17,10 +17,10 @@ from jobs import TINY_JOB
 from nereus_jax import train
 from nereus_jax.config import ModelConfig, load_config
 from nereus_jax.models import init_params
-from nereus_jax.runtime.checkpoint import complete_steps, latest_step, restore_job
-from nereus_jax.runtime.job import NonFiniteTraining
-from nereus_jax.runtime.losses import make_optimizer, make_train_step
+from nereus_jax.runtime.durability.checkpoint import complete_steps, latest_step, restore_job
 from nereus_jax.runtime.run import check_inputs, run_job
+from nereus_jax.runtime.step.job import NonFiniteTraining
+from nereus_jax.runtime.step.losses import make_optimizer, make_train_step
 
 CFG = ModelConfig()
 

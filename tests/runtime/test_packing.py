@@ -12,7 +12,7 @@ from jobs import tiny_config, tiny_job
 from nereus_jax.config import AlgorithmConfig, ModelConfig, load_config
 from nereus_jax.models import init_params
 from nereus_jax.rl import packing
-from nereus_jax.runtime import losses
+from nereus_jax.runtime.step import losses
 from nereus_jax.sharding import Layout, make_mesh
 
 CFG = ModelConfig()

@@ -13,8 +13,8 @@ from jobs import tiny_config, tiny_job, warm_actor
 from nereus_jax.config import AlgorithmConfig, ModelConfig, load_config
 from nereus_jax.models import init_params
 from nereus_jax.rl import packing
-from nereus_jax.runtime import losses
-from nereus_jax.runtime.job import stage_value_and_grad
+from nereus_jax.runtime.step import losses
+from nereus_jax.runtime.step.job import stage_value_and_grad
 from nereus_jax.sharding import Layout, gather_params, make_mesh, shard_params
 from nereus_jax.sharding.pipeline import PipelineError, check_schedule
 

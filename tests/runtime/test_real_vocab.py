@@ -11,9 +11,9 @@ import pytest
 from hf_checkpoints import model_config, write_prompts, write_tokenizer
 
 from nereus_jax.config import load_config
-from nereus_jax.runtime.initial_plan import predicted_peak, with_micro_batch_tokens
 from nereus_jax.runtime.run import check_inputs, run_job
-from nereus_jax.runtime.stages import JobError
+from nereus_jax.runtime.step.initial_plan import predicted_peak, with_micro_batch_tokens
+from nereus_jax.runtime.step.stages import JobError
 
 pytestmark = pytest.mark.slow
 

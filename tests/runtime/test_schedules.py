@@ -8,7 +8,7 @@ import pytest
 from jobs import job_for, restore_for
 
 from nereus_jax.config import ConfigError, load_config
-from nereus_jax.runtime.job import device_bytes_in_use
+from nereus_jax.runtime.step.job import device_bytes_in_use
 
 TINY = ["rollout.max_prompt_length=12", "rollout.max_response_length=8", "trainer.prompts_per_step=8",
         "rollout.samples_per_prompt=2", "logging.progress=false", "task.num_digits=1", "task.eval_size=16",
@@ -41,7 +41,7 @@ def test_schedules_that_do_not_fit_the_programs_are_refused():
 
 
 def test_a_resume_continues_the_saved_schedules(tmp_path):
-    from nereus_jax.runtime.checkpoint import Checkpointer, CheckpointError
+    from nereus_jax.runtime.durability.checkpoint import Checkpointer, CheckpointError
 
     cfg = load_config(None, TINY + STAGED)
     job = job_for(cfg)

@@ -12,8 +12,8 @@ from plans import assert_same_state, host_state, move_randomly
 
 from nereus_jax.elastic.emu import stage_checksum
 from nereus_jax.model_stage import ACTOR_TRAIN, CRITIC_TRAIN
-from nereus_jax.runtime.checkpoint import Checkpointer
-from nereus_jax.runtime.initial_plan import plan_from_config
+from nereus_jax.runtime.durability.checkpoint import Checkpointer
+from nereus_jax.runtime.step.initial_plan import plan_from_config
 
 DP4 = ["plan.default.dp=4", "plan.default.tp=2"]  # training on 4 replicas of tp 2 (PPO: a critic too)
 TRAINED = (ACTOR_TRAIN, CRITIC_TRAIN)

@@ -16,8 +16,8 @@ from google.protobuf.message import DecodeError
 
 from nereus_jax.config import ConfigError, load_config
 from nereus_jax.runtime import run as run_mod
-from nereus_jax.runtime.initial_plan import AUTO_MICRO_BATCH_TOKENS
 from nereus_jax.runtime.report import RunReport
+from nereus_jax.runtime.step.initial_plan import AUTO_MICRO_BATCH_TOKENS
 
 CONFIG = {"algorithm": {"name": "grpo"}, "trainer": {"steps": 2}}
 STEPS = [{"step": 0, "reward_mean": 0.25, "accuracy": 0.5, "kl": 0.0, "response_length_mean": 7, "ok": True,

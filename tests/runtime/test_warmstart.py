@@ -9,7 +9,7 @@ from nereus_jax.config import load_config
 from nereus_jax.models import forward, init_params
 from nereus_jax.rl.tasks import Problem, make_task
 from nereus_jax.rl.tokenizer import CharTokenizer
-from nereus_jax.runtime.warmstart import (
+from nereus_jax.runtime.durability.warmstart import (
     cached_warm_start,
     encode_sft,
     teacher_forced_accuracy,

@@ -7,7 +7,7 @@ import threading
 import jax
 import jax.numpy as jnp
 
-from nereus_jax.runtime.xla_workarounds import serialize_cpu_compile_cache
+from nereus_jax.runtime.platform.xla_workarounds import serialize_cpu_compile_cache
 
 
 def test_compiles_from_threads_under_the_lock_compute_what_one_thread_computes():

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nereus_jax.config import AlgorithmConfig, ModelConfig
 from nereus_jax.models import forward, init_params
-from nereus_jax.runtime import losses
+from nereus_jax.runtime.step import losses
 from nereus_jax.sharding import Layout, LayoutError, activation_sharding, gather_params, make_mesh, shard_params
 from nereus_jax.sharding.pipeline import (
     PipelineError,

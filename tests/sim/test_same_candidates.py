@@ -20,8 +20,8 @@ from jobs import tiny_job  # noqa: E402
 
 from nereus_jax.elastic.adapter import partial_moves  # noqa: E402
 from nereus_jax.elastic.controller import Observation  # noqa: E402
-from nereus_jax.runtime.initial_plan import plan_from_config  # noqa: E402
-from nereus_jax.runtime.job_pricer import JobPricer  # noqa: E402
+from nereus_jax.runtime.control.job_pricer import JobPricer  # noqa: E402
+from nereus_jax.runtime.step.initial_plan import plan_from_config  # noqa: E402
 from nereus_jax.sim.model import PlanningModel, SharedCaches  # noqa: E402
 from nereus_jax.sim.plan_cost import SimPlan, state_specs  # noqa: E402
 

@@ -43,7 +43,7 @@ from nereus_jax.elastic.plan import ExecutionPlan
 from nereus_jax.model_stage import ACTOR_GEN, ModelStage
 
 if TYPE_CHECKING:
-    from nereus_jax.runtime.job import Job, Prepared
+    from nereus_jax.runtime.step.job import Job, Prepared
 
 
 class MoveError(RuntimeError):

@@ -25,9 +25,9 @@ Randomness is keyed by (seed, data position, sample, token index) inside the eng
 replica or slot, so the plan changes how fast a step runs, not what it computes (up to float order).
 
 The job is a facade over three collaborators, each in its module: the stage state (plan, units, specs, policy
-version, compiled programs, parking, plan changes: :mod:`~nereus_jax.runtime.stages`), the rollout side (data
-stream, engines, generation, parameter loads, evaluation: :mod:`~nereus_jax.runtime.rollout`) and the learner
-side (rewards, scoring, advantages, corrections, training, metrics: :mod:`~nereus_jax.runtime.learner`). A
+version, compiled programs, parking, plan changes: :mod:`~nereus_jax.runtime.step.stages`), the rollout side (data
+stream, engines, generation, parameter loads, evaluation: :mod:`~nereus_jax.runtime.step.rollout`) and the learner
+side (rewards, scoring, advantages, corrections, training, metrics: :mod:`~nereus_jax.runtime.step.learner`). A
 runner that drives them itself (the async runner) uses ``job.stages``, ``job.rollout`` and ``job.learner``.
 """
 
@@ -54,25 +54,25 @@ from nereus_jax.models import init_params
 from nereus_jax.rl import algorithms as alg
 from nereus_jax.rl.batch import RolloutBatch
 from nereus_jax.rl.tasks import Problem
-from nereus_jax.runtime.device_memory import device_bytes_in_use
-from nereus_jax.runtime.initial_plan import plan_from_config, with_micro_batch_tokens
-from nereus_jax.runtime.learner import (
+from nereus_jax.runtime.platform.device_memory import device_bytes_in_use
+from nereus_jax.runtime.platform.xla_workarounds import serialize_cpu_compile_cache
+from nereus_jax.runtime.step.initial_plan import plan_from_config, with_micro_batch_tokens
+from nereus_jax.runtime.step.learner import (
     EXTRA_INDEX_OFFSET,
     Learner,
     NonFiniteTraining,
     StepResult,
     plan_short,
 )
-from nereus_jax.runtime.move import move
-from nereus_jax.runtime.rollout import Rollout, prompt_ids
-from nereus_jax.runtime.stages import (
+from nereus_jax.runtime.step.move import move
+from nereus_jax.runtime.step.rollout import Rollout, prompt_ids
+from nereus_jax.runtime.step.stages import (
     JobError,
     StageState,
     engine_replicas_across_processes,
     stage_forward,
     stage_value_and_grad,
 )
-from nereus_jax.runtime.xla_workarounds import serialize_cpu_compile_cache
 
 __all__ = ["EXTRA_INDEX_OFFSET", "DeviceLost", "Job", "JobError", "NonFiniteTraining", "Prepared", "StepResult",
            "device_bytes_in_use", "engine_replicas_across_processes", "plan_short", "prompt_ids", "stage_forward",
@@ -186,7 +186,7 @@ class Job:
               sync: WeightSync | None = None):
         """Switch to ``plan`` whose state is ``units`` (the executor's output): the weight sync (``sync``, from
         :meth:`check_plan`, or built here), the engines (``prepared``'s warmed ones, or new) and the compiled
-        programs follow the plan. State moves go through :func:`nereus_jax.runtime.move.move`, which checks
+        programs follow the plan. State moves go through :func:`nereus_jax.runtime.step.move.move`, which checks
         the plan before moving and adopts after."""
         sync = sync or self.check_plan(plan)
         same_engines = plan[ACTOR_GEN] == self.plan[ACTOR_GEN]

@@ -59,7 +59,7 @@ class Trajectory:
 
 
 class AgentRollouts:
-    """The multi-turn side of :class:`~nereus_jax.runtime.rollout.Rollout` (which owns the engines)."""
+    """The multi-turn side of :class:`~nereus_jax.runtime.step.rollout.Rollout` (which owns the engines)."""
 
     def __init__(self, rollout, env: Env, fmt: str):
         self.rollout, self.env, self.fmt = rollout, env, fmt

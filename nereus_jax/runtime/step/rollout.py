@@ -5,7 +5,7 @@ devices: its process runs it), generates a step's prompts split over them in ord
 its own; with several processes every result is shared from its owner), loads the policy's parameters into
 them (:meth:`~Rollout.set_params`), builds engines for a target plan ahead (:meth:`~Rollout.prepare_engines`)
 and scores held-out prompts (:meth:`~Rollout.evaluate`). The units and the policy version it reads are the
-stage state's (:class:`~nereus_jax.runtime.stages.StageState`).
+stage state's (:class:`~nereus_jax.runtime.step.stages.StageState`).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from nereus_jax.model_stage import ACTOR_GEN
 from nereus_jax.models import abstract_params
 from nereus_jax.rl.batch import RolloutBatch, left_pad, right_pad
 from nereus_jax.rl.tasks import Problem, make_task
-from nereus_jax.runtime.agent import AgentRollouts, final_texts, make_agent_env
-from nereus_jax.runtime.distributed import share_from
-from nereus_jax.runtime.stages import StageState
+from nereus_jax.runtime.platform.distributed import share_from
+from nereus_jax.runtime.step.agent import AgentRollouts, final_texts, make_agent_env
+from nereus_jax.runtime.step.stages import StageState
 from nereus_jax.sharding import is_local, make_mesh
 
 

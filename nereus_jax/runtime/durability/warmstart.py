@@ -27,8 +27,8 @@ from nereus_jax.config import Config, ModelConfig
 from nereus_jax.elastic.topology import accumulation_steps
 from nereus_jax.rl.batch import left_pad, right_pad
 from nereus_jax.rl.tasks import Problem
-from nereus_jax.runtime.initial_plan import with_micro_batch_tokens
-from nereus_jax.runtime.losses import (
+from nereus_jax.runtime.step.initial_plan import with_micro_batch_tokens
+from nereus_jax.runtime.step.losses import (
     make_optimizer,
     make_train_step,
     put_micro,
@@ -174,7 +174,7 @@ def cached_warm_start(params: dict, cfg: Config, task, tokenizer, mesh: Mesh, ca
     """Warm-started params laid out like ``params``, from the cache if present. Returns (params, cache_hit)."""
     path = os.path.join(cache_dir, f"sft-{cache_key(cfg, tokenizer.vocab_size)}.npz")
     shardings = jax.tree.map(lambda x: x.sharding, params)
-    from nereus_jax.runtime.distributed import all_processes, is_primary
+    from nereus_jax.runtime.platform.distributed import all_processes, is_primary
 
     if all_processes(os.path.exists(path)):  # several processes: a hit only if every one can read it
         host = load_params(path, gather_params(params, cfg.model))

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from nereus_jax.config import Config, ModelConfig
-from nereus_jax.runtime.distributed import is_primary
+from nereus_jax.runtime.platform.distributed import is_primary
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")

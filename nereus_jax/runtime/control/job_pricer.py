@@ -44,9 +44,9 @@ from nereus_jax.elastic.pricing import CALIBRATION_WINDOW
 from nereus_jax.elastic.recipe import align_ranks
 from nereus_jax.elastic.workload import LengthStats, Workload
 from nereus_jax.model_stage import ACTOR_GEN
-from nereus_jax.runtime.initial_plan import job_pricing, plan_from_config
-from nereus_jax.runtime.job import Job, engine_replicas_across_processes
-from nereus_jax.runtime.stages import pipelined_dropout_stage
+from nereus_jax.runtime.step.initial_plan import job_pricing, plan_from_config
+from nereus_jax.runtime.step.job import Job, engine_replicas_across_processes
+from nereus_jax.runtime.step.stages import pipelined_dropout_stage
 
 
 class JobPricer(ControllerAdapter):

@@ -2,10 +2,10 @@
 
 :class:`Learner` rewards the rollouts (the task's reward, or reward-infer's model), tops a batch up by dynamic
 sampling, scores it (actor-infer, ref-infer, critic-infer), estimates the advantages, corrects them for the
-rollout/train mismatch and staleness (the order: :mod:`nereus_jax.runtime.job`), trains actor-train and
+rollout/train mismatch and staleness (the order: :mod:`nereus_jax.runtime.step.job`), trains actor-train and
 critic-train, stops after ``trainer.max_nonfinite_steps`` non-finite steps in a row (a step whose scores or
 an update are not finite changes no weights), and reports the metrics.
-It runs the programs of the stage state (:class:`~nereus_jax.runtime.stages.StageState`) and generates the
+It runs the programs of the stage state (:class:`~nereus_jax.runtime.step.stages.StageState`) and generates the
 extra rollouts it needs (dynamic sampling, ReMax's greedy baseline) through the rollout side.
 """
 
@@ -29,10 +29,10 @@ from nereus_jax.rl import algorithms as alg
 from nereus_jax.rl.batch import RolloutBatch
 from nereus_jax.rl.registry import AlgorithmSpec
 from nereus_jax.rl.tasks import Problem
-from nereus_jax.runtime.device_memory import device_bytes_in_use
-from nereus_jax.runtime.initial_plan import job_topology
-from nereus_jax.runtime.rollout import Rollout
-from nereus_jax.runtime.stages import JobError, StageState
+from nereus_jax.runtime.platform.device_memory import device_bytes_in_use
+from nereus_jax.runtime.step.initial_plan import job_topology
+from nereus_jax.runtime.step.rollout import Rollout
+from nereus_jax.runtime.step.stages import JobError, StageState
 from nereus_jax.sharding import to_numpy, tree_to_numpy
 
 # dynamic sampling's extra prompts: a part of the data stream steps never reach, whose sampling keys
@@ -78,7 +78,7 @@ class Learner:
     def learn(self, step: int, problems: Sequence[Problem], batch: RolloutBatch, seconds: dict[str, float],
               sync) -> StepResult:
         """Reward, score, train on ``batch`` (the rollouts of step ``step``), then ``sync()`` the weights
-        (see :meth:`nereus_jax.runtime.job.Job.learn`)."""
+        (see :meth:`nereus_jax.runtime.step.job.Job.learn`)."""
         t = time.perf_counter()
         self.stages.peak_bytes = 0  # this step's scoring and training programs' peak (StageState.run)
         scores, reward_metrics = self.rewards(problems, batch)

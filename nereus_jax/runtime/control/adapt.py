@@ -16,7 +16,7 @@ At each boundary, in order:
    starting from the units that survived, and restores the last checkpoint only when no live move exists.
 3. A pending transition whose programs are compiled is executed now: the executor's data movement and
    the switch to the new engines are the whole pause. The move is the graph the decision was priced
-   with, run by :func:`nereus_jax.runtime.move.move` (the job holds none of the moved units meanwhile);
+   with, run by :func:`nereus_jax.runtime.step.move.move` (the job holds none of the moved units meanwhile);
    one that fails leaves the job on its plan with its state. If a device the plan uses leaves at this step,
    the boundary waits for the compile (an urgent move cannot be deferred).
 4. Otherwise the controller observes the step (response length, step time, pool) and may re-plan. An
@@ -28,7 +28,7 @@ measured inputs (step and stage seconds, lengths) are process 0's, shared at eac
 compile-ahead counts as finished when it has finished on every process.
 
 Prices (step latency, peak memory, candidates, transition seconds) and the calibration they rest on
-are :class:`~nereus_jax.runtime.job_pricer.JobPricer`'s: the adapter owns one, feeds it each step's
+are :class:`~nereus_jax.runtime.control.job_pricer.JobPricer`'s: the adapter owns one, feeds it each step's
 measurements and hands its methods to the :class:`~nereus_jax.elastic.controller.Controller`.
 """
 
@@ -46,12 +46,12 @@ from nereus_jax.elastic.executor import TransitionFailed
 from nereus_jax.elastic.graph import TransitionGraph
 from nereus_jax.elastic.plan import ExecutionPlan
 from nereus_jax.elastic.recipe import align_ranks
-from nereus_jax.runtime.distributed import agree, all_processes
-from nereus_jax.runtime.job import Job, Prepared
-from nereus_jax.runtime.job_pricer import JobPricer
-from nereus_jax.runtime.move import move
-from nereus_jax.runtime.pool import DevicePool
-from nereus_jax.runtime.recovery import Recovery, recover
+from nereus_jax.runtime.control.job_pricer import JobPricer
+from nereus_jax.runtime.control.pool import DevicePool
+from nereus_jax.runtime.control.recovery import Recovery, recover
+from nereus_jax.runtime.platform.distributed import agree, all_processes
+from nereus_jax.runtime.step.job import Job, Prepared
+from nereus_jax.runtime.step.move import move
 
 _MEASURED = ("step_seconds", "stage_seconds", "response_length_mean", "response_length_p95")  # clock/length reads
 _MISMATCH = ("mismatch_kl", "mismatch_ratio_max", "mismatch_outside_fraction")  # logged before/after a move
@@ -181,7 +181,7 @@ class Adapter:
 
     def lose(self, devices, step: int, before: dict[str, int], checkpoint_dir: str | None) -> Recovery:
         """Recovers the job in place from ``devices`` failing during ``step`` (``before``: ``training_snapshot``
-        at its start) through the one policy, :func:`nereus_jax.runtime.recovery.recover`, and returns how. The
+        at its start) through the one policy, :func:`nereus_jax.runtime.control.recovery.recover`, and returns how. The
         devices leave the pool for good and a pending move is dropped (it may target them). With the controller
         on, the decision is the path of a device leaving with notice: the controller observes the pool without
         the failed devices (an urgent trigger), its moves priced from the units that survived (the survivors'

@@ -17,7 +17,7 @@ the receiver has the data. Two processes x 4 CPU devices on one machine::
         NEREUS_LOCAL_DEVICES=4 NEREUS_TRANSFER_ADDRESS=127.0.0.1:1236$i JAX_PLATFORMS=cpu \\
         python -m nereus_jax.train ppo_tiny cluster.num_devices=8 & done
 
-Every process runs the whole job; only process 0 writes the run directory (see nereus_jax/runtime/job.py
+Every process runs the whole job; only process 0 writes the run directory (see nereus_jax/runtime/step/job.py
 and adapt.py for what is shared: rollouts from the engines' owners, process 0's measurements).
 """
 

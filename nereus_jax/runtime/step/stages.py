@@ -36,9 +36,9 @@ from nereus_jax.models.lora import base_config
 from nereus_jax.models.peft import adapter_source
 from nereus_jax.models.vocab import DEFAULT_VOCAB_CHUNK
 from nereus_jax.rl import packing
-from nereus_jax.runtime import losses
-from nereus_jax.runtime.device_memory import device_bytes_in_use, program_extra_bytes, release_host_memory
-from nereus_jax.runtime.initial_plan import job_stages, predicted_peak
+from nereus_jax.runtime.platform.device_memory import device_bytes_in_use, program_extra_bytes, release_host_memory
+from nereus_jax.runtime.step import losses
+from nereus_jax.runtime.step.initial_plan import job_stages, predicted_peak
 from nereus_jax.sharding import device_index, make_mesh
 from nereus_jax.sharding.pipeline import check_schedule, pipeline_axis, pipeline_forward_fn
 
@@ -53,7 +53,7 @@ class StageState:
     Built in two steps, as the job's inputs are checked: the constructor checks the plan against the devices
     and the step's rows and reads the specs (and the reward model's); :meth:`place` lays every model-stage out
     from its source. ``move_state(graph)`` runs a transition graph on the job's units (parking goes through it:
-    :func:`nereus_jax.runtime.move.move` is the one way state moves)."""
+    :func:`nereus_jax.runtime.step.move.move` is the one way state moves)."""
 
     def __init__(self, cfg: Config, devices: Sequence[jax.Device], plan: ExecutionPlan,
                  move_state: Callable[[TransitionGraph], Any]):
@@ -239,7 +239,8 @@ class StageState:
         """Calls the program under ``key`` and the shapes of ``args`` (``build()``'s jitted function, compiled
         for them the first time, or one compiled ahead by :meth:`prepare_programs`) and records the peak bytes
         it reaches on its busiest device in ``peak_bytes``: what the device held when it started plus the
-        program's temporaries and new outputs (:func:`~nereus_jax.runtime.device_memory.program_extra_bytes`)."""
+        program's temporaries and new outputs
+        (:func:`~nereus_jax.runtime.platform.device_memory.program_extra_bytes`)."""
         key = (*key, _signature(args))  # a packed batch's shapes vary from step to step: one program each
         program = self.programs.get(key)
         if program is None:
@@ -361,7 +362,7 @@ def stage_forward(mesh, kind: str):
 def stage_value_and_grad(mesh, kind: str, make_loss: losses.MakeLoss, schedule: str = "1f1b") -> losses.GradFn:
     """What a stage's training program differentiates with on ``mesh`` (``make_loss(forward_fn)``: the loss):
     the 1F1B schedule over its pp axis when it has one and ``schedule`` is '1f1b'
-    (:func:`~nereus_jax.runtime.losses.pipelined_value_and_grad`), else ``jax.value_and_grad`` through
+    (:func:`~nereus_jax.runtime.step.losses.pipelined_value_and_grad`), else ``jax.value_and_grad`` through
     :func:`stage_forward` (GPipe when pp > 1). Both split a call into the micro-batch count the cost model
     prices; scoring programs keep :func:`stage_forward`."""
     if check_schedule(schedule) == "1f1b" and pipeline_axis(mesh, kind) is not None:
@@ -375,7 +376,7 @@ def infer_program(cfg, prompt_len: int, what: str, forward_fn=forward, *, vocab_
     scores [accum, b]; log-probs over ``vocab_chunk``-wide vocabulary chunks. Log-probs of micro-batches that
     carry recorded routes (``routes``, a mixture-of-experts actor) are routed by them with ``replay`` and come
     with each response token's routing mismatches, ``(logprobs, mismatch, own mismatch)`` [accum, b, R] each
-    (:func:`~nereus_jax.runtime.losses.route_mismatch`), and the token-expert pairs each expert got in each
+    (:func:`~nereus_jax.runtime.step.losses.route_mismatch`), and the token-expert pairs each expert got in each
     layer, [accum, layers, experts] (``RouterStats.counts_le``: the expert load the controller watches)."""
     def one(params, mb):
         if what == "scores":

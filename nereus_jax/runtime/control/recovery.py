@@ -16,10 +16,10 @@ from nereus_jax.elastic.executor import TransitionFailed
 from nereus_jax.elastic.graph import TransitionGraph
 from nereus_jax.elastic.plan import ExecutionPlan, StagePlan
 from nereus_jax.elastic.recipe import align_ranks
-from nereus_jax.runtime.checkpoint import CheckpointError, latest_step, restore_onto
-from nereus_jax.runtime.initial_plan import plan_from_config
-from nereus_jax.runtime.job import Job
-from nereus_jax.runtime.move import Moved, MoveError, move
+from nereus_jax.runtime.durability.checkpoint import CheckpointError, latest_step, restore_onto
+from nereus_jax.runtime.step.initial_plan import plan_from_config
+from nereus_jax.runtime.step.job import Job
+from nereus_jax.runtime.step.move import Moved, MoveError, move
 from nereus_jax.sharding import device_index
 
 # ``decide(survivors)``: the controller's urgent decision for the pool without the lost devices, its moves
@@ -86,10 +86,10 @@ def recover(job: Job, lost: Sequence[int], step: int, before: Mapping[str, int],
        its observation) gives the target: its admitted choice, or, when no live transition reaches any of its
        candidates, the best of them. Without ``decide``, or when it has no candidate yet, the target is the
        config's plan on the surviving devices (:func:`plan_for_devices`).
-    3. A live move from the survivors onto the target (:func:`nereus_jax.runtime.move.move`, the transition graph
+    3. A live move from the survivors onto the target (:func:`nereus_jax.runtime.step.move.move`, the transition graph
        the decision priced when it has one) when they are one complete state; otherwise, or when the move
        fails (and leaves the job's units as they were), the last checkpoint under ``checkpoint_dir`` is
-       restored onto the target, into the same job (:func:`nereus_jax.runtime.checkpoint.restore_onto`).
+       restored onto the target, into the same job (:func:`nereus_jax.runtime.durability.checkpoint.restore_onto`).
        Raises CheckpointError, naming the fix, when that is needed and there is none."""
     lost = {int(d) for d in lost}
     left, reason = surviving_state(job, lost, step, before)

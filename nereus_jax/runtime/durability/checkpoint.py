@@ -13,7 +13,7 @@ resumes on 4 and the reverse. With several processes (jax.distributed) every pro
 functions; a checkpoint written by N processes resumes in M.
 
 Stops: :class:`GracefulStop` turns SIGTERM / SIGINT into "finish the step, save, exit 0" (run_job).
-Device failures are recovered in :mod:`nereus_jax.runtime.recovery` (from the survivors, else from the
+Device failures are recovered in :mod:`nereus_jax.runtime.control.recovery` (from the survivors, else from the
 last checkpoint through :func:`restore_job`).
 
     ckpt = Checkpointer(cfg.checkpoint.dir, every_steps=10, keep=2)
@@ -46,10 +46,10 @@ from nereus_jax.elastic.plan import DEVICE, ExecutionPlan, StagePlan
 from nereus_jax.elastic.sources import ZeroSource
 from nereus_jax.model_stage import ACTOR_TRAIN, ModelStage
 from nereus_jax.models import abstract_params
-from nereus_jax.runtime.export import export_dtype, tokenizer_dir
-from nereus_jax.runtime.initial_plan import job_stages, plan_from_config
-from nereus_jax.runtime.job import DeviceLost, Job, JobError  # noqa: F401 - DeviceLost re-exported
-from nereus_jax.runtime.orbax_errors import cause_line, quiet_failed_restore
+from nereus_jax.runtime.durability.export import export_dtype, tokenizer_dir
+from nereus_jax.runtime.durability.orbax_errors import cause_line, quiet_failed_restore
+from nereus_jax.runtime.step.initial_plan import job_stages, plan_from_config
+from nereus_jax.runtime.step.job import DeviceLost, Job, JobError  # noqa: F401 - DeviceLost re-exported
 from nereus_jax.sharding import Layout, make_mesh
 
 FORMAT = 1
@@ -103,7 +103,7 @@ class Checkpointer:
         if wait or self.export_hf:
             self.wait()
         if self.export_hf:
-            from nereus_jax.runtime.export import export_actor
+            from nereus_jax.runtime.durability.export import export_actor
 
             export_actor(job, os.path.join(self.directory, str(steps_done), "hf"))
         return True
