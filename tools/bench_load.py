@@ -121,7 +121,8 @@ def _stage_layouts(args) -> dict[str, tuple[int, int]]:
 
 
 def _specs(args, cfg) -> dict:
-    """Each stage's StateSpec as the job builds them (``runtime.step.stages._specs``); actor-train's optimizer on request."""
+    """Each stage's StateSpec as the job builds them (``runtime.step.stages._specs``); actor-train's optimizer on
+    request."""
     from nereus_jax.elastic.spec import StateSpec
     from nereus_jax.runtime.step import losses
 
