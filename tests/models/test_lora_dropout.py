@@ -173,7 +173,7 @@ def test_the_controller_never_proposes_a_pipelined_training_stage_with_dropout()
     def runnable(plan, *extra):
         pricer = types.SimpleNamespace(job=types.SimpleNamespace(cfg=load_config(None, lora + list(extra))),
                                        async_mode=False)
-        return JobPricer._runnable(pricer, plan)
+        return JobPricer.runnable(pricer, plan)
 
     assert runnable(pipelined) and runnable(flat, "model.lora_dropout=0.1")
     assert not runnable(pipelined, "model.lora_dropout=0.1")
