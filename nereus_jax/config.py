@@ -255,6 +255,9 @@ class PlanConfig(_Node):
     shard_optimizer: bool = _field(
         True, "training stages with dp > 1 keep 1/dp of the optimizer state on each replica (ZeRO-1); the "
         "parameters stay whole on every replica")
+    share_frozen_base: bool = _field(
+        True, "with LoRA: model-stages whose units hold the frozen base identically (same devices, layout and "
+        "dtype) share one copy of it")
     default: StageLayoutConfig = field(default_factory=StageLayoutConfig)
     stages: dict[str, StageLayoutConfig] = field(
         default_factory=dict, metadata={"help": "per-stage layouts overriding plan.default"}

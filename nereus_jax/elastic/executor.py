@@ -33,7 +33,7 @@ import collections
 import functools
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -50,6 +50,7 @@ from .ledger import CapExceeded, Ledger
 from .measured import cross_check, local_usage, measure
 from .plan import DEVICE, ExecutionPlan, StagePlan
 from .primitives import DERIVE, DESTROY, MERGE, REGROUPS, RELAYOUT, SPLIT, Step, Unit
+from .shared_base import held_buffers
 
 DONATING = (SPLIT, MERGE, RELAYOUT)  # may donate their inputs to XLA (when another copy of the state exists)
 
@@ -95,11 +96,15 @@ class TransitionExecutor:
         self.peak_extra_bytes = 0
         self.memory_check: dict[int, tuple[int, int]] = {}  # GPU: device -> (ledger, memory_stats) bytes
 
-    def run(self, graph: TransitionGraph, units: Mapping[ModelStage, Sequence[EMU]]) -> dict[ModelStage, list[EMU]]:
+    def run(self, graph: TransitionGraph, units: Mapping[ModelStage, Sequence[EMU]],
+            keep: Iterable[EMU] = ()) -> dict[ModelStage, list[EMU]]:
         """Runs ``graph`` on ``units`` (per model-stage, in the old plan's replica order); returns the new
-        plan's units (in its replica order). The input EMUs must not be used afterwards. Raises ValueError
-        (nothing touched) when ``units`` are not the graph's old plan, TransitionFailed on any other error."""
-        run = _Run(self, graph, units)
+        plan's units (in its replica order). The input EMUs must not be used afterwards. ``keep``: units outside
+        the graph that may share buffers with its units (LoRA's frozen base, ``elastic/shared_base.py``); no
+        buffer they hold is deleted or donated, nor one that another live unit of the run still holds. Raises
+        ValueError (nothing touched) when ``units`` are not the graph's old plan, TransitionFailed on any other
+        error."""
+        run = _Run(self, graph, units, keep)
         try:
             run.execute()
         except Exception as error:
@@ -120,7 +125,8 @@ class TransitionExecutor:
 class _Run:
     """The state of one execution: live units by id, the ledger, the steps in flight."""
 
-    def __init__(self, ex: TransitionExecutor, graph: TransitionGraph, units: Mapping[ModelStage, Sequence[EMU]]):
+    def __init__(self, ex: TransitionExecutor, graph: TransitionGraph, units: Mapping[ModelStage, Sequence[EMU]],
+                 keep: Iterable[EMU] = ()):
         self.ex, self.graph = ex, graph
         self.live: dict[int, EMU] = {}
         self.devices: dict[int, jax.Device] = dict(enumerate(jax.devices()))  # plan ids: positions
@@ -148,6 +154,11 @@ class _Run:
         self.failed: Step | None = None  # the step whose completion failed (it may precede ``current``)
         self.reference: dict[ModelStage, np.ndarray] = {}
         self.checked: set[int] = set()  # units whose checksum matched
+        # buffers held outside the graph, and whether any buffer is held twice (LoRA's shared frozen base): only
+        # then does a free or a donation look at what the other live units hold
+        self.outside = held_buffers(keep)
+        self.shared = bool(self.outside) or _any_shared(self.live.values())
+        self._buffers: dict[int, set] = {}  # uid -> its buffers (units never change)
 
     # --------------------------------------------------------------------------------- main loop
     def execute(self) -> None:
@@ -226,6 +237,7 @@ class _Run:
         emu = self.live.pop(uid, None)
         if emu is None:
             return
+        others = self._held_by_others() if self.shared else set()
         keep = set(self.graph.units[uid].handed)
         made: set[tuple[jax.Device, int]] | None = None
         for x in emu.leaves:
@@ -239,7 +251,27 @@ class _Run:
                     continue
                 if made and (shard.device, shard.data.unsafe_buffer_pointer()) in made:
                     continue
+                if others and (shard.device, shard.data.unsafe_buffer_pointer()) in others:
+                    continue  # another unit (or the caller's ``keep``) holds it too
                 shard.data.delete()
+
+    def _held_by_others(self, exclude: Sequence[int] = ()) -> set[tuple[jax.Device, int]]:
+        """The buffers every live unit but ``exclude`` holds, and those held outside the graph."""
+        out = set(self.outside)
+        for uid, emu in self.live.items():
+            if uid not in exclude:
+                if uid not in self._buffers:
+                    self._buffers[uid] = held_buffers([emu])
+                out |= self._buffers[uid]
+        return out
+
+    def _shares_inputs(self, step: Step) -> bool:
+        """Whether a buffer of ``step``'s inputs is held by another live unit or outside the graph (then XLA
+        may not consume it: no donation)."""
+        if not self.shared:
+            return False
+        others = self._held_by_others(step.inputs)
+        return any(held_buffers([self.live[u]]) & others for u in step.inputs)
 
     def drain(self) -> None:
         while self.inflight:
@@ -283,7 +315,7 @@ class _Run:
         if step.op == DESTROY:
             return {}
         outs = [g.units[u] for u in step.outputs]
-        donate = step.op in DONATING and self._another_copy(step)
+        donate = step.op in DONATING and self._another_copy(step) and not self._shares_inputs(step)
         if donate:
             self.donated.add(step.sid)
         if step.op == RELAYOUT or (step.op == DERIVE and step.modes is None):
@@ -488,3 +520,14 @@ def _relayout(convert: Callable, out_shardings: tuple, donate: bool) -> Callable
             return fn(leaves)
 
     return call
+
+
+def _any_shared(units: Iterable[EMU]) -> bool:
+    """Whether two of ``units`` hold a buffer in common."""
+    seen: set = set()
+    for u in units:
+        mine = held_buffers([u])
+        if mine & seen:
+            return True
+        seen |= mine
+    return False

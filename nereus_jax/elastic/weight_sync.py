@@ -60,11 +60,12 @@ class WeightSync:
                                                                   keep_old=keep_old)
         self.executor = executor or TransitionExecutor()
 
-    def __call__(self, train_units: Sequence[EMU], gen_units: Sequence[EMU]) -> list[EMU]:
-        """Fresh generation units (``gen_units`` are consumed; ``train_units`` stay as they are)."""
+    def __call__(self, train_units: Sequence[EMU], gen_units: Sequence[EMU], keep: Sequence[EMU] = ()) -> list[EMU]:
+        """Fresh generation units (``gen_units`` are consumed; ``train_units`` stay as they are). ``keep``: other
+        units that may share buffers with these (LoRA's shared base), left intact."""
         old = {u.devices: u for u in gen_units}
         if self.index is None or set(old) != {self._devices(r) for r in self.plan[self.dst].replicas}:
-            return self._whole(train_units, gen_units)
+            return self._whole(train_units, gen_units, keep)
         views = {self.src: [self._view(u, self.src) for u in train_units],
                  self.dst: [] if self.keep_old else [self._view(u, self.dst) for u in gen_units]}
         out = []
@@ -81,11 +82,12 @@ class WeightSync:
         spec = self.sub_specs[self.dst] if self.index is not None else self.specs[self.dst]
         return spec.bytes_per_device(self.plan[self.dst].layout)
 
-    def _whole(self, train_units: Sequence[EMU], gen_units: Sequence[EMU]) -> list[EMU]:
+    def _whole(self, train_units: Sequence[EMU], gen_units: Sequence[EMU], keep: Sequence[EMU]) -> list[EMU]:
         if self._full is None:
             self._full = TransitionGraph.weight_sync(self.plan, self.src, self.dst, self.specs, caps=self.caps,
                                                      keep_old=self.keep_old)
-        out = self.executor.run(self._full, {self.src: train_units, self.dst: [] if self.keep_old else gen_units})
+        out = self.executor.run(self._full, {self.src: train_units, self.dst: [] if self.keep_old else gen_units},
+                                keep=keep)
         return out[self.dst]
 
     def _view(self, unit: EMU, stage: ModelStage) -> EMU:

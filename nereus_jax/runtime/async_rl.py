@@ -135,7 +135,8 @@ class AsyncRunner:
         if self._sync_plan is not job.plan:
             self._sync = job.stages.weight_sync(job.plan, keep_old=True)
             self._sync_plan = job.plan
-        units = self._sync(job.stages.use(ACTOR_TRAIN), job.units[ACTOR_GEN])
+        units = self._sync(job.stages.use(ACTOR_TRAIN), job.units[ACTOR_GEN],
+                           keep=job.stages.held_outside(ACTOR_TRAIN, ACTOR_GEN))
         job.park(ACTOR_TRAIN)
         with self.cond:
             if self.partial == "resume":

@@ -73,7 +73,8 @@ def job_pricing(cfg: Config) -> Pricing:
     if cfg.cluster.device_memory_bytes:  # plan against the cap the cluster sets, not the datasheet's
         hardware = dataclasses.replace(hardware, memory_bytes=cfg.cluster.device_memory_bytes)
     usable = hardware.memory_bytes * (1 - cfg.controller.memory_headroom)
-    return Pricing(CostModel(hardware), job_topology(cfg), job_models(cfg), usable)
+    return Pricing(CostModel(hardware), job_topology(cfg), job_models(cfg), usable,
+                   share_base=cfg.plan.share_frozen_base)
 
 
 def job_models(cfg: Config) -> dict[str, ModelConfig]:

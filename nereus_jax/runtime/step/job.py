@@ -259,7 +259,8 @@ class Job:
         return self.rollout.texts(batch)
 
     def _weight_sync(self) -> None:
-        units = self.sync(self.stages.use(ACTOR_TRAIN), self.units[ACTOR_GEN])
+        units = self.sync(self.stages.use(ACTOR_TRAIN), self.units[ACTOR_GEN],
+                          keep=self.stages.held_outside(ACTOR_TRAIN, ACTOR_GEN))
         self.park(ACTOR_TRAIN)
         self.version += 1
         self.rollout.load_units(units)

@@ -288,8 +288,10 @@ class Learner:
         stages, spec = self.stages, self.stages.unit_spec(ms)
         leaves, mesh, key, micro, layout = stages.stage_inputs(ms, data, ("train", ms), self.cfg.trainer.mini_batches)
         self._packed(layout)
-        new_leaves, metrics = stages.run(key, lambda: stages.train_program(ms, spec, mesh), leaves, micro)
-        stages.replace(ms, split_replicas(new_leaves, mesh, ms, spec))
+        updated, metrics = stages.run(key, lambda: stages.train_program(ms, spec, mesh),
+                                      *stages.train_args(spec, leaves), micro)
+        new_leaves = stages.train_result(spec, leaves, updated)  # the frozen base: the same buffers, still shared
+        stages.replace(ms, split_replicas(new_leaves, mesh, ms, spec), share=False)
         self.updates[ms] = self.updates.get(ms, 0) + 1
         if ms != ACTOR_TRAIN:  # the actor's state is read again by the weight sync
             stages.park(ms)

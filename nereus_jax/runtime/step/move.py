@@ -91,9 +91,10 @@ def move(job: Job, graph: TransitionGraph, *, prepared: Prepared | None = None,
     whole = set(graph.new_plan) == set(job.plan)
     sync = job.check_plan(graph.new_plan) if whole else _check_parking(job, graph)
     units = _take(job, graph)
+    keep = _outside(job)
     t0 = time.perf_counter()
     try:
-        out = executor.run(graph, units)
+        out = executor.run(graph, units, keep=keep)
     except TransitionFailed as failed:
         del units  # the executor freed what it moved: the survivors are the state now
         _give_back(job, graph, failed.units, failed.plan, failed)
@@ -148,6 +149,12 @@ def _take(job: Job, graph: TransitionGraph) -> dict[ModelStage, list[EMU]]:
     return taken
 
 
+def _outside(job: Job) -> list[EMU]:
+    """The job's units a move does not hold: with LoRA they may share the frozen base's buffers with the moved
+    ones (``elastic/shared_base.py``), so the executor must not delete or donate what they hold."""
+    return job.stages.held_outside()
+
+
 def _put(job: Job, units: Mapping[ModelStage, list[EMU]]) -> None:
     for ms, us in units.items():
         job.stages.replace(ms, list(us))
@@ -160,7 +167,7 @@ def _give_back(job: Job, graph: TransitionGraph, units: dict[ModelStage, list[EM
         try:
             back = TransitionGraph.build(plan, graph.old_plan, {ms: job.specs[ms] for ms in graph.initial},
                                          caps=graph.caps, host_cap=graph.host_cap)
-            units = TransitionExecutor().run(back, units)
+            units = TransitionExecutor().run(back, units, keep=_outside(job))
         except TransitionFailed as again:
             _put(job, again.units)
             raise MoveError(f"{failure}; moving the state back to the old plan failed too ({again}): every "

@@ -26,6 +26,7 @@ from nereus_jax.elastic.costs import pipeline_microbatches
 from nereus_jax.elastic.emu import EMU, assemble_replicas
 from nereus_jax.elastic.graph import TransitionGraph
 from nereus_jax.elastic.plan import DEVICE, HOST, ExecutionPlan
+from nereus_jax.elastic.shared_base import frozen_leaves, share_frozen, share_groups
 from nereus_jax.elastic.sources import ParamSource, ValueHeadSource, units_from_source
 from nereus_jax.elastic.spec import StateSpec
 from nereus_jax.elastic.topology import accumulation_steps
@@ -65,6 +66,9 @@ class StageState:
         _check_rows(self.plan, self.rows, self.mini_rows)
         _check_dropout(self.plan, cfg)
         self.specs = _specs(cfg)
+        # LoRA: stages whose units hold the frozen base identically share its buffers (elastic/shared_base.py)
+        self.share_groups = share_groups(job_stages(cfg), bool(cfg.model.lora_rank) and cfg.plan.share_frozen_base,
+                                         critic_from_actor=cfg.model.critic_hf_path is None)
         self.reward_model = _reward_model(cfg, self.specs) if cfg.task.reward_model_path else None
         self.version = 0
         self.units: dict[ModelStage, list[EMU]] = {}
@@ -91,7 +95,7 @@ class StageState:
             replicas = [[self.devices[i] for i in r] for r in sp.replicas]
             source = sources[stage_decl(str(ms)).state]()
             units[ms] = units_from_source(ms, self.unit_spec(ms), sp.layout, replicas, source)
-        self.units = units
+        self.units = self._share(units)
         self.sync = self.weight_sync(self.plan)
 
     def weight_sync(self, plan: ExecutionPlan, keep_old: bool = False) -> WeightSync:
@@ -144,8 +148,8 @@ class StageState:
                       for a, sh in zip(spec.global_abstract(plan[ms].layout), spec.shardings(mesh), strict=True)]
             if kind == "train":
                 fn = self.train_program(ms, spec, mesh)
-                programs[self.key("train", ms, mesh, accum, _signature((leaves, micro)))] = \
-                    fn.lower(leaves, micro).compile()
+                args = (*self.train_args(spec, leaves), micro)
+                programs[self.key("train", ms, mesh, accum, _signature(args))] = fn.lower(*args).compile()
             else:
                 fn = self.infer_program(ms, rest[0], mesh)
                 params = spec.unflatten(leaves)["params"]
@@ -156,7 +160,7 @@ class StageState:
     def adopt(self, plan: ExecutionPlan, units: dict[ModelStage, list[EMU]], sync: WeightSync,
               programs: dict[Any, Any]) -> None:
         """Switch to ``plan`` whose state is ``units``, with its weight sync and its programs compiled ahead."""
-        self.plan, self.units, self.sync = plan, dict(units), sync
+        self.plan, self.units, self.sync = plan, self._share(units), sync
         self.programs.update(programs)
 
     def load_state(self, units: dict[ModelStage, list[EMU]], version: int) -> None:
@@ -164,14 +168,42 @@ class StageState:
         if set(units) != set(self.units):
             raise JobError(f"load_state: model-stages {sorted(map(str, units))} differ from the job's "
                            f"{sorted(map(str, self.units))}")
-        self.units, self.version = dict(units), version
+        self.units, self.version = self._share(units), version
 
-    def replace(self, ms: ModelStage, units: list[EMU] | Any) -> None:
+    def replace(self, ms: ModelStage, units: list[EMU] | Any, share: bool = True) -> None:
         """Replaces ``ms``'s units in the current plan: a training step's new state, the generation units a weight
         sync built, a move's placeholder and its result. The runtime writes a stage's units only here (placement,
         :meth:`adopt` and :meth:`load_state` replace them all); tests/test_import_graph.py checks the code for
-        other writers."""
+        other writers. With LoRA the new units' frozen base is shared with the other stages' where they hold it
+        identically (``share=False``: the caller knows they hold the same buffers as before, e.g. a training
+        step's, which passes the frozen leaves through)."""
         self.units[ms] = units
+        if share and ms in self.share_groups and isinstance(units, list):
+            for other, us in self._share(self.units).items():  # in place: another thread may hold the dict
+                if us is not self.units[other]:
+                    self.units[other] = us
+
+    def _share(self, units: dict[ModelStage, Any]) -> dict[ModelStage, Any]:
+        """``units`` (all stages) with LoRA's frozen base shared where units hold it identically; the first
+        holder in run order keeps its arrays."""
+        if not self.share_groups:
+            return dict(units)
+        return share_frozen(units, self.share_groups)
+
+    def held_outside(self, *stages: ModelStage) -> list[EMU]:
+        """With LoRA's shared base: the units of every model-stage but ``stages`` (none that a move holds), which
+        an executor working on ``stages``' units must leave intact (``TransitionExecutor.run(keep=...)``)."""
+        if not self.share_groups:
+            return []
+        return [u for ms, us in self.units.items() if ms not in stages and isinstance(us, list) for u in us]
+
+    def frozen_index(self, spec: StateSpec) -> list[int]:
+        """Positions of ``spec``'s frozen parameter leaves (LoRA's base in a training stage; none without LoRA):
+        the training program takes them apart and neither donates nor returns them, so a unit that shares them
+        keeps them."""
+        if not spec.model.lora_rank:
+            return []
+        return [i for i, _ in frozen_leaves(spec)]
 
     # ------------------------------------------------------------------------------ parking
     def use(self, ms: ModelStage) -> list[EMU]:
@@ -275,12 +307,36 @@ class StageState:
         step = losses.make_minibatch_train_step(None, spec.optimizer, m, epochs=self.cfg.trainer.ppo_epochs,
                                                value_and_grad=grad_fn, param_shardings=pins)
 
-        def program(leaves, micro):
-            state = spec.unflatten(leaves)
-            params, opt, metrics = step(state["params"], state["opt"], micro)
-            return spec.flatten({"params": params, "opt": opt}), metrics
+        frozen = self.frozen_index(spec)
+        shardings = [sh for i, sh in enumerate(spec.shardings(mesh)) if i not in frozen]
 
-        return jax.jit(program, donate_argnums=0, out_shardings=(spec.shardings(mesh), None))
+        def program(updated, frozen_leaves, micro):
+            state = spec.unflatten(_merge_leaves(updated, frozen_leaves, frozen))
+            params, opt, metrics = step(state["params"], state["opt"], micro)
+            out = spec.flatten({"params": params, "opt": opt})
+            return [x for i, x in enumerate(out) if i not in frozen], metrics
+
+        # the frozen leaves (LoRA's base) are read, never donated nor returned: other stages may share them
+        return jax.jit(program, donate_argnums=0, out_shardings=(shardings, None))
+
+    def train_args(self, spec: StateSpec, leaves: Sequence[Any]) -> tuple[list, list]:
+        """A training program's state arguments: (the leaves it updates and donates, the frozen ones)."""
+        frozen = set(self.frozen_index(spec))
+        return ([x for i, x in enumerate(leaves) if i not in frozen], [leaves[i] for i in sorted(frozen)])
+
+    def train_result(self, spec: StateSpec, leaves: Sequence[Any], updated: Sequence[Any]) -> list:
+        """The whole state after a training program: its ``updated`` leaves, and ``leaves``' frozen ones as they
+        were (the same buffers)."""
+        frozen = self.frozen_index(spec)
+        return _merge_leaves(updated, [leaves[i] for i in frozen], frozen)
+
+
+def _merge_leaves(updated: Sequence[Any], frozen: Sequence[Any], where: Sequence[int]) -> list:
+    """One list of state leaves from the ``updated`` ones and the ``frozen`` ones, which go at positions ``where``."""
+    out, rest, fixed = [], iter(updated), dict(zip(where, frozen, strict=True))
+    for i in range(len(updated) + len(frozen)):
+        out.append(fixed[i] if i in fixed else next(rest))
+    return out
 
 
 def _put(host: dict, mesh, mini: int | None) -> dict:
