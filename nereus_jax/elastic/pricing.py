@@ -36,6 +36,7 @@ import numpy as np
 from nereus_jax.config import ModelConfig
 from nereus_jax.elastic.costs import CostModel, Measurement, StageChoice
 from nereus_jax.elastic.costs.candidates import StageOptions
+from nereus_jax.elastic.costs.memory import frozen_base_bytes, share_group, state_dtype
 from nereus_jax.elastic.costs.model import NOISE_FLOOR
 from nereus_jax.elastic.topology import Topology, critical_path
 from nereus_jax.elastic.workload import Workload
@@ -51,11 +52,13 @@ EXTRAPOLATION_SD = 0.05
 
 class Pricing:
     """A topology's prices under one cost model; ``usable_bytes`` is the memory a plan may fill per device
-    (capacity less the planning headroom)."""
+    (capacity less the planning headroom); ``share_base``: LoRA's frozen base is held once where units hold it
+    alike (``plan.share_frozen_base``)."""
 
     def __init__(self, cost: CostModel, topology: Topology, models: Mapping[str, ModelConfig], usable_bytes: float,
-                 window: int = CALIBRATION_WINDOW):
+                 window: int = CALIBRATION_WINDOW, share_base: bool = True):
         self.cost, self.topology, self.models, self.usable_bytes = cost, topology, dict(models), usable_bytes
+        self.share_base = share_base
         self.window: collections.deque[list[Measurement]] = collections.deque(maxlen=window)
         self.memory: dict[tuple[str, StageChoice], collections.deque[Measurement]] = {}
         self._ratios: dict[tuple[str, StageChoice], float] = {}  # residuals at the current fit and window
@@ -196,10 +199,27 @@ class Pricing:
 
     def device_bytes(self, plan, choices: Mapping[str, StageChoice], workload: Workload,
                      workloads: Mapping[str, Workload] | None = None) -> dict[int, float]:
-        """Predicted peak bytes per device (``Topology.device_bytes`` of the cost model's stage memory)."""
+        """Predicted peak bytes per device (``Topology.device_bytes`` of the cost model's stage memory), LoRA's
+        frozen base counted once per device among the units that hold it identically (:meth:`shared_base`)."""
         per = workloads or {}
         return self.topology.device_bytes(plan, lambda s: tuple(self.cost.stage_memory(
-            self.model_for(s), s, choices[s], per.get(s, workload))))
+            self.model_for(s), s, choices[s], per.get(s, workload))),
+            shared=self.shared_base(choices) if self.share_base else None)
+
+    def shared_base(self, choices: Mapping[str, StageChoice]):
+        """``Topology.device_bytes``'s ``shared``: a stage -> (key, its frozen base's bytes per device), or None
+        where it holds none (no LoRA, a reward model). The key is what the units holding one copy must have in
+        common besides the replica: the share group (``costs.memory.share_group``: the actor's base, which a
+        critic whose trunk is the actor's holds too), the network, the layout (tp, pp, ep) and the dtype."""
+        def shared(stage: str):
+            cfg, c = self.model_for(stage), choices[stage]
+            group = share_group(cfg, stage)
+            base = frozen_base_bytes(cfg, stage, c.tp, c.pp, c.ep) if group is not None else 0.0
+            if not base:
+                return None
+            return (group, cfg, c.tp, c.pp, c.ep, state_dtype(cfg, stage)), base
+
+        return shared
 
     def peak_bytes(self, plan, choices: Mapping[str, StageChoice], workload: Workload,
                    workloads: Mapping[str, Workload] | None = None) -> float:

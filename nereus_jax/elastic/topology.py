@@ -36,6 +36,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from nereus_jax.elastic.plan import DEVICE
 from nereus_jax.model_stage import declared
 from nereus_jax.rl.registry import algorithm_spec
 
@@ -145,18 +146,45 @@ class Topology:
             raise KeyError(f"the plan has no model-stage {', '.join(missing)}")
         return {s: tuple(by_name[self.host(s)].devices) for s in self.stages}
 
-    def device_bytes(self, plan, stage_bytes) -> dict[int, float]:
+    def device_bytes(self, plan, stage_bytes, shared=None) -> dict[int, float]:
         """Peak bytes per device: the resident state of every unit there + the largest working set of
         anything that runs there (they run in turn). ``stage_bytes(stage) -> (resident, working)``; a
-        rider's resident state is its host's, so it counts none."""
+        rider's resident state is its host's, so it counts none.
+
+        ``shared(stage) -> (key, base) | None``: LoRA's frozen base, ``base`` bytes per device of the
+        stage's resident state, and a key equal exactly for units that may hold it as one copy (share group,
+        layout, dtype). Units whose keys are equal and that hold the device in the same replica (the same
+        ordered device ids, ``StagePlan.replicas``), both in device memory, keep one copy there: the device
+        holds the largest of their bases once instead of their sum (bases nest: a critic's trunk is inside
+        the actor's base). A parked unit (``memory`` not "device") shares nothing: the runtime shares device
+        arrays only. Without ``shared`` (or where it answers None) nothing changes."""
         resident: dict[int, float] = {}
         working: dict[int, float] = {}
+        bases: dict[tuple, list[float]] = {}  # (device, key, replica) -> the bases of the units holding it thus
+        by_name = {str(ms): sp for ms, sp in plan.items()} if shared is not None else {}
         for s, devices in self.placed(plan).items():
             r, w = stage_bytes(s)
+            base = shared(s) if shared is not None and self.has_state(s) else None
+            replica = self._replica_of(by_name.get(s)) if base is not None else {}
+            base = base if replica else None
             for d in devices:
                 resident[d] = resident.get(d, 0.0) + (r if self.has_state(s) else 0.0)
                 working[d] = max(working.get(d, 0.0), w)
-        return {d: resident[d] + working[d] for d in working}
+                if base is not None:
+                    bases.setdefault((d, base[0], replica[d]), []).append(base[1])
+        saved: dict[int, float] = {}
+        for (d, _, _), held in bases.items():
+            if len(held) > 1:
+                saved[d] = saved.get(d, 0.0) + sum(held) - max(held)
+        return {d: (resident[d] - saved[d] if d in saved else resident[d]) + working[d] for d in working}
+
+    @staticmethod
+    def _replica_of(sp) -> dict[int, tuple[int, ...]]:
+        """Device id -> the replica of ``sp`` holding it, for a stage plan in device memory; {} for a parked
+        one or a plan that names no replicas (it shares nothing)."""
+        if sp is None or getattr(sp, "memory", DEVICE) != DEVICE or getattr(sp, "replicas", None) is None:
+            return {}
+        return {d: tuple(r) for r in sp.replicas for d in r}
 
     def edges(self, placed_devices, overlapped: bool | None = None) -> set[tuple[str, str]]:
         """Edges of the execution-overlap graph over ``stages``: phase-to-phase dependencies, and inside a

@@ -25,6 +25,11 @@ the call's token-expert pairs (static shapes), whatever share of them the device
 
 A device's peak is the resident state of every model-stage placed on it plus the largest working set
 among them (``device_peak_bytes``); the planner keeps that under capacity x (1 - headroom).
+
+LoRA's frozen base: units that hold it identically on a device (the same replica, layout, dtype, device
+memory) share one copy of its buffers (``nereus_jax.elastic.shared_base``), so a device holds the largest of
+their bases once, not each. :func:`frozen_base_bytes` and :func:`share_group` say how big a unit's base is
+and which units may share it; ``Topology.device_bytes`` subtracts the copies not held.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from nereus_jax.elastic.costs.stage import (
 )
 from nereus_jax.elastic.hardware import Hardware
 from nereus_jax.elastic.workload import Workload
-from nereus_jax.model_stage import split_stage, stage_head
+from nereus_jax.model_stage import split_stage, stage_decl, stage_head
 from nereus_jax.vocab_chunks import chunk_width
 
 # float32 [positions, vocab columns] arrays the lm head holds at once (XLA:CPU buffer assignment of the job's
@@ -79,6 +84,43 @@ def state_bytes(cfg: ModelConfig, stage: str, tp: int, pp: int, optimizer_shards
     pb = counts.dtype_bytes(cfg.param_dtype)
     trainable = counts.trainable_params_per_device(cfg, tp, pp, head, ep=ep)  # LoRA: only adapters have Adam state
     return params * pb + trainable * (8 / optimizer_shards + (4 if pb != 4 else 0))
+
+
+def share_group(cfg: ModelConfig, stage: str) -> str | None:
+    """Which units may hold ``stage``'s frozen base as one copy (None: it shares nothing): "actor" for the
+    stages that start from the actor's parameters (``StageDecl.state`` "actor" or "base": actor-gen,
+    actor-train, ref-infer) and for the critic's when its trunk is the actor's (no ``model.critic_hf_path``);
+    "critic" for a critic from its own checkpoint (no other unit holds that trunk). None without
+    ``model.lora_rank`` (training updates every parameter: nothing is frozen), for a reward model (its own
+    checkpoint) and for a stage without state of its own (a rider)."""
+    if not cfg.lora_rank:
+        return None
+    state = stage_decl(stage).state
+    if state in ("actor", "base"):
+        return "actor"
+    if state == "critic":
+        return "critic" if cfg.critic_hf_path else "actor"
+    return None
+
+
+def state_dtype(cfg: ModelConfig, stage: str) -> str:
+    """The dtype ``stage``'s units hold parameters in: ``param_dtype`` for training, ``compute_dtype`` for
+    scoring and generation (as :func:`state_bytes` counts them)."""
+    return cfg.param_dtype if split_stage(stage)[1] == "train" else cfg.compute_dtype
+
+
+def frozen_base_bytes(cfg: ModelConfig, stage: str, tp: int, pp: int, ep: int = 1) -> float:
+    """Bytes per device of the frozen base one of ``stage``'s units holds under (tp, pp, ep), in its
+    :func:`state_dtype`: every parameter but the adapters and a value head. The actor's (and the reference's)
+    includes the lm head when it is untied; a critic's is the trunk alone, so it nests inside the actor's at
+    the same layout and dtype. 0 where :func:`share_group` is None (nothing frozen to share)."""
+    if share_group(cfg, stage) is None:
+        return 0.0
+    if stage_decl(stage).state == "critic":
+        params = counts.params_per_device(cfg, tp, pp, "value", num_labels=0, ep=ep)
+    else:
+        params = counts.params_per_device(cfg, tp, pp, "lm", ep=ep)
+    return params * counts.dtype_bytes(state_dtype(cfg, stage))
 
 
 def optimizer_shards(stage: str, dp, workload: Workload):
