@@ -36,7 +36,7 @@ import numpy as np
 from nereus_jax.config import ModelConfig
 from nereus_jax.elastic.costs import CostModel, Measurement, StageChoice
 from nereus_jax.elastic.costs.candidates import StageOptions
-from nereus_jax.elastic.costs.memory import frozen_base_bytes, share_group, state_dtype
+from nereus_jax.elastic.costs.memory import frozen_base_key
 from nereus_jax.elastic.costs.model import NOISE_FLOOR
 from nereus_jax.elastic.topology import Topology, critical_path
 from nereus_jax.elastic.workload import Workload
@@ -212,12 +212,8 @@ class Pricing:
         common besides the replica: the share group (``costs.memory.share_group``: the actor's base, which a
         critic whose trunk is the actor's holds too), the network, the layout (tp, pp, ep) and the dtype."""
         def shared(stage: str):
-            cfg, c = self.model_for(stage), choices[stage]
-            group = share_group(cfg, stage)
-            base = frozen_base_bytes(cfg, stage, c.tp, c.pp, c.ep) if group is not None else 0.0
-            if not base:
-                return None
-            return (group, cfg, c.tp, c.pp, c.ep, state_dtype(cfg, stage)), base
+            c = choices[stage]
+            return frozen_base_key(self.model_for(stage), stage, c.tp, c.pp, c.ep)
 
         return shared
 

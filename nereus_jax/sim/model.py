@@ -28,6 +28,7 @@ from nereus_jax.elastic.adapter import ControllerAdapter
 from nereus_jax.elastic.controller import UNCERTAINTY_Z, Observation, Priced
 from nereus_jax.elastic.costs import CostModel, StageChoice
 from nereus_jax.elastic.costs.candidates import StageOptions
+from nereus_jax.elastic.costs.memory import frozen_base_key
 from nereus_jax.elastic.hardware import Hardware
 from nereus_jax.elastic.plan import ExecutionPlan
 from nereus_jax.elastic.planner import GAP, MAX_NODES, InfeasiblePlanError, Planner
@@ -263,11 +264,14 @@ class PlanningModel(ControllerAdapter):
         self.setups_seen += 1
 
 
-def plan_peak_memory(plan: SimPlan, wl: Workload, stage_bytes) -> float:
+def plan_peak_memory(plan: SimPlan, wl: Workload, stage_bytes, model_for=None) -> float:
     """Peak bytes over the plan's devices (``Topology.device_bytes``); ``stage_bytes(stage, choice) ->
-    (resident, working)``."""
+    (resident, working)``. ``model_for(stage)``: the stage's network, so LoRA's frozen base counts once where
+    units hold it alike, as the runtime shares it (``costs.memory.frozen_base_key``)."""
     choices = dict(plan.choices)
-    return max(plan.topology.device_bytes(plan.plan, lambda s: tuple(stage_bytes(s, choices[s]))).values())
+    shared = None if model_for is None else (
+        lambda s: frozen_base_key(model_for(s), s, choices[s].tp, choices[s].pp, choices[s].ep))
+    return max(plan.topology.device_bytes(plan.plan, lambda s: tuple(stage_bytes(s, choices[s])), shared).values())
 
 
 def pinned_options(opts: Mapping[str, StageOptions], layouts: Layouts | None) -> dict[str, StageOptions]:

@@ -124,7 +124,7 @@ class Simulation:
         return latency, seconds, workloads
 
     def true_peak(self, plan: SimPlan, wl: Workload) -> float:
-        return plan_peak_memory(plan, wl, lambda s, c: self.truth.stage_bytes(self.cfg(s), s, c, wl))
+        return plan_peak_memory(plan, wl, lambda s, c: self.truth.stage_bytes(self.cfg(s), s, c, wl), self.cfg)
 
     def fits(self, plan: SimPlan, wl: Workload) -> bool:
         return self.true_peak(plan, wl) <= self.hw.memory_bytes
@@ -136,7 +136,7 @@ class Simulation:
             return self.true_peak(plan, wl)
         nxt = self.trace.workload(min(step + 1, self.trace.steps - 1))
         return plan_peak_memory(plan, wl, lambda s, c: self.truth.stage_bytes(
-            self.cfg(s), s, c, nxt if s == "actor-gen" else wl))
+            self.cfg(s), s, c, nxt if s == "actor-gen" else wl), self.cfg)
 
     def true_transition(self, model: PlanningModel, old: SimPlan, new: SimPlan) -> float | None:
         """Ground-truth seconds of old -> new: data movement at true link speeds + concurrent setup."""

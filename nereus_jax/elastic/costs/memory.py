@@ -241,3 +241,14 @@ def _train(cfg, head, tp, pp, mb, rows, remat, wl: Workload, hw: Hardware, accum
         logits = head_bytes(cfg, head, mb * wl.head_tokens / head_split(mb, pp), tp, "train", wl.vocab_chunk)
     hidden = 2 * mb * s * cfg.hidden_size * act  # the stack's input and its cotangent (or output)
     return grads + stored + hidden + logits
+
+
+def frozen_base_key(cfg: ModelConfig, stage: str, tp: int, pp: int, ep: int = 1):
+    """``Topology.device_bytes``'s ``shared`` answer for one stage of network ``cfg`` under (tp, pp, ep): (key,
+    frozen base bytes per device), None where it holds no shareable base. The key is what units holding one copy
+    have in common besides the replica: the share group, the network, the layout and the dtype."""
+    group = share_group(cfg, stage)
+    base = frozen_base_bytes(cfg, stage, tp, pp, ep) if group is not None else 0.0
+    if not base:
+        return None
+    return (group, cfg, tp, pp, ep, state_dtype(cfg, stage)), base
