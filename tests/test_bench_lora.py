@@ -1,6 +1,7 @@
 """tools/bench_lora.py runs (--quick) and reports what it promises: its JSON keys, and LoRA's actor-train state
 (StateSpec), training-step peak (XLA's buffer assignment) and weight-sync bytes (the sync graph's) below full
-fine-tuning's. Properties of the programs and specs, not timings."""
+fine-tuning's, and the frozen base held once by colocated stages that hold it alike. Properties of the programs
+and specs, not timings."""
 
 import json
 import subprocess
@@ -15,7 +16,8 @@ KEYS = ("peak_bytes_full", "peak_bytes_lora", "peak_ratio", "state_bytes_full", 
         "train_seconds_full", "train_seconds_lora", "train_speed_ratio", "adapter_params",
         "total_params", "rank", "matmul_flops_per_s", "copy_bytes_per_s", "train_flops_fraction_full",
         "train_flops_fraction_lora", "goal_peak_ratio_max", "goal_sync_ratio_max", "goal_peak_met", "goal_sync_met",
-        "notes")
+        "colocated_bytes_full", "colocated_bytes_lora_unshared", "colocated_bytes_lora", "job_peak_bytes_full",
+        "job_peak_bytes_lora", "job_peak_ratio", "notes")
 
 
 def test_bench_lora_quick():
@@ -32,3 +34,8 @@ def test_bench_lora_quick():
     assert 0 < result["sync_bytes_lora"] < 0.2 * result["sync_bytes_full"]
     assert result["sync_bytes_ratio"] == result["sync_bytes_lora"] / result["sync_bytes_full"]
     assert result["goal_peak_ratio_max"] == 0.5 and result["goal_sync_ratio_max"] == 0.05
+    # colocated: actor-gen and ref-infer hold the frozen base alike (bfloat16), so one copy of it goes: the whole
+    # reference unit, base parameters x 2 bytes (the float32 training stage keeps its own)
+    assert result["colocated_bytes_lora_unshared"] - result["colocated_bytes_lora"] == 2 * result["base_params"]
+    assert result["colocated_bytes_full"] > result["colocated_bytes_lora_unshared"]
+    assert result["job_peak_ratio"] == result["job_peak_bytes_lora"] / result["job_peak_bytes_full"] < 1

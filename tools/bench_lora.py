@@ -59,12 +59,13 @@ from nereus_jax.config import AlgorithmConfig, ModelConfig
 from nereus_jax.elastic.emu import EMU
 from nereus_jax.elastic.plan import ExecutionPlan, StagePlan
 from nereus_jax.elastic.primitives import DESTROY
+from nereus_jax.elastic.shared_base import share_frozen, share_groups, unique_bytes
 from nereus_jax.elastic.spec import StateSpec
 from nereus_jax.elastic.weight_sync import WeightSync
 from nereus_jax.engine import JaxEngine
-from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN
+from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN, REF_INFER
 from nereus_jax.models import init_params
-from nereus_jax.models.lora import ALL_TARGETS, split_trainable, targets
+from nereus_jax.models.lora import ALL_TARGETS, base_config, split_trainable, targets
 from nereus_jax.runtime.step import losses
 from nereus_jax.sharding import Layout, make_mesh
 
@@ -89,6 +90,9 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--response", type=int, default=8)
     p.add_argument("--vocab-chunk", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype-alike", action="store_true",
+                   help="colocated stages generate and score in the training dtype (as the tiny jobs do), so all "
+                   "three can share the frozen base")
     p.add_argument("--quick", action="store_true", help="model qwen3-8k, 2 repeats")
     args = p.parse_args()
     if args.quick:
@@ -153,8 +157,34 @@ def _mode(cfg: ModelConfig, args: argparse.Namespace, batch: dict, device) -> di
     train_spec = StateSpec(cfg, "train", optimizer=optimizer)
     gen_spec = StateSpec(cfg, "gen", dtype=cfg.compute_dtype)
     out["state_bytes"] = train_spec.bytes_per_device(Layout())
+    out.update(_colocated(train_spec, gen_spec, state, device, args.dtype_alike))
     out.update(_sync(train_spec, gen_spec, state, device, args.repeats))
     return out
+
+
+def _colocated(train_spec: StateSpec, gen_spec: StateSpec, state: dict, device, alike: bool) -> dict:
+    """Bytes ``device`` holds for actor-train, actor-gen and ref-infer colocated on it (the default plan): each
+    stage's units as the job lays them out, and with LoRA the same with the frozen base shared where held alike
+    (``plan.share_frozen_base``; counted by buffer). ``alike``: generation and scoring in the training dtype."""
+    host = jax.tree.map(np.asarray, state)
+    cfg = train_spec.model
+    dtype = train_spec.dtype if alike else gen_spec.dtype
+    gen_spec = StateSpec(cfg, "gen", dtype=dtype)
+    ref_spec = StateSpec(base_config(cfg), "infer", dtype=dtype)
+
+    def cast(tree):  # a copy of its own per unit: on CPU a device_put may keep reading the numpy array given
+        return {"params": jax.tree.map(lambda x: np.array(jnp.asarray(x, dtype), copy=True), tree)}
+
+    base = split_trainable(host["params"], cfg)[1] if cfg.lora_rank else host["params"]
+    units = {ACTOR_GEN: [EMU.create(ACTOR_GEN, gen_spec, Layout(), [device], cast(host["params"]))],
+             REF_INFER: [EMU.create(REF_INFER, ref_spec, Layout(), [device], cast(base))],
+             ACTOR_TRAIN: [EMU.create(ACTOR_TRAIN, train_spec, Layout(), [device],
+                                      jax.tree.map(lambda x: np.array(x, copy=True), host))]}
+    held = sum(u.nbytes for us in units.values() for u in us)
+    shared = share_frozen(units, share_groups(units, lora=bool(cfg.lora_rank), critic_from_actor=True))
+    unique = sum(unique_bytes([u for us in shared.values() for u in us]).values())
+    return {"colocated_bytes": held, "colocated_shared_bytes": unique,
+            "colocated_others_bytes": unique - units[ACTOR_TRAIN][0].nbytes}
 
 
 def _sync(train_spec: StateSpec, gen_spec: StateSpec, state: dict, device, repeats: int) -> dict:
@@ -191,6 +221,8 @@ def run(args: argparse.Namespace) -> dict:
     flops, gbps = matmul_flops_per_s(), copy_bytes_per_s()
     f, lo = out["full"], out["lora"]
     peak_ratio = lo["peak_bytes"] / f["peak_bytes"]
+    # the job's busiest device: the training step's peak (its state included) + the colocated stages' units
+    job_full, job_lora = (m["peak_bytes"] + m["colocated_others_bytes"] for m in (f, lo))
     sync_ratio = lo["sync_bytes"] / f["sync_bytes"]
     return {
         "model": args.model, "hidden_size": base.hidden_size, "num_layers": base.num_layers,
@@ -201,6 +233,11 @@ def run(args: argparse.Namespace) -> dict:
         "trainable_params_lora": lo["trainable_params"],
         "peak_bytes_full": f["peak_bytes"], "peak_bytes_lora": lo["peak_bytes"], "peak_ratio": peak_ratio,
         "peak_breakdown_full": f["peak_breakdown"], "peak_breakdown_lora": lo["peak_breakdown"],
+        "colocated_dtype": "training" if args.dtype_alike else "generation",
+        "colocated_bytes_full": f["colocated_bytes"], "colocated_bytes_lora_unshared": lo["colocated_bytes"],
+        "colocated_bytes_lora": lo["colocated_shared_bytes"],
+        "colocated_ratio": lo["colocated_shared_bytes"] / f["colocated_bytes"],
+        "job_peak_bytes_full": job_full, "job_peak_bytes_lora": job_lora, "job_peak_ratio": job_lora / job_full,
         "opt_state_bytes_full": f["opt_state_bytes"], "opt_state_bytes_lora": lo["opt_state_bytes"],
         "state_bytes_full": f["state_bytes"], "state_bytes_lora": lo["state_bytes"],
         "transition_bytes_ratio": lo["state_bytes"] / f["state_bytes"],
@@ -230,6 +267,10 @@ def run(args: argparse.Namespace) -> dict:
             "copy_bytes_per_s: read + write of a 256 MiB float32 array into a fresh buffer (its page faults "
             "included), so it is no ceiling for the sync's smaller writes; the sync also reads the float32 "
             "params (2x its bfloat16 writes)",
+            "colocated_*: actor-train + actor-gen + ref-infer units on one device (engines' own weight copies not "
+            "counted); with LoRA the frozen base is one copy where units hold it alike (same dtype: with "
+            "--dtype-alike all three, else actor-gen and ref-infer in the generation dtype); job_peak = the "
+            "training step's peak + the other two stages' units",
             "peak: one device's program for --rows rows (the default job's dp 8 share of 128 rows), no gradient "
             "all-reduce",
         ],
