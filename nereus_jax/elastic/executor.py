@@ -30,6 +30,7 @@ ValueError, before anything runs.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import time
 import warnings
@@ -50,7 +51,7 @@ from .ledger import CapExceeded, Ledger
 from .measured import cross_check, local_usage, measure
 from .plan import DEVICE, ExecutionPlan, StagePlan
 from .primitives import DERIVE, DESTROY, MERGE, REGROUPS, RELAYOUT, SPLIT, Step, Unit
-from .shared_base import held_buffers
+from .shared_base import frozen_leaves, held_buffers
 
 DONATING = (SPLIT, MERGE, RELAYOUT)  # may donate their inputs to XLA (when another copy of the state exists)
 
@@ -95,16 +96,21 @@ class TransitionExecutor:
         self.trace: list[tuple[int, str, float, float]] = []  # (step id, op, dispatched, finished) seconds
         self.peak_extra_bytes = 0
         self.memory_check: dict[int, tuple[int, int]] = {}  # GPU: device -> (ledger, memory_stats) bytes
+        self.reused_bytes = 0  # frozen base bytes the last run took from units holding them instead of moving
 
     def run(self, graph: TransitionGraph, units: Mapping[ModelStage, Sequence[EMU]],
-            keep: Iterable[EMU] = ()) -> dict[ModelStage, list[EMU]]:
+            keep: Iterable[EMU] = (), share: Mapping[ModelStage, str] | None = None) -> dict[ModelStage, list[EMU]]:
         """Runs ``graph`` on ``units`` (per model-stage, in the old plan's replica order); returns the new
         plan's units (in its replica order). The input EMUs must not be used afterwards. ``keep``: units outside
         the graph that may share buffers with its units (LoRA's frozen base, ``elastic/shared_base.py``); no
-        buffer they hold is deleted or donated, nor one that another live unit of the run still holds. Raises
+        buffer they hold is deleted or donated, nor one that another live unit of the run still holds. ``share``
+        (LoRA: model-stage -> share group, ``shared_base.share_groups``): a new unit of the target plan takes each
+        frozen base leaf that a unit of its group already holds alike (in ``keep``, among the units the graph
+        starts from, or made earlier in the run) instead of moving it, so the base moves once per placement
+        (``reused_bytes`` counts what was not moved). Raises
         ValueError (nothing touched) when ``units`` are not the graph's old plan, TransitionFailed on any other
         error."""
-        run = _Run(self, graph, units, keep)
+        run = _Run(self, graph, units, keep, share)
         try:
             run.execute()
         except Exception as error:
@@ -116,7 +122,7 @@ class TransitionExecutor:
                                    "model-stage still has a complete copy (see .units / .plan)",
                                    step, survivors, plan) from error
         finally:
-            self.ledger, self.trace = run.ledger, run.trace
+            self.ledger, self.trace, self.reused_bytes = run.ledger, run.trace, run.reused_bytes
             self.peak_extra_bytes = max(0, run.ledger.peak_total - run.base)
             self.memory_check = cross_check(run.ledger, run.devices.values())  # {} on CPU
         return {ms: [run.live[uid] for uid in uids] for ms, uids in graph.final.items()}
@@ -126,7 +132,7 @@ class _Run:
     """The state of one execution: live units by id, the ledger, the steps in flight."""
 
     def __init__(self, ex: TransitionExecutor, graph: TransitionGraph, units: Mapping[ModelStage, Sequence[EMU]],
-                 keep: Iterable[EMU] = ()):
+                 keep: Iterable[EMU] = (), share: Mapping[ModelStage, str] | None = None):
         self.ex, self.graph = ex, graph
         self.live: dict[int, EMU] = {}
         self.devices: dict[int, jax.Device] = dict(enumerate(jax.devices()))  # plan ids: positions
@@ -156,9 +162,17 @@ class _Run:
         self.checked: set[int] = set()  # units whose checksum matched
         # buffers held outside the graph, and whether any buffer is held twice (LoRA's shared frozen base): only
         # then does a free or a donation look at what the other live units hold
+        keep = list(keep)
         self.outside = held_buffers(keep)
-        self.shared = bool(self.outside) or _any_shared(self.live.values())
+        self.share = dict(share or {})
+        self.shared = bool(self.outside) or bool(self.share) or _any_shared(self.live.values())
         self._buffers: dict[int, set] = {}  # uid -> its buffers (units never change)
+        # LoRA: frozen base leaves a new unit may take instead of moving them (see TransitionExecutor.run)
+        self.frozen: dict[tuple, jax.Array] = {}
+        self.reused_bytes = 0
+        if self.share:
+            for emu in (*keep, *self.live.values()):
+                self._offer(emu)
 
     # --------------------------------------------------------------------------------- main loop
     def execute(self) -> None:
@@ -318,15 +332,73 @@ class _Run:
         donate = step.op in DONATING and self._another_copy(step) and not self._shares_inputs(step)
         if donate:
             self.donated.add(step.sid)
+        inputs = [self.live[u] for u in step.inputs]
+        held = self._held_base(step, outs) if self.share else {}
+        if not held:
+            made = self._op(step, inputs, outs, donate)
+        else:  # the op moves the rest; the frozen leaves a unit of the group already holds alike are taken as they are
+            rest = tuple(i for i in range(len(outs[0].spec.leaves)) if i not in held[outs[0].uid])
+            sub = [dataclasses.replace(u, leaves=[u.leaves[i] for i in rest], spec=_subset(u.spec, rest))
+                   for u in inputs]
+            made = self._op(step, sub, [dataclasses.replace(t, spec=_subset(t.spec, rest)) for t in outs], donate)
+            for t in outs:
+                leaves = dict(zip(rest, made[t.uid].leaves, strict=True)) | held[t.uid]
+                made[t.uid] = dataclasses.replace(made[t.uid], leaves=[leaves[i] for i in range(len(leaves))],
+                                                  spec=t.spec)
+                self.reused_bytes += sum(x.nbytes for x in held[t.uid].values())
+        if self.share:
+            for emu in made.values():
+                self._offer(emu)
+        return made
+
+    def _op(self, step: Step, inputs: list[EMU], outs: list[Unit], donate: bool) -> dict[int, EMU]:
         if step.op == RELAYOUT or (step.op == DERIVE and step.modes is None):
-            return self._reshard(self.live[step.inputs[0]], outs[0], donate)
+            return self._reshard(inputs[0], outs[0], donate)
         if step.op in (SPLIT, DERIVE):
-            return self._split(self.live[step.inputs[0]], outs, step.modes, donate)
+            return self._split(inputs[0], outs, step.modes, donate)
         if step.op == MERGE:
-            return self._merge([self.live[u] for u in step.inputs], outs[0], step.modes, donate)
+            return self._merge(inputs, outs[0], step.modes, donate)
         if step.op in REGROUPS:
-            return self._regroup([self.live[u] for u in step.inputs], outs)
-        return self._copy(self.live[step.inputs[0]], outs[0])
+            return self._regroup(inputs, outs)
+        return self._copy(inputs[0], outs[0])
+
+    # ------------------------------------------------------------------------- LoRA's shared frozen base
+    def _base_keys(self, stage: ModelStage, devices: tuple[int, ...], layout, spec, memory: str):
+        """(leaf index, key) of each frozen leaf a unit of ``stage`` at this place holds; the key is equal exactly
+        for units of one share group that hold the leaf alike."""
+        group = self.share.get(stage)
+        if group is None or memory != DEVICE or not hasattr(spec, "n_params"):
+            return []
+        return [(i, (group, path, devices, layout, spec.leaves[i].spec, spec.leaves[i].dtype,
+                     spec.leaves[i].stored_shape(spec.repeat(layout))))
+                for i, path in frozen_leaves(spec)]
+
+    def _offer(self, emu: EMU) -> None:
+        """Makes ``emu``'s frozen leaves available to the units the run makes after it (the first holder stays;
+        a holder's deleted buffers are skipped when taken)."""
+        for i, key in self._base_keys(emu.stage, emu.device_ids, emu.layout, emu.spec, emu.memory):
+            self.frozen.setdefault(key, emu.leaves[i])
+
+    def _held_base(self, step: Step, outs: list[Unit]) -> dict[int, dict[int, jax.Array]]:
+        """Per output of ``step``, the frozen leaves (index -> array) that a unit of its group already holds alike,
+        the same indices for every output (else {}: the op moves everything). Any unit may take them, a final one
+        or one a later step reads on: the content is the same, and the buffers outlive every unit holding them
+        (no free deletes and no step donates a buffer another live unit holds). Not for a regroup (it copies no
+        parameters)."""
+        if step.op in REGROUPS:
+            return {}
+        held = {}
+        for t in outs:
+            found = {}
+            for i, key in self._base_keys(t.stage, t.devices, t.layout, t.spec, t.memory):
+                x = self.frozen.get(key)
+                if x is not None and not x.is_deleted():
+                    found[i] = x
+            held[t.uid] = found
+        common = set.intersection(*(set(f) for f in held.values())) if held else set()
+        if not common:
+            return {}
+        return {uid: {i: f[i] for i in common} for uid, f in held.items()}
 
     def _regroup(self, units: list[EMU], targets: list[Unit]) -> dict[int, EMU]:
         """Gather / Scatter: every replica's optimizer state whole, or split into their blocks."""
@@ -520,6 +592,12 @@ def _relayout(convert: Callable, out_shardings: tuple, donate: bool) -> Callable
             return fn(leaves)
 
     return call
+
+
+@functools.lru_cache(maxsize=256)
+def _subset(spec, indices: tuple[int, ...]):
+    """``spec`` restricted to the leaves at ``indices`` (cached: the ops' converters and programs stay the same)."""
+    return spec.subset(indices)
 
 
 def _any_shared(units: Iterable[EMU]) -> bool:

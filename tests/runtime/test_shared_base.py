@@ -13,6 +13,7 @@ import pytest
 from jobs import job_for, tiny_config
 from plans import assert_same_state, host_state, move_randomly
 
+from nereus_jax.elastic.executor import TransitionExecutor
 from nereus_jax.elastic.graph import TransitionGraph
 from nereus_jax.elastic.plan import DEVICE, ExecutionPlan, StagePlan
 from nereus_jax.elastic.shared_base import array_buffers, frozen_leaves, unique_bytes
@@ -128,9 +129,10 @@ def test_the_memory_model_predicts_the_saving_on_the_busiest_device(runs):
 
 
 def test_moves_keep_every_bit_and_never_delete_a_shared_buffer(warm):
-    """Random moves, then a plan where actor-gen, ref-infer and actor-train hold the same replicas, then back:
-    each move keeps every stage's state bit for bit (move_randomly checks) and no unit is left holding a deleted
-    buffer; where holders coincide after a move they share again; the job steps on as the unshared job does."""
+    """Random moves, then a plan where every stage holds the same tp 2 replicas: each move keeps every stage's
+    state bit for bit (move_randomly checks) and no unit is left holding a deleted buffer; where holders coincide
+    after a move they share, and the move moved the base once per place (the executor's reused bytes are
+    exactly the duplicates an unshared job holds there); the job steps on as the unshared job does."""
     jobs = {share: _job(warm, share) for share in (True, False)}
     try:
         for share, job in jobs.items():
@@ -141,9 +143,20 @@ def test_moves_keep_every_bit_and_never_delete_a_shared_buffer(warm):
             target = ExecutionPlan({ms: StagePlan(Layout(tp=2), pairs[:2] if ms == ACTOR_GEN else pairs)
                                     for ms in job.plan})
             before = host_state(job)
-            move(job, TransitionGraph.build(job.plan, target, job.specs))
+            executor = TransitionExecutor(checksums=True)  # every unit made checked against its stage's state
+            move(job, TransitionGraph.build(job.plan, target, job.specs), executor=executor)
             assert_same_state(host_state(job), before)
             assert _check_sharing(job, share) > 0
+            # the base moved once per place: every further holder took the first one's arrays instead of a copy
+            assert executor.reused_bytes == (_duplicate_bytes(job) if share else 0)
+            # actor-train alone leaves, then comes back to where the others hold the base: only its adapters and
+            # optimizer state move back
+            away = ExecutionPlan({**target, ACTOR_TRAIN: StagePlan(Layout(tp=1), tuple((d,) for d in range(8)))})
+            move(job, TransitionGraph.build(job.plan, away, job.specs))
+            executor = TransitionExecutor(checksums=True)
+            move(job, TransitionGraph.build(job.plan, target, job.specs), executor=executor)
+            base = sum(u.leaves[i].nbytes for u in job.units[ACTOR_TRAIN] for i, _ in frozen_leaves(u.spec))
+            assert executor.reused_bytes == (base if share else 0)
             frozen = _frozen(job)
             here = [(path, x) for (ms, devices, _, path), x in frozen.items()
                     if ms == ACTOR_TRAIN and devices == (0, 1)]

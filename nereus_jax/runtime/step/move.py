@@ -94,7 +94,7 @@ def move(job: Job, graph: TransitionGraph, *, prepared: Prepared | None = None,
     keep = _outside(job)
     t0 = time.perf_counter()
     try:
-        out = executor.run(graph, units, keep=keep)
+        out = executor.run(graph, units, keep=keep, share=job.stages.share_groups)
     except TransitionFailed as failed:
         del units  # the executor freed what it moved: the survivors are the state now
         _give_back(job, graph, failed.units, failed.plan, failed)
@@ -167,7 +167,7 @@ def _give_back(job: Job, graph: TransitionGraph, units: dict[ModelStage, list[EM
         try:
             back = TransitionGraph.build(plan, graph.old_plan, {ms: job.specs[ms] for ms in graph.initial},
                                          caps=graph.caps, host_cap=graph.host_cap)
-            units = TransitionExecutor().run(back, units, keep=_outside(job))
+            units = TransitionExecutor().run(back, units, keep=_outside(job), share=job.stages.share_groups)
         except TransitionFailed as again:
             _put(job, again.units)
             raise MoveError(f"{failure}; moving the state back to the old plan failed too ({again}): every "
