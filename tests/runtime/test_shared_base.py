@@ -15,9 +15,9 @@ from plans import assert_same_state, host_state, move_randomly
 
 from nereus_jax.elastic.executor import TransitionExecutor
 from nereus_jax.elastic.graph import TransitionGraph
-from nereus_jax.elastic.plan import DEVICE, ExecutionPlan, StagePlan
+from nereus_jax.elastic.plan import DEVICE, HOST, ExecutionPlan, StagePlan
 from nereus_jax.elastic.shared_base import array_buffers, frozen_leaves, unique_bytes
-from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN
+from nereus_jax.model_stage import ACTOR_GEN, ACTOR_TRAIN, CRITIC_TRAIN, REF_INFER
 from nereus_jax.runtime.platform.device_memory import device_bytes_in_use
 from nereus_jax.runtime.step.initial_plan import predicted_peak
 from nereus_jax.runtime.step.move import move
@@ -82,13 +82,14 @@ def runs(warm):
     for share, extra in ((True, ["plan.park_idle=true"]), (False, [])):
         job = _job(warm, share, *extra)
         metrics = [job.step(s).metrics for s in range(2)]
+        memory = {ms: us[0].memory for ms, us in job.units.items()}
         for ms in job.units:  # parked: on device again, for the counts
             job.stages.use(ms)
         many = _check_sharing(job, share)
         gc.collect()
         units = [u for us in job.units.values() for u in us]
-        out[share] = dict(metrics=metrics, state=host_state(job), many=many, duplicates=_duplicate_bytes(job),
-                          plan=job.plan, on_device0=_duplicate_bytes(job, device=0),
+        out[share] = dict(metrics=metrics, memory=memory, state=host_state(job), many=many,
+                          duplicates=_duplicate_bytes(job), plan=job.plan, on_device0=_duplicate_bytes(job, device=0),
                           unique=sum(unique_bytes(units).values()), held=sum(u.nbytes for u in units),
                           in_use=sum(device_bytes_in_use(jax.devices()).values()))
         job.close()
@@ -106,6 +107,9 @@ def test_stages_that_hold_the_base_alike_share_it_and_compute_the_same(runs):
             if not k.endswith(("seconds", "_s", "bytes")) and isinstance(want[k], float):
                 assert got[k] == want[k] or (np.isnan(got[k]) and np.isnan(want[k])), k
     assert_same_state(shared["state"], alone["state"])
+    # parking idle stages: the critic's adapters and optimizer go to host memory; the reference, whose every buffer
+    # actor-train holds too, stays (parking it would free nothing)
+    assert shared["memory"][CRITIC_TRAIN] == HOST and shared["memory"][REF_INFER] == DEVICE
 
 
 def test_the_devices_hold_exactly_the_duplicates_less(runs):

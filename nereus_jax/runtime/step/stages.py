@@ -26,7 +26,7 @@ from nereus_jax.elastic.costs import pipeline_microbatches
 from nereus_jax.elastic.emu import EMU, assemble_replicas
 from nereus_jax.elastic.graph import TransitionGraph
 from nereus_jax.elastic.plan import DEVICE, HOST, ExecutionPlan
-from nereus_jax.elastic.shared_base import frozen_leaves, share_frozen, share_groups
+from nereus_jax.elastic.shared_base import frozen_leaves, held_buffers, share_frozen, share_groups
 from nereus_jax.elastic.sources import ParamSource, ValueHeadSource, units_from_source
 from nereus_jax.elastic.spec import StateSpec
 from nereus_jax.elastic.topology import accumulation_steps
@@ -213,9 +213,18 @@ class StageState:
         return self.units[ms]
 
     def park(self, ms: ModelStage) -> None:
-        """With plan.park_idle: offload an idle stage's state to host memory (pinned_host)."""
-        if self.cfg.plan.park_idle and ms != ACTOR_GEN and self.units[ms][0].memory == DEVICE:
+        """With plan.park_idle: offload an idle stage's state to host memory (pinned_host). Not a stage whose every
+        buffer another stage's units hold too (LoRA's reference on the shared base): that would free nothing."""
+        if self.cfg.plan.park_idle and ms != ACTOR_GEN and self.units[ms][0].memory == DEVICE \
+                and not self._wholly_shared(ms):
             self._move(ms, DEVICE, HOST)
+
+    def _wholly_shared(self, ms: ModelStage) -> bool:
+        if ms not in self.share_groups:
+            return False
+        others = held_buffers(u for other, us in self.units.items() if other != ms and isinstance(us, list)
+                              for u in us if u.memory == DEVICE)
+        return held_buffers(self.units[ms]) <= others
 
     def _move(self, ms: ModelStage, src: str, dst: str) -> None:
         sp = self.plan[ms]
