@@ -5,9 +5,11 @@ Planned moves (the adapter), device-loss recovery and parking all come through :
     moved = move(job, graph, prepared=prepared)   # graph: from (some of) the job's units to a target
 
 Before anything runs, the units the graph starts from are taken out of the job (a placeholder that names
-the move stands in for them) and handed to the executor, which is then the only holder of the old
-state: a buffer it frees is free, so the ledger it keeps is the truth about the state's live bytes
-(the job's other units, its engines and compiled programs are outside the graph and untouched). The
+the move stands in for them) and handed to the executor, which then holds the old state: a buffer it frees
+is free, so the ledger it keeps is the truth about the state's live bytes (the job's other units, its engines
+and compiled programs are outside the graph and untouched). With LoRA's shared frozen base the job's other
+units may hold some of the same buffers: they go to the executor as ``keep`` and it frees or donates none
+of those (its ledger then books the shared bytes once per holder). The
 graph names which units it starts from (``graph.initial``): the job's units of those model-stages that
 it does not name (replicas on lost devices, after a failure) are dropped.
 
