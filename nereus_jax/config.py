@@ -653,7 +653,6 @@ class Config(_Node):
         _check_group_sampling(self.algorithm, self.rollout)
         _check_mini_batches(self.trainer, self.rollout, self.algorithm)
         _check_routing(self)
-        _check_lora_dropout(self)
 
     def records_routes(self) -> bool:
         """Whether actor-gen's engines record every token's routes (mixture-of-experts models with one response
@@ -791,17 +790,6 @@ def _check_routing(cfg: Config) -> None:
     require(not a.routing_replay or cfg.task.env is None,
             f"algorithm.routing_replay with task.env={cfg.task.env!r}: multi-turn trajectories do not record their "
             "routes yet; unset algorithm.routing_replay or task.env")
-
-
-def _check_lora_dropout(cfg: Config) -> None:
-    """LoRA dropout runs in unpipelined training forwards only: the pipeline schedules do not carry its key."""
-    if not cfg.model.lora_dropout:
-        return
-    for stage in ("actor-train", "critic-train"):
-        pp = cfg.plan.layout_for(stage).pp
-        require(pp == 1, f"model.lora_dropout={cfg.model.lora_dropout} with plan.stages.{stage}.pp={pp} (or "
-                         "plan.default.pp): dropout does not run in pipelined training yet; set that pp to 1 or "
-                         "model.lora_dropout=0")
 
 
 def _check_mini_batches(trainer: TrainerConfig, rollout: RolloutConfig, algorithm: AlgorithmConfig) -> None:

@@ -222,7 +222,8 @@ def forward(params: dict, cfg: ModelConfig, tokens_bt: jax.Array, positions_bt: 
     mask_bts = causal_mask(tokens_bt.shape[1], attention_mask_bt, segment_ids_bt)
     routing = routing_inputs(cfg, tokens_bt, attention_mask_bt, segment_ids_bt, routes_btlk, replay, return_routing)
     if dropout_key is not None and cfg.lora_dropout and lora.has_adapters(params["layers"]):
-        routing["dropout_key"] = dropout_key
+        n = jax.tree.leaves(params["layers"])[0].shape[0]
+        routing["dropout_lbk"] = lora.row_keys(dropout_key, n, tokens_bt.shape[0])
     out = apply_layers(params["layers"], cfg, embed_tokens(params, tokens_bt), positions_bt, mask_bts, **routing)
     if not return_routing:
         return output_head(params, cfg, out, return_hidden=return_hidden)
@@ -304,10 +305,11 @@ def causal_mask(t: int, attention_mask_bt: jax.Array | None, segment_ids_bt: jax
 
 def apply_layers(layers: dict, cfg: ModelConfig, x_btd: jax.Array, positions_bt: jax.Array,
                  mask_bts: jax.Array, *, routes_lbtk: jax.Array | None = None, replay: bool = False,
-                 token_mask_bt: jax.Array | None = None, dropout_key: jax.Array | None = None
+                 token_mask_bt: jax.Array | None = None, dropout_lbk: jax.Array | None = None
                  ) -> jax.Array | tuple[jax.Array, RouterStats]:
     """Runs a stack of layers (any number: a pipeline stage passes its slice of the ``layers`` axis).
-    ``dropout_key``: LoRA dropout with one key per layer (see :func:`forward`).
+    ``dropout_lbk``: LoRA dropout, a key per layer and row ([layers, rows, 2], :func:`lora.row_keys`; a pipeline
+    stage passes its layers' and its micro-batch's rows').
 
     With ``token_mask_bt`` (mixture-of-experts models) returns ``(x, RouterStats)`` of these layers, counted
     over the tokens it marks; ``routes_lbtk`` (recorded routes, layer-major) are compared with the router's own
@@ -322,8 +324,7 @@ def apply_layers(layers: dict, cfg: ModelConfig, x_btd: jax.Array, positions_bt:
 
     if cfg.remat:
         body = jax.checkpoint(body)
-    n = jax.tree.leaves(layers)[0].shape[0]
-    x, per_layer = jax.lax.scan(body, x_btd, (layers, routes_lbtk, lora.layer_keys(dropout_key, n)))
+    x, per_layer = jax.lax.scan(body, x_btd, (layers, routes_lbtk, dropout_lbk))
     if not stats:
         return x
     counts, probs, mismatch = per_layer
@@ -379,8 +380,8 @@ def mlp(h_btd: jax.Array, lp: dict, cfg: ModelConfig, forced_btk: jax.Array | No
 
 def _lora_block(x, lp, cfg, positions_bt, inv_freq, mask_bts, forced_btk=None, dropout_key=None):
     """:func:`_block` with each adapted projection plus its low-rank update, unmerged (the adapters' own
-    gradients, no merged weight copy per layer); with ``dropout_key`` (this layer's) the update reads its input
-    through LoRA dropout, the base projection reads it whole."""
+    gradients, no merged weight copy per layer); with ``dropout_key`` (this layer's, one per row: [rows, 2]) the
+    update reads its input through LoRA dropout, the base projection reads it whole."""
     a, m = lp["attn"], lp.get("mlp")
 
     def proj(h, group, weight, n_in, spec):

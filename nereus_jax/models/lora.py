@@ -155,12 +155,14 @@ def delta(x: jax.Array, group: Mapping, weight: str, n_in: int, cfg: ModelConfig
     return (scale(cfg) * jnp.tensordot(low, b, axes=((low.ndim - 1,), (0,)))).astype(x.dtype)
 
 
-def dropout(x: jax.Array, key: jax.Array, weight: str, cfg: ModelConfig) -> jax.Array:
-    """``x`` (the input of the adapted projection ``weight``, e.g. ``wq``, in one layer) with ``cfg.lora_dropout``
-    applied: elements dropped with that probability, the rest scaled by 1 / (1 - p). ``key`` is the layer's
-    (:func:`layer_keys`); each projection folds in its own index, so q, k and v (which read the same input) draw
-    different masks, as PEFT's per-module dropout does."""
-    keep = dropout_mask(jax.random.fold_in(key, _TARGET_INDEX[weight]), x.shape, cfg.lora_dropout)
+def dropout(x: jax.Array, keys: jax.Array, weight: str, cfg: ModelConfig) -> jax.Array:
+    """``x`` ([rows, ...], the input of the adapted projection ``weight``, e.g. ``wq``, in one layer) with
+    ``cfg.lora_dropout`` applied: elements dropped with that probability, the rest scaled by 1 / (1 - p).
+    ``keys`` ([rows, 2]) are the layer's per-row keys (:func:`row_keys`), so a row draws the same mask however
+    the call's rows are split (data parallelism, pipeline micro-batches); each projection folds in its own
+    index, so q, k and v (which read the same input) draw different masks, as PEFT's per-module dropout does."""
+    index = _TARGET_INDEX[weight]
+    keep = jax.vmap(lambda k: dropout_mask(jax.random.fold_in(k, index), x.shape[1:], cfg.lora_dropout))(keys)
     return jnp.where(keep, x / (1.0 - cfg.lora_dropout), 0.0).astype(x.dtype)
 
 
@@ -169,9 +171,13 @@ def dropout_mask(key: jax.Array, shape: tuple[int, ...], rate: float) -> jax.Arr
     return jax.random.bernoulli(key, 1.0 - rate, shape)
 
 
-def layer_keys(key: jax.Array | None, num_layers: int) -> jax.Array | None:
-    """One dropout key per layer [num_layers, 2] from a forward's key (None stays None: no dropout)."""
-    return None if key is None else jax.random.split(key, num_layers)
+def row_keys(key: jax.Array | None, num_layers: int, rows: int) -> jax.Array | None:
+    """The dropout keys of one model call, [num_layers, rows, 2], from its key (None stays None: no dropout):
+    one per layer and row of the call, so a pipeline stage and a micro-batch read their layers' and rows' keys."""
+    if key is None:
+        return None
+    per_layer = jax.random.split(key, num_layers)
+    return jax.vmap(lambda k: jax.vmap(lambda r: jax.random.fold_in(k, r))(jnp.arange(rows)))(per_layer)
 
 
 def dropout_keys(seed: jax.Array, epoch: jax.Array, mini: int, accum: int) -> jax.Array:

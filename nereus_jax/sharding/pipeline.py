@@ -63,6 +63,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from nereus_jax.config import PIPELINE_SCHEDULES, ModelConfig
+from nereus_jax.models import lora
 from nereus_jax.models.decoder import (
     apply_layers,
     causal_mask,
@@ -113,22 +114,25 @@ def pipeline_forward(params: dict, cfg: ModelConfig, tokens_bt: jax.Array, posit
                      attention_mask_bt: jax.Array | None = None, *, mesh: Mesh, microbatches: int,
                      kind: str = "train", return_hidden: bool = False,
                      segment_ids_bt: jax.Array | None = None, routes_btlk: jax.Array | None = None,
-                     replay: bool = False, return_routing: bool = False):
+                     replay: bool = False, return_routing: bool = False, dropout_key: jax.Array | None = None):
     """:func:`~nereus_jax.models.forward` with the layer stack pipelined over the mesh's pp axis.
 
     Same outputs (logits, values, or hidden states); differentiable, so a loss built on it trains. Packed rows
     pass ``segment_ids_bt`` (and their positions) as to ``forward``. Mixture-of-experts routing
     (``routes_btlk``, ``replay``, ``return_routing``) works as in ``forward``: each stage reads its layers'
     recorded routes, and the router statistics are summed over the micro-batches (each stage's layers, the
-    mismatch over every stage's), so they equal the unpipelined call's.
+    mismatch over every stage's), so they equal the unpipelined call's. LoRA dropout (``dropout_key``): each stage
+    reads its layers' and its micro-batch rows' keys (``lora.row_keys``), so it draws the unpipelined call's masks.
     """
     axis = _checked_axis(params, tokens_bt.shape[0], mesh, microbatches, kind)
     if axis is None:
         return forward(params, cfg, tokens_bt, positions_bt, attention_mask_bt, return_hidden=return_hidden,
                        segment_ids_bt=segment_ids_bt, routes_btlk=routes_btlk, replay=replay,
-                       return_routing=return_routing)
+                       return_routing=return_routing, dropout_key=dropout_key)
     call = _model_call(tokens_bt, positions_bt, attention_mask_bt, segment_ids_bt)
     routing = routing_inputs(cfg, tokens_bt, attention_mask_bt, segment_ids_bt, routes_btlk, replay, return_routing)
+    if dropout_key is not None and cfg.lora_dropout and lora.has_adapters(params["layers"]):
+        routing["dropout_lbk"] = lora.row_keys(dropout_key, cfg.num_layers, tokens_bt.shape[0])
     hidden, _, stats = _run_uncached(params["layers"], cfg, embed_tokens(params, tokens_bt), call.positions,
                                      call.mask, call.segments, mesh=mesh, axis=axis, m=microbatches, kind=kind,
                                      routing=routing)
@@ -307,11 +311,13 @@ def _run_uncached(layers, cfg, x_btd, positions_bt, mask_bt, segments_bt, *, mes
     stats = "token_mask_bt" in routing
     routes = routing.get("routes_lbtk")
     routes_m = None if routes is None else jnp.moveaxis(_split(jnp.moveaxis(routes, 0, 1), m), 2, 0)  # [L, m, ...]
+    drop = routing.get("dropout_lbk")
+    drop_m = None if drop is None else jnp.moveaxis(_split(jnp.moveaxis(drop, 0, 1), m), 2, 0)  # [L, m, rows, 2]
 
-    def body(layers, x_m, pos_m, mask_m, seg_m, routes_m, counted_m):
+    def body(layers, x_m, pos_m, mask_m, seg_m, routes_m, counted_m, drop_m):
         def stage(x, ic):
             out = apply_layers(layers, cfg, x, pos_m[ic], causal_mask(t, mask_m[ic], seg_m[ic]),
-                               **_stage_routing(routing, routes_m, counted_m, ic))
+                               **_stage_routing(routing, routes_m, counted_m, drop_m, ic))
             if not stats:
                 return out, None
             y, st = out
@@ -328,11 +334,12 @@ def _run_uncached(layers, cfg, x_btd, positions_bt, mask_bt, segments_bt, *, mes
     acc_specs = (PartitionSpec(axis), PartitionSpec(axis), None if routes is None else PartitionSpec()) \
         if stats else None
     specs = (_layer_specs(layers, axis), PartitionSpec(), PartitionSpec(), PartitionSpec(), PartitionSpec(),
-             None if routes is None else PartitionSpec(axis), None if counted is None else PartitionSpec())
+             None if routes is None else PartitionSpec(axis), None if counted is None else PartitionSpec(),
+             None if drop is None else PartitionSpec(axis))
     fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(hand_off.spec, PartitionSpec(axis), acc_specs),
                        axis_names={axis})
     out, record, acc = fn(layers, _split(x_btd, m), _split(positions_bt, m), _split(mask_bt, m),
-                          _split(segments_bt, m), routes_m, None if counted is None else _split(counted, m))
+                          _split(segments_bt, m), routes_m, None if counted is None else _split(counted, m), drop_m)
     if not stats:
         return hand_off.outside(out), record.T, None
     tokens = jnp.sum(counted.astype(jnp.float32))
@@ -340,11 +347,13 @@ def _run_uncached(layers, cfg, x_btd, positions_bt, mask_bt, segments_bt, *, mes
                                                           None if acc[2] is None else _merge(acc[2]))
 
 
-def _stage_routing(routing: dict, routes_m, counted_m, i) -> dict:
-    """:func:`apply_layers`' routing keywords for micro-batch ``i`` on a stage (its layers' routes)."""
-    if not routing:
-        return {}
-    out = {"routes_lbtk": None if routes_m is None else routes_m[:, i], "replay": routing["replay"]}
+def _stage_routing(routing: dict, routes_m, counted_m, drop_m, i) -> dict:
+    """:func:`apply_layers`' routing keywords for micro-batch ``i`` on a stage (its layers' routes, and with LoRA
+    dropout its layers' keys for the micro-batch's rows)."""
+    out = {} if drop_m is None else {"dropout_lbk": drop_m[:, i]}
+    if "replay" not in routing:  # no routing inputs (routing_inputs gave none)
+        return out
+    out |= {"routes_lbtk": None if routes_m is None else routes_m[:, i], "replay": routing["replay"]}
     return out if counted_m is None else out | {"token_mask_bt": counted_m[i]}
 
 
@@ -446,6 +455,7 @@ class _ModelCall(NamedTuple):
     mask: jax.Array
     segments: jax.Array
     routes: jax.Array | None = None
+    dropout: jax.Array | None = None  # LoRA dropout keys [rows, layers, 2] (lora.row_keys, row-major)
 
 
 def _model_call(tokens_bt, positions_bt=None, attention_mask_bt=None, segment_ids_bt=None) -> _ModelCall:
@@ -476,13 +486,19 @@ class _Probe:
         return self.call
 
     def __call__(self, params, cfg, tokens_bt, positions_bt=None, attention_mask_bt=None, *, return_hidden=False,
-                 segment_ids_bt=None, routes_btlk=None, replay=False, return_routing=False):
+                 segment_ids_bt=None, routes_btlk=None, replay=False, return_routing=False, dropout_key=None,
+                 dropout_rows=None):
         if self.call is not None:
             raise PipelineError("the loss called its forward function twice; 1F1B pipelines one model call per loss")
         if return_routing or (routes_btlk is not None and not replay):
             raise PipelineError("1F1B does not return router statistics (a load-balancing loss needs them): "
                                 "train with trainer.pipeline_schedule=gpipe")
         self.call = _model_call(tokens_bt, positions_bt, attention_mask_bt, segment_ids_bt)._replace(routes=routes_btlk)
+        if dropout_key is not None:
+            raise PipelineError("1F1B takes a LoRA-dropout call's per-row keys (dropout_rows, as "
+                                "runtime/step/losses.py pipelined_value_and_grad splits them), not its key")
+        if dropout_rows is not None and cfg.lora_dropout and cfg.lora_rank:
+            self.call = self.call._replace(dropout=dropout_rows)
         self.cfg, self.return_hidden = cfg, return_hidden
         hidden = jax.ShapeDtypeStruct((*tokens_bt.shape, cfg.hidden_size), params["final_norm"]["scale"].dtype)
         out = jax.eval_shape(lambda p, x: output_head(p, cfg, x, return_hidden=return_hidden), params, hidden)
@@ -542,6 +558,8 @@ def _run_1f1b(make_loss, probe, layers, head, x_m, calls, mbs, *, mesh, axis, ki
         def stage(layers, x, i):
             c = _at(calls, i)
             replay = {} if c.routes is None else {"routes_lbtk": jnp.moveaxis(c.routes, 2, 0), "replay": True}
+            if c.dropout is not None:
+                replay["dropout_lbk"] = jnp.moveaxis(c.dropout, 1, 0)
             return apply_layers(layers, cfg, x, c.positions, causal_mask(x.shape[1], c.mask, c.segments), **replay)
 
         def head_loss(y, i):
@@ -592,7 +610,9 @@ def _run_1f1b(make_loss, probe, layers, head, x_m, calls, mbs, *, mesh, axis, ki
     layer_specs, rows = _layer_specs(layers, axis), PartitionSpec(None, *manual[1:])
     per_row = lambda tree: jax.tree.map(lambda a: rows if a.ndim > 1 else PartitionSpec(), tree)  # noqa: E731
     routes = PartitionSpec(None, manual[1] if len(manual) > 1 else None, None, axis)  # a stage reads its layers'
-    call_specs = _ModelCall(rows, rows, rows, rows, None if calls.routes is None else routes)
+    dropout = PartitionSpec(None, manual[1] if len(manual) > 1 else None, axis)  # a stage: its layers' keys
+    call_specs = _ModelCall(rows, rows, rows, rows, None if calls.routes is None else routes,
+                            None if calls.dropout is None else dropout)
     fn = jax.shard_map(body, mesh=mesh, in_specs=(layer_specs, PartitionSpec(), rows, call_specs, per_row(mbs)),
                        out_specs=(layer_specs, PartitionSpec(), rows, PartitionSpec(*manual[1:]),
                                   PartitionSpec(*manual[1:]), PartitionSpec(axis)), axis_names=set(manual))

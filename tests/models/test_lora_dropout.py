@@ -58,16 +58,21 @@ def params():
 
 def test_the_mask_keeps_one_minus_p_scales_by_its_inverse_and_repeats_for_a_key():
     x = jnp.ones((64, 32, 48), jnp.float32)
-    key = jax.random.PRNGKey(7)
-    y = np.asarray(lora.dropout(x, key, "wq", DROP))
+    keys = lora.row_keys(jax.random.PRNGKey(7), 1, 64)[0]  # one layer's keys, one per row
+    y = np.asarray(lora.dropout(x, keys, "wq", DROP))
     kept = y != 0
     # 98,304 draws: the kept fraction's standard deviation is 0.0014, so 0.01 is 7 of them
     assert abs(kept.mean() - (1 - P)) < 0.01
     np.testing.assert_array_equal(y[kept], np.float32(1 / (1 - P)))
-    np.testing.assert_array_equal(np.asarray(lora.dropout(x, key, "wq", DROP)), y)  # the same key: the same mask
-    assert not np.array_equal(np.asarray(lora.dropout(x, jax.random.PRNGKey(8), "wq", DROP)) != 0, kept)
+    np.testing.assert_array_equal(np.asarray(lora.dropout(x, keys, "wq", DROP)), y)  # the same key: the same mask
+    other = lora.row_keys(jax.random.PRNGKey(8), 1, 64)[0]
+    assert not np.array_equal(np.asarray(lora.dropout(x, other, "wq", DROP)) != 0, kept)
     # q, k and v read the same input through masks of their own (PEFT: one Dropout module per projection)
-    assert not np.array_equal(np.asarray(lora.dropout(x, key, "wk", DROP)) != 0, kept)
+    assert not np.array_equal(np.asarray(lora.dropout(x, keys, "wk", DROP)) != 0, kept)
+    # a row's mask is its key's, whatever rows come with it (a pipeline micro-batch, a dp shard): rows 1, 3, 5, ...
+    # alone draw what they draw in the whole batch; and rows differ
+    np.testing.assert_array_equal(np.asarray(lora.dropout(x[1::2], keys[1::2], "wq", DROP)), y[1::2])
+    assert not np.array_equal(kept[0], kept[1])
 
 
 _forward = jax.jit(forward, static_argnums=1)
@@ -155,14 +160,12 @@ def test_bad_dropout_settings_are_refused_with_the_fix():
         dataclasses.replace(DROP, lora_dropout=1.0)
     with pytest.raises(ConfigError, match="set model.lora_rank or model.lora_dropout=0"):
         dataclasses.replace(NO_DROP, lora_rank=0, lora_dropout=0.1)
-    with pytest.raises(ConfigError, match="actor-train.pp=2"):
-        load_config(None, ["model.lora_rank=4", "model.lora_dropout=0.1", "plan.stages.actor-train.pp=2",
-                           "plan.colocate=false"])
 
 
-def test_the_controller_never_proposes_a_pipelined_training_stage_with_dropout():
-    """A controller move to pp > 1 training would fail at its compile (the pipeline schedules do not carry the
-    dropout key): the job's candidates leave such plans out, and keep them without dropout."""
+
+def test_the_controller_proposes_pipelined_training_stages_with_dropout():
+    """The pipeline schedules carry the dropout keys (tests/runtime/test_lora_job.py compares pp 2 with pp 1), so a
+    pipelined training plan is a candidate with dropout as without."""
     from nereus_jax.runtime.control.job_pricer import JobPricer
     from nereus_jax.runtime.step.initial_plan import plan_from_config
 
@@ -176,7 +179,7 @@ def test_the_controller_never_proposes_a_pipelined_training_stage_with_dropout()
         return JobPricer.runnable(pricer, plan)
 
     assert runnable(pipelined) and runnable(flat, "model.lora_dropout=0.1")
-    assert not runnable(pipelined, "model.lora_dropout=0.1")
+    assert runnable(pipelined, "model.lora_dropout=0.1")
 
 
 def test_a_move_compiles_ahead_for_the_seed_the_steps_pass(devices):

@@ -46,7 +46,6 @@ from nereus_jax.elastic.workload import LengthStats, Workload
 from nereus_jax.model_stage import ACTOR_GEN
 from nereus_jax.runtime.step.initial_plan import job_pricing, plan_from_config
 from nereus_jax.runtime.step.job import Job, engine_replicas_across_processes
-from nereus_jax.runtime.step.stages import pipelined_dropout_stage
 
 
 class JobPricer(ControllerAdapter):
@@ -239,11 +238,9 @@ class JobPricer(ControllerAdapter):
         return self.pricing.risk_adjusted(problem.options(), UNCERTAINTY_Z)
 
     def runnable(self, plan: ExecutionPlan) -> bool:
-        """What the job needs beyond time and memory: an engine's replicas each in one process, async
-        generation on devices of its own, and with LoRA dropout unpipelined training (pp = 1)."""
+        """What the job needs beyond time and memory: an engine's replicas each in one process, and async
+        generation on devices of its own."""
         if engine_replicas_across_processes(plan):
-            return False
-        if pipelined_dropout_stage(plan, self.job.cfg) is not None:
             return False
         gen = set(plan[ACTOR_GEN].devices)
         return not (self.async_mode and any(gen & set(sp.devices) for ms, sp in plan.items() if ms != ACTOR_GEN))

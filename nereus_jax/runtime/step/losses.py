@@ -13,6 +13,7 @@ compiles its body once, so the program does not grow with mini_batches x epochs)
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -23,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from nereus_jax.config import AlgorithmConfig, ModelConfig
 from nereus_jax.models import forward
-from nereus_jax.models.lora import dropout_keys, join, split_trainable
+from nereus_jax.models.lora import dropout_keys, join, row_keys, split_trainable
 from nereus_jax.models.routing import NO_ROUTE, RouterStats, load_balancing_loss
 from nereus_jax.models.vocab import DEFAULT_VOCAB_CHUNK, head_logprobs
 from nereus_jax.rl import packing
@@ -120,7 +121,11 @@ def _routing_kwargs(mb: dict, replay: bool, routing: bool) -> dict:
 
 def _dropout_kwargs(mb: dict) -> dict:
     """The forward's LoRA-dropout key of a training micro-batch (``dropout_key``, set by
-    :func:`make_minibatch_train_step`); none for scoring's micro-batches, which therefore never drop."""
+    :func:`make_minibatch_train_step`), or a 1F1B piece's per-row keys (``dropout_rows``, set by
+    :func:`pipelined_value_and_grad`); none for scoring's micro-batches, which therefore never drop."""
+    if "dropout_rows" in mb:  # [rows, layers, 2], packed: [dp, rows, layers, 2] -> the packed forward's rows
+        rows = mb["dropout_rows"]
+        return {"dropout_rows": rows.reshape(-1, *rows.shape[-2:])}
     return {"dropout_key": mb["dropout_key"]} if "dropout_key" in mb else {}
 
 
@@ -342,6 +347,8 @@ def pipelined_value_and_grad(make_loss: MakeLoss, mesh, microbatches, kind: str 
     extreme), so, like gradient accumulation, the loss must normalise by the whole batch's counts (``denom``,
     ``seq_denom``) for the result to equal the unsplit loss."""
     def fn(params, mb):
+        if "dropout_key" in mb:  # LoRA dropout: the call's per-row keys, split with its rows (as pp = 1 draws them)
+            mb = _dropout_rows(mb, jax.tree.leaves(params["layers"])[0].shape[0])
         m = pipe.call_microbatches(make_loss, params, mb, mesh=mesh, microbatches=microbatches, kind=kind)
         (losses, metrics), grads = pipe.pipeline_value_and_grad(make_loss, params, pipeline_split(mb, m), mesh=mesh,
                                                                 kind=kind)
@@ -350,7 +357,17 @@ def pipelined_value_and_grad(make_loss: MakeLoss, mesh, microbatches, kind: str 
     return fn
 
 
-_PACKED_ROWS = ("packed_tokens", "packed_positions", "segment_ids", "packed_routes")
+_PACKED_ROWS = ("packed_tokens", "packed_positions", "segment_ids", "packed_routes", "dropout_rows")
+
+
+def _dropout_rows(mb: dict, num_layers: int) -> dict:
+    """``mb`` with its ``dropout_key`` replaced by the keys the unpipelined forward draws from it, one per layer and
+    row of the model call (``lora.row_keys``), row-major: [rows, layers, 2] (packed: [dp, rows, layers, 2], the
+    packed rows' shape), so :func:`pipeline_split` hands each piece its rows' keys."""
+    shape = mb["packed_tokens"].shape[:2] if "packed_tokens" in mb else mb["tokens"].shape[:1]
+    keys = jnp.moveaxis(row_keys(mb["dropout_key"], num_layers, math.prod(shape)), 0, 1)
+    keys = keys.reshape(*shape, *keys.shape[1:])
+    return {k: v for k, v in mb.items() if k != "dropout_key"} | {"dropout_rows": keys}
 
 
 def pipeline_split(mb: dict, m: int) -> dict:

@@ -64,7 +64,6 @@ class StageState:
         self.rows = cfg.trainer.prompts_per_step * cfg.rollout.samples_per_prompt
         self.mini_rows = self.rows // cfg.trainer.mini_batches  # rows of one optimizer update
         _check_rows(self.plan, self.rows, self.mini_rows)
-        _check_dropout(self.plan, cfg)
         self.specs = _specs(cfg)
         # LoRA: stages whose units hold the frozen base identically share its buffers (elastic/shared_base.py)
         self.share_groups = share_groups(job_stages(cfg), bool(cfg.model.lora_rank) and cfg.plan.share_frozen_base,
@@ -114,7 +113,7 @@ class StageState:
     def check_plan(self, plan: ExecutionPlan) -> WeightSync:
         """Raises (JobError naming the fix, or the weight sync's Infeasible) unless the job can run ``plan``:
         it places the job's model-stages on devices that exist, an engine's replica stays in one process and
-        has pp=1, a training stage has pp=1 with LoRA dropout, every scoring and training stage's dp divides the
+        has pp=1, every scoring and training stage's dp divides the
         rollouts of a step (a training stage's, a mini-batch's), the weight sync fits the caps.
         Returns that weight sync. Nothing changes, so a move checks its target before any state moves."""
         _check_plan_devices(plan, len(self.devices))
@@ -122,7 +121,6 @@ class StageState:
         if set(plan) != set(self.plan):
             raise JobError(f"the plan holds model-stages {sorted(map(str, plan))}, the job runs "
                            f"{sorted(map(str, self.plan))}: a plan for this job places exactly its model-stages")
-        _check_dropout(plan, self.cfg)
         if plan[ACTOR_GEN].layout.pp != 1:
             raise JobError(f"actor-gen's layout {plan[ACTOR_GEN].layout} has pp={plan[ACTOR_GEN].layout.pp}: the "
                            "engines generate with pp=1; use tp for a larger actor-gen replica")
@@ -527,19 +525,3 @@ def _check_rows(plan: ExecutionPlan, rows: int, mini_rows: int | None = None) ->
                            "trainer.mini_batches")
 
 
-def pipelined_dropout_stage(plan: ExecutionPlan, cfg: Config) -> ModelStage | None:
-    """A training stage of ``plan`` that pipelines (pp > 1) while ``model.lora_dropout`` > 0, which the job cannot
-    run (the pipeline schedules do not carry the dropout key); None if there is none."""
-    if not cfg.model.lora_dropout:
-        return None
-    return next((ms for ms, sp in plan.items() if ms.kind == "train" and sp.layout.pp > 1), None)
-
-
-def _check_dropout(plan: ExecutionPlan, cfg: Config) -> None:
-    """Raises JobError naming the fix if ``plan`` has a :func:`pipelined_dropout_stage`."""
-    ms = pipelined_dropout_stage(plan, cfg)
-    if ms is not None:
-        layout = plan[ms].layout
-        raise JobError(f"{ms}'s layout {layout} has pp={layout.pp} with model.lora_dropout={cfg.model.lora_dropout}: "
-                       "dropout does not run in pipelined training yet; use pp=1 (tp or dp for a larger replica) or "
-                       "model.lora_dropout=0")
