@@ -244,6 +244,19 @@ def test_pipelined_dropout_draws_the_unpipelined_masks(warm):
             np.testing.assert_allclose(x, _at(params["pp1"], path), rtol=0, atol=1e-4, err_msg=(name, path))
 
 
+@pytest.mark.long  # ~60 s (two jobs); in CI: the padded comparison above
+def test_pipelined_dropout_on_packed_rows_draws_the_unpipelined_masks_at_the_same_dp(warm):
+    """With trainer.packing the masks follow the packed rows, and the packing depends on dp: at the same dp a
+    pipelined actor-train (1F1B) draws pp 1's masks (a different dp packs other rows, so other masks)."""
+    drop = ("model.lora_dropout=0.5", "trainer.packing=true", "plan.stages.actor-train.dp=4")
+    runs, params = _jobs(warm, {"pp1": drop, "1f1b": drop + ("plan.stages.actor-train.pp=2",)},
+                         lambda name, job: job.step(0).metrics)
+    for key in ("loss", "policy_loss", "grad_norm"):
+        np.testing.assert_allclose(runs["1f1b"][key], runs["pp1"][key], rtol=1e-4, atol=1e-6, err_msg=key)
+    for path, x in _leaves(params["1f1b"]):  # tolerance: see the test above
+        np.testing.assert_allclose(x, _at(params["pp1"], path), rtol=0, atol=1e-4, err_msg=str(path))
+
+
 def test_a_dropout_job_seeds_actor_and_critic_training_and_keeps_the_base(warm):
     """model.lora_dropout through the job's own inputs: both training programs get the step's seed (and the
     scoring programs none), the update runs with it, and the frozen base stays the warm start's bit for bit.
