@@ -51,7 +51,7 @@ from .ledger import CapExceeded, Ledger
 from .measured import cross_check, local_usage, measure
 from .plan import DEVICE, ExecutionPlan, StagePlan
 from .primitives import DERIVE, DESTROY, MERGE, REGROUPS, RELAYOUT, SPLIT, Step, Unit
-from .shared_base import frozen_leaves, held_buffers
+from .shared_base import base_keys, held_buffers
 
 DONATING = (SPLIT, MERGE, RELAYOUT)  # may donate their inputs to XLA (when another copy of the state exists)
 
@@ -165,7 +165,8 @@ class _Run:
         keep = list(keep)
         self.outside = held_buffers(keep)
         self.share = dict(share or {})
-        self.shared = bool(self.outside) or bool(self.share) or _any_shared(self.live.values())
+        self.shared = bool(self.outside) or bool(self.share) or (
+            any(_lora(u.spec) for u in self.live.values()) and _any_shared(self.live.values()))
         self._buffers: dict[int, set] = {}  # uid -> its buffers (units never change)
         # LoRA: frozen base leaves a new unit may take instead of moving them (see TransitionExecutor.run)
         self.frozen: dict[tuple, jax.Array] = {}
@@ -272,12 +273,15 @@ class _Run:
     def _held_by_others(self, exclude: Sequence[int] = ()) -> set[tuple[jax.Device, int]]:
         """The buffers every live unit but ``exclude`` holds, and those held outside the graph."""
         out = set(self.outside)
-        for uid, emu in self.live.items():
+        for uid in self.live:
             if uid not in exclude:
-                if uid not in self._buffers:
-                    self._buffers[uid] = held_buffers([emu])
-                out |= self._buffers[uid]
+                out |= self._unit_buffers(uid)
         return out
+
+    def _unit_buffers(self, uid: int) -> set[tuple[jax.Device, int]]:
+        if uid not in self._buffers:
+            self._buffers[uid] = held_buffers([self.live[uid]])
+        return self._buffers[uid]
 
     def _shares_inputs(self, step: Step) -> bool:
         """Whether a buffer of ``step``'s inputs is held by another live unit or outside the graph (then XLA
@@ -285,7 +289,7 @@ class _Run:
         if not self.shared:
             return False
         others = self._held_by_others(step.inputs)
-        return any(held_buffers([self.live[u]]) & others for u in step.inputs)
+        return any(self._unit_buffers(u) & others for u in step.inputs)
 
     def drain(self) -> None:
         while self.inflight:
@@ -364,14 +368,11 @@ class _Run:
 
     # ------------------------------------------------------------------------- LoRA's shared frozen base
     def _base_keys(self, stage: ModelStage, devices: tuple[int, ...], layout, spec, memory: str):
-        """(leaf index, key) of each frozen leaf a unit of ``stage`` at this place holds; the key is equal exactly
-        for units of one share group that hold the leaf alike."""
+        """``shared_base.base_keys`` of a unit of ``stage`` at this place ([] outside a share group or memory)."""
         group = self.share.get(stage)
         if group is None or memory != DEVICE or not hasattr(spec, "n_params"):
             return []
-        return [(i, (group, path, devices, layout, spec.leaves[i].spec, spec.leaves[i].dtype,
-                     spec.leaves[i].stored_shape(spec.repeat(layout))))
-                for i, path in frozen_leaves(spec)]
+        return base_keys(group, devices, layout, spec)
 
     def _offer(self, emu: EMU) -> None:
         """Makes ``emu``'s frozen leaves available to the units the run makes after it (the first holder stays;
@@ -598,6 +599,12 @@ def _relayout(convert: Callable, out_shardings: tuple, donate: bool) -> Callable
 def _subset(spec, indices: tuple[int, ...]):
     """``spec`` restricted to the leaves at ``indices`` (cached: the ops' converters and programs stay the same)."""
     return spec.subset(indices)
+
+
+def _lora(spec) -> bool:
+    """Whether ``spec`` is a LoRA model's state (the only state whose buffers units of a run may share)."""
+    model = getattr(spec, "model", None)
+    return bool(model is not None and model.lora_rank)
 
 
 def _any_shared(units: Iterable[EMU]) -> bool:

@@ -61,6 +61,16 @@ def frozen_leaves(spec: StateSpec) -> tuple[tuple[int, tuple[str, ...]], ...]:
     return tuple(out)
 
 
+def base_keys(group: str, devices: tuple[int, ...], layout, spec: StateSpec) -> list[tuple[int, tuple]]:
+    """(leaf index, key) of each frozen leaf a unit of share group ``group`` holds on ``devices`` (ids, in order)
+    under ``layout``; keys are equal exactly for units that hold the leaf alike (path, place, partition, dtype,
+    stored shape), i.e. could hold one array."""
+    rep = spec.repeat(layout)
+    return [(i, (group, path, devices, layout, spec.leaves[i].spec, spec.leaves[i].dtype,
+                 spec.leaves[i].stored_shape(rep)))
+            for i, path in frozen_leaves(spec)]
+
+
 def share_frozen(units: Mapping[ModelStage, Any], groups: Mapping[ModelStage, str]) -> dict[ModelStage, Any]:
     """``units`` with every frozen leaf that an earlier unit (in ``units``' order) of the same group holds
     identically replaced by that unit's array (new EMUs; the others, and anything not a list of device-memory
@@ -78,10 +88,8 @@ def share_frozen(units: Mapping[ModelStage, Any], groups: Mapping[ModelStage, st
                 new.append(u)
                 continue
             leaves: list[jax.Array] | None = None
-            for i, path in frozen_leaves(u.spec):
+            for i, key in base_keys(group, u.device_ids, u.layout, u.spec):
                 x = u.leaves[i]
-                leaf = u.spec.leaves[i]
-                key = (group, path, u.devices, u.layout, leaf.spec, x.dtype, x.shape)
                 held = first.setdefault(key, x)
                 if held is not x and array_buffers(held) != array_buffers(x):  # views of one buffer stay
                     leaves = leaves or list(u.leaves)

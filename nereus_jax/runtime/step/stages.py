@@ -173,10 +173,11 @@ class StageState:
         sync built, a move's placeholder and its result. The runtime writes a stage's units only here (placement,
         :meth:`adopt` and :meth:`load_state` replace them all); tests/test_import_graph.py checks the code for
         other writers. With LoRA the new units' frozen base is shared with the other stages' where they hold it
-        identically (``share=False``: the caller knows they hold the same buffers as before, e.g. a training
-        step's, which passes the frozen leaves through)."""
-        self.units[ms] = units
-        if share and ms in self.share_groups and isinstance(units, list):
+        identically; not when they hold the replaced units' own frozen arrays (an adapter-only weight sync), nor
+        with ``share=False`` (the caller knows they hold the same buffers as before, e.g. a training step's, which
+        passes the frozen leaves through)."""
+        old, self.units[ms] = self.units.get(ms), units
+        if share and ms in self.share_groups and isinstance(units, list) and not _same_base(old, units):
             for other, us in self._share(self.units).items():  # in place: another thread may hold the dict
                 if us is not self.units[other]:
                     self.units[other] = us
@@ -336,6 +337,15 @@ class StageState:
         were (the same buffers)."""
         frozen = self.frozen_index(spec)
         return _merge_leaves(updated, [leaves[i] for i in frozen], frozen)
+
+
+def _same_base(old: Any, new: list[EMU]) -> bool:
+    """Whether ``new`` units hold ``old``'s frozen arrays themselves (same places, the same array objects)."""
+    if not isinstance(old, list) or len(old) != len(new):
+        return False
+    return all(a.devices == b.devices and a.spec is b.spec and all(a.leaves[i] is b.leaves[i] for i, _ in
+                                                                     frozen_leaves(a.spec))
+               for a, b in zip(old, new, strict=True))
 
 
 def _merge_leaves(updated: Sequence[Any], frozen: Sequence[Any], where: Sequence[int]) -> list:
